@@ -1,0 +1,104 @@
+"""The trainers' side of the node's server: generation requests over the node channel, and the
+weight sync (every trainer gathers; the node's sender streams to the server)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Sequence
+
+from hpcrl.inference.types import Completion, Sampling
+
+
+class ServerUnavailable(RuntimeError):
+    """The node's server did not answer within its bound."""
+
+
+class ServerGenerator:
+    def __init__(self, ctx, model):
+        self.ctx = ctx
+        self.model = model
+        self.inf = ctx.spec.recipe.inference
+        self.channel = ctx.channel
+        self.server = ctx.server_task
+        self.engine = None
+        self.sync = None
+
+    def _request(self, msg: dict, timeout: float) -> dict:
+        try:
+            reply = self.channel.request(msg, timeout=timeout)
+        except TimeoutError:
+            raise ServerUnavailable(f"the server on node {self.ctx.task.node} (rank {self.server.rank}) did not "
+                                    f"answer {msg['op']!r} within {timeout:.0f} s") from None
+        return reply
+
+    def wait_ready(self) -> None:
+        """The server loads its engine while the trainers load the model: wait for it, bounded."""
+        t0 = time.perf_counter()
+        reply = self._request({"op": "health"}, self.inf.start_timeout_s)
+        self.engine = reply["engine"]
+        self.ctx.log(f"server on node {self.ctx.task.node} ready ({self.engine}) after "
+                     f"{time.perf_counter() - t0:.1f} s of waiting")
+        self._make_sync()
+
+    def _make_sync(self) -> None:
+        bucket = self.inf.sync_bucket_mb << 20
+        if self.engine == "vllm":
+            from hpcrl.sync import TrainerWeightSync, default_backend
+
+            token = f"{os.environ.get('SLURM_JOB_ID', 'local')}-n{self.ctx.task.node}-{os.getpid()}"
+            node_of_rank = {t.trainer_rank: t.node for t in self.ctx.plan.tasks if t.trainer_rank is not None}
+            self.sync = TrainerWeightSync(self.model, self.channel.request if self.ctx.is_sender else None,
+                                          is_sender=self.ctx.is_sender, backend=default_backend(),
+                                          bucket_bytes=bucket, job_token=token, node_of_rank=node_of_rank)
+        else:
+            self.sync = ChannelWeightSync(self, bucket)
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling) -> list[Completion]:
+        reply = self._request({"op": "generate", "prompts": [list(p) for p in prompts], "sampling": sampling},
+                              self.inf.request_timeout_s)
+        if not reply.get("ok"):
+            raise RuntimeError(f"server on node {self.ctx.task.node} refused to generate: {reply.get('error')}")
+        return reply["completions"]
+
+    def push_weights(self, model, version: int) -> dict:
+        self.sync.sync(version)
+        return dict(getattr(self.sync, "last_traffic", {}))
+
+    def close(self) -> None:
+        try:
+            self.channel.send({"op": "done"})
+        except Exception:
+            pass
+        if self.sync is not None and hasattr(self.sync, "close"):
+            self.sync.close()
+
+
+class ChannelWeightSync:
+    """Weights into a transformers server: buckets travel as tensors over the node channel. Slower
+    than shared memory, but it needs nothing from the engine (the fallback where vLLM is absent)."""
+
+    def __init__(self, client: ServerGenerator, bucket_bytes: int):
+        from hpcrl.sync.gather import sync_named_params
+
+        self.client = client
+        self.params = sync_named_params(client.model)
+        self.bucket_bytes = bucket_bytes
+
+    def sync(self, version: int) -> dict:
+        from hpcrl.sync.gather import iter_buckets
+
+        sender = self.client.ctx.is_sender
+        timeout = self.client.inf.request_timeout_s
+        if sender:
+            self._call({"op": "weights_start", "version": version}, timeout)
+        for bucket in iter_buckets(self.params, self.bucket_bytes, keep=sender):
+            self._call({"op": "weights_bucket", "tensors": [(n, t) for n, t in bucket]}, timeout)
+        if sender:
+            self._call({"op": "weights_finish", "version": version}, timeout)
+        return {}
+
+    def _call(self, msg: dict, timeout: float) -> None:
+        reply = self.client._request(msg, timeout)
+        if not reply.get("ok"):
+            raise RuntimeError(f"weight sync {msg.get('version', '')} refused by the server: {reply.get('error')}")

@@ -1,0 +1,59 @@
+"""Fault injection for the launch's failure tests: HPCRL_FAULT="<fault>:<rank>[,<fault>:<rank>]".
+
+  hang-before-rendezvous   the rank never reaches the rendezvous (a stuck import, a dead node)
+  exit-before-rendezvous   the rank exits with status 3 before the rendezvous
+  die-after-rendezvous     the rank is SIGKILLed right after the rendezvous (an OOM kill)
+  exit-after-rendezvous    the rank exits with status 3 right after it, without a goodbye
+  freeze-after-rendezvous  the rank is SIGSTOPped right after it (a node that stops answering)
+  slow-steps               the (trainer) rank sleeps STEP_DELAY_S at the start of every step, so
+                           that a run's work outlasts a short time limit whatever the machine
+
+Without the variable this module does nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+FAULTS = ("hang-before-rendezvous", "exit-before-rendezvous", "die-after-rendezvous",
+          "exit-after-rendezvous", "freeze-after-rendezvous", "slow-steps")
+STEP_DELAY_S = 0.5
+_rank: int | None = None          # this task's, once the rendezvous has confirmed it
+
+
+def _wanted(rank: int | None) -> set[str]:
+    out = set()
+    for item in os.environ.get("HPCRL_FAULT", "").split(","):
+        name, _, target = item.strip().partition(":")
+        if name in FAULTS and target.isdigit() and int(target) == rank:
+            out.add(name)
+    return out
+
+
+def inject(point: str, rank: int | None) -> None:
+    """Called at "before-rendezvous" and "after-rendezvous"."""
+    if "HPCRL_FAULT" not in os.environ:
+        return
+    wanted = _wanted(rank)
+    if point == "before-rendezvous":
+        if "exit-before-rendezvous" in wanted:
+            os._exit(3)
+        if "hang-before-rendezvous" in wanted:
+            time.sleep(1e6)               # the startup guard ends it
+    elif point == "after-rendezvous":
+        global _rank
+        _rank = rank
+        if "die-after-rendezvous" in wanted:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if "exit-after-rendezvous" in wanted:
+            os._exit(3)
+        if "freeze-after-rendezvous" in wanted:
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def at_step() -> None:
+    """Called by the trainer at the start of every step."""
+    if "HPCRL_FAULT" in os.environ and "slow-steps" in _wanted(_rank):
+        time.sleep(STEP_DELAY_S)

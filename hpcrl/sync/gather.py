@@ -1,0 +1,232 @@
+"""Trainer side of a weight sync: sharded parameters -> full tensors, in buckets, in one order.
+
+Backend-agnostic (no vLLM import): every transport (shared memory, NCCL, a checkpoint file) is fed
+by ``iter_buckets``. Rules it keeps, each one a failure seen in the field (notes/weight-sync.md):
+
+- ONE order: parameters are walked in the module's ``named_parameters()`` order on every rank. A
+  DTensor's ``full_tensor()`` is an all-gather, so a rank that walked another order would hang.
+- Each gather completes before its bytes are used (``full_tensor()`` is synchronous on CPU/gloo;
+  on GPU the caller's copy runs on the same stream the all-gather result was waited on).
+- Bounded memory: a bucket is yielded BEFORE the next tensor is gathered, and the yielded list is
+  emptied when the generator resumes, so the sender holds at most one bucket of gathered tensors
+  (plus the one all-gather in flight), never the model.
+
+Names are mapped to Hugging Face checkpoint names, which is what vLLM's ``model.load_weights``
+takes: wrapper prefixes are stripped and a tied ``lm_head.weight`` is skipped, as HF checkpoints do.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import weakref
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "WRAPPER_PREFIXES",
+    "ParamSpec",
+    "GatherTraffic",
+    "LiveBytes",
+    "hf_name",
+    "sync_named_params",
+    "param_specs",
+    "full_tensor",
+    "iter_full_tensors",
+    "iter_buckets",
+]
+
+# Module-wrapper segments that torch inserts into parameter names: FSDP1, torch.compile,
+# activation checkpointing. FSDP2 (fully_shard) changes no names.
+WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_orig_mod.", "_checkpoint_wrapped_module.")
+_WRAPPER_RE = re.compile("|".join(re.escape(p) for p in WRAPPER_PREFIXES))
+
+Bucket = list[tuple[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """What a parameter will look like once gathered (known without gathering)."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * self.dtype.itemsize
+
+
+def hf_name(name: str) -> str:
+    """Trainer parameter name -> HF checkpoint name (wrapper segments removed anywhere in it)."""
+    return _WRAPPER_RE.sub("", name)
+
+
+def sync_named_params(model: torch.nn.Module, tie_word_embeddings: bool | None = None) -> list[tuple[str, torch.nn.Parameter]]:
+    """``(hf_name, param)`` for every parameter a sync sends, in ``named_parameters()`` order.
+
+    A tied ``lm_head.weight`` is left out (HF checkpoints leave it out; vLLM ties it itself).
+    ``tie_word_embeddings`` defaults to ``model.config.tie_word_embeddings`` when there is one.
+    ``named_parameters()`` already drops a second name for the same tensor object.
+    """
+    if tie_word_embeddings is None:
+        config = getattr(model, "config", None)
+        tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+    out = []
+    for name, param in model.named_parameters():
+        name = hf_name(name)
+        if tie_word_embeddings and name == "lm_head.weight":
+            continue
+        out.append((name, param))
+    return out
+
+
+def param_specs(named_params: Iterable[tuple[str, torch.Tensor]], cast_to: torch.dtype | None = None) -> list[ParamSpec]:
+    """Global name/dtype/shape of each parameter; reads DTensor metadata, gathers nothing."""
+    return [ParamSpec(name, _wire_dtype(p.dtype, cast_to), tuple(p.shape)) for name, p in named_params]
+
+
+class LiveBytes:
+    """Counts the bytes of gathered tensors that are still alive (a sender-memory probe).
+
+    tracemalloc does not see torch allocations; this counts each gathered tensor from its gather
+    until the last reference to it is dropped (weakref finalizer), and keeps the peak.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.live = 0
+        self.peak = 0
+
+    def track(self, tensor: torch.Tensor) -> torch.Tensor:
+        n = tensor.numel() * tensor.element_size()
+        with self._lock:
+            self.live += n
+            self.peak = max(self.peak, self.live)
+        weakref.finalize(tensor, self._release, n)
+        return tensor
+
+    def _release(self, n: int) -> None:
+        with self._lock:
+            self.live -= n
+
+    def reset_peak(self) -> None:
+        with self._lock:
+            self.peak = self.live
+
+
+class GatherTraffic:
+    """Bytes this rank receives in the gathers of a sync, split by whether the gather's group stays
+    inside one node. Under HSDP it must: a sync never moves weights between nodes (each node's
+    sender gathers from its own node's shards). Counted from the placements, not measured: an
+    all-gather over a group of n ranks brings each of them (n - 1) / n of the full tensor.
+
+    ``node_of_rank``: rank in the default (trainers') process group -> node index.
+    """
+
+    def __init__(self, node_of_rank: dict[int, int]) -> None:
+        self.node_of_rank = dict(node_of_rank)
+        self.in_node = 0
+        self.cross_node = 0
+        self._crosses: dict[tuple[int, ...], bool] = {}
+
+    def reset(self) -> None:
+        self.in_node = self.cross_node = 0
+
+    def count(self, param: torch.Tensor) -> None:
+        import torch.distributed as dist
+
+        placements = getattr(param, "placements", None)
+        if placements is None:
+            return
+        full = param.numel() * param.element_size()
+        for dim, placement in enumerate(placements):
+            if not placement.is_shard():
+                continue
+            ranks = tuple(dist.get_process_group_ranks(param.device_mesh.get_group(dim)))
+            if len(ranks) < 2:
+                continue
+            crosses = self._crosses.get(ranks)
+            if crosses is None:
+                crosses = self._crosses[ranks] = len({self.node_of_rank[r] for r in ranks}) > 1
+            received = full * (len(ranks) - 1) // len(ranks)
+            if crosses:
+                self.cross_node += received
+            else:
+                self.in_node += received
+
+
+def _wire_dtype(dtype: torch.dtype, cast_to: torch.dtype | None) -> torch.dtype:
+    return cast_to if cast_to is not None and dtype.is_floating_point else dtype
+
+
+@torch.no_grad()
+def full_tensor(param: torch.Tensor, cast_to: torch.dtype | None = None, tracker: LiveBytes | None = None,
+                traffic: GatherTraffic | None = None) -> torch.Tensor:
+    """The whole tensor behind ``param``: ``full_tensor()`` for a DTensor (a collective: every rank
+    of its mesh must call it, in the same order), the tensor itself otherwise (no copy)."""
+    gather = getattr(param, "full_tensor", None)
+    if traffic is not None:
+        traffic.count(param)
+    if callable(gather):
+        tensor = gather()
+        gathered = True
+    else:
+        tensor = param.detach()
+        gathered = False
+    wire = _wire_dtype(tensor.dtype, cast_to)
+    if wire != tensor.dtype:
+        tensor = tensor.to(wire)
+        gathered = True
+    if tracker is not None and gathered:
+        tracker.track(tensor)
+    return tensor
+
+
+def iter_full_tensors(named_params: Iterable[tuple[str, torch.Tensor]], cast_to: torch.dtype | None = None,
+                      tracker: LiveBytes | None = None,
+                      traffic: GatherTraffic | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, full tensor)`` one at a time, in the given order. Run on every rank."""
+    for name, param in named_params:
+        yield name, full_tensor(param, cast_to, tracker, traffic)
+
+
+def iter_buckets(named_params: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, *, keep: bool = True,
+                 cast_to: torch.dtype | None = None, tracker: LiveBytes | None = None,
+                 traffic: GatherTraffic | None = None) -> Iterator[Bucket]:
+    """Gather parameters in order and yield buckets of ``(name, full tensor)``.
+
+    A bucket takes parameters until the next one would push it past ``bucket_bytes``; a single
+    tensor larger than that is a bucket of its own. Run it on EVERY rank that holds a shard:
+    ranks that do not send pass ``keep=False``; they gather (to stay in the collectives) and drop
+    each tensor at once, and yield nothing.
+
+    The yielded list is emptied when the generator resumes: copy (or send) its tensors before
+    asking for the next bucket. That is what bounds the sender's extra memory to about one bucket
+    plus the tensor being gathered.
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    bucket: Bucket = []
+    size = 0
+    for name, param in named_params:
+        # The size is known from the (global) shape before gathering: flush first, then gather,
+        # so the previous bucket and this tensor are never alive together.
+        nbytes = param.numel() * _wire_dtype(param.dtype, cast_to).itemsize
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket.clear()  # drops our (and the consumer's list's) references to the tensors
+            size = 0
+        if keep:
+            bucket.append((name, full_tensor(param, cast_to, tracker, traffic)))  # no local ref left behind
+            size += nbytes
+        else:
+            full_tensor(param, cast_to, tracker, traffic)  # stay in the collective, drop the result
+    if bucket:
+        yield bucket
+        bucket.clear()

@@ -1,0 +1,1 @@
+"""Compute-side training code: GRPO math, prompt data, reward functions."""

@@ -1,0 +1,343 @@
+"""Training-state checkpoints for resume and requeue (torch.distributed.checkpoint).
+
+Layout of a checkpoint directory (on a file system every trainer rank sees)::
+
+    <dir>/step-<N>/            one complete checkpoint
+        .metadata, __*.distcp  DCP: model + optimizer, sharded (every rank writes its shards)
+        rank-<r>.pt            per rank: RNG states, scheduler, the caller's `extra`, the step
+        meta.json              step, world size, time (written last, by rank 0)
+    <dir>/latest               the name of the newest complete checkpoint ("step-<N>")
+
+Atomic by construction: everything is written into ``step-<N>.tmp/``; after every rank has finished
+(a barrier), rank 0 renames it to ``step-<N>/`` and then replaces ``latest`` (temp file +
+``os.replace``). A save killed at any point leaves the previous checkpoint intact and ``latest``
+pointing at it; a leftover ``.tmp`` is removed by the next save. Only the newest ``keep`` are kept.
+
+Model and optimizer state go through ``get_state_dict``/``set_state_dict``, so FSDP2's DTensor
+shards are saved as such and can be loaded on another world size (DCP reshards). RNG state is per
+rank (each rank draws its own dropout masks); on a different world size a rank without its own file
+takes rank 0's scheduler/extra and keeps its current RNG (a warning says so).
+
+Every wait is bounded: the barriers and DCP's own collectives run on a gloo group created with
+``timeout_s`` (the ``monitored_barrier`` names the rank that did not arrive), so a dead or hung rank
+makes the save fail with a message instead of hanging the job. Create that group at start-up with
+:func:`control_group` (a collective) so that the first save does not have to.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import socket
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+__all__ = [
+    "CheckpointError",
+    "control_group",
+    "barrier",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "checkpoint_step",
+    "save",
+    "load",
+    "capture_rng",
+    "restore_rng",
+]
+
+log = logging.getLogger(__name__)
+
+PREFIX = "step-"
+LATEST = "latest"
+META = "meta.json"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+DEFAULT_TIMEOUT_S = 600.0
+
+_groups: dict[float, Any] = {}
+
+
+class CheckpointError(RuntimeError):
+    """A save or load that could not complete (a rank missing, a file system error)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Bounded waits
+
+
+def _dist() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _dist() else 0
+
+
+def control_group(timeout_s: float = DEFAULT_TIMEOUT_S):
+    """The gloo process group (all ranks) that checkpoint barriers and DCP planning use.
+
+    Created once per timeout (a collective: every rank must call it, e.g. at trainer start-up);
+    its ``timeout_s`` bounds every wait of :func:`save` and :func:`load`. None when not distributed.
+    """
+    if not _dist():
+        return None
+    key = float(timeout_s)
+    if key not in _groups:
+        _groups[key] = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    return _groups[key]
+
+
+def barrier(what: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """A barrier that fails after ``timeout_s`` naming the missing rank, instead of hanging."""
+    if not _dist():
+        return
+    group = control_group(timeout_s)
+    try:
+        dist.monitored_barrier(group=group, timeout=timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        raise CheckpointError(f"rank {_rank()}: {what}: a rank did not arrive (it died, or hung for "
+                              f"more than the {timeout_s:g} s timeout): {e}") from e
+
+
+# ----------------------------------------------------------------------------------------------
+# Finding checkpoints
+
+
+def checkpoint_step(path: str | os.PathLike) -> int:
+    """The step of a ``step-<N>`` directory."""
+    m = _STEP_DIR.match(Path(path).name)
+    if not m:
+        raise ValueError(f"{path}: not a checkpoint directory (step-<N>)")
+    return int(m.group(1))
+
+
+def _complete(path: Path) -> bool:
+    return _STEP_DIR.match(path.name) is not None and (path / ".metadata").is_file() and (path / META).is_file()
+
+
+def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints under ``directory``, oldest first."""
+    d = Path(directory)
+    if not d.is_dir():
+        return []
+    found = [p for p in d.iterdir() if p.is_dir() and _complete(p)]
+    return sorted(found, key=checkpoint_step)
+
+
+def latest_checkpoint(directory: str | os.PathLike) -> Optional[Path]:
+    """The checkpoint ``latest`` names, if complete; else the newest complete one; else None."""
+    d = Path(directory)
+    try:
+        name = (d / LATEST).read_text().strip()
+    except OSError:
+        name = ""
+    if name and _complete(d / name):
+        return d / name
+    found = list_checkpoints(d)
+    return found[-1] if found else None
+
+
+# ----------------------------------------------------------------------------------------------
+# RNG
+
+
+def capture_rng() -> dict[str, Any]:
+    """This process's RNG states: python, numpy, torch CPU, and CUDA/ROCm when in use."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+        state["numpy"] = np.random.get_state()
+    except ImportError:
+        pass
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+        np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        if len(state["cuda"]) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(state["cuda"])
+        else:
+            log.warning("checkpoint has CUDA RNG for %d devices, %d visible: CUDA RNG not restored",
+                        len(state["cuda"]), torch.cuda.device_count())
+
+
+# ----------------------------------------------------------------------------------------------
+# Files
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _rank_file(path: Path, rank: int) -> Path:
+    return path / f"rank-{rank:05d}.pt"
+
+
+def _torch_save_synced(obj: Any, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _commit(directory: Path, tmp: Path, final: Path, step: int, keep: int, world: int) -> None:
+    """Rank 0, once every rank has written: make ``tmp`` the checkpoint ``final`` and point ``latest`` at it."""
+    meta = {"step": step, "world_size": world, "time": time.time(), "host": socket.gethostname(),
+            "torch": torch.__version__}
+    with open(tmp / META, "w") as f:
+        json.dump(meta, f)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(tmp)
+    old = None
+    if final.exists():          # the same step saved again (e.g. on a signal right after resume)
+        old = final.with_name(final.name + ".old")
+        if old.exists():
+            shutil.rmtree(old)
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync_dir(directory)
+    _write_atomic(directory / LATEST, (final.name + "\n").encode())
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    _prune(directory, keep, final)
+
+
+def _prune(directory: Path, keep: int, newest: Path) -> None:
+    """Keep the newest ``keep`` complete checkpoints; drop leftovers of interrupted saves."""
+    for p in directory.iterdir():
+        if p.is_dir() and p.name.startswith(PREFIX) and (p.name.endswith(".tmp") or p.name.endswith(".old")):
+            shutil.rmtree(p, ignore_errors=True)
+    complete = list_checkpoints(directory)
+    for p in complete[:-max(1, keep)]:
+        if p != newest:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Save / load
+
+
+def _state_dicts(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> dict[str, Any]:
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def save(directory: str | os.PathLike, step: int, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
+         scheduler: Any, extra: Optional[dict[str, Any]] = None, keep: int = 2, *,
+         timeout_s: float = DEFAULT_TIMEOUT_S) -> Path:
+    """Save the training state after ``step`` optimizer steps; every trainer rank calls it.
+
+    ``extra``: the caller's per-rank picklable state (data sampler position, ...), given back by
+    :func:`load`. Returns the committed ``<directory>/step-<step>``. Raises :class:`CheckpointError`
+    when a rank does not arrive within ``timeout_s``; the previous checkpoint then stays the latest.
+    """
+    rng = capture_rng()     # first: nothing below may consume randomness before it is recorded
+    directory = Path(directory)
+    final = directory / f"{PREFIX}{step}"
+    tmp = directory / f"{PREFIX}{step}.tmp"
+    rank = _rank()
+    world = dist.get_world_size() if _dist() else 1
+    group = control_group(timeout_s)
+    t0 = time.perf_counter()
+    if rank == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)      # from an interrupted save of the same step
+        tmp.mkdir()
+    barrier(f"checkpoint step {step}: preparing {tmp}", timeout_s)
+    try:
+        dcp.save(_state_dicts(model, optimizer), checkpoint_id=str(tmp), process_group=group)
+    except Exception as e:  # DCP gathers every rank's failure into one exception on all ranks
+        raise CheckpointError(f"rank {rank}: checkpoint step {step}: writing {tmp} failed: {e}") from e
+    _torch_save_synced({"step": step, "rank": rank, "world_size": world, "rng": rng,
+                        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                        "extra": dict(extra or {})}, _rank_file(tmp, rank))
+    barrier(f"checkpoint step {step}: written, before commit", timeout_s)
+    if rank == 0:
+        _commit(directory, tmp, final, step, keep, world)
+    barrier(f"checkpoint step {step}: commit", timeout_s)
+    if rank == 0:
+        log.info("checkpoint %s saved in %.2f s", final, time.perf_counter() - t0)
+    return final
+
+
+def load(path: str | os.PathLike, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
+         scheduler: Any, *, timeout_s: float = DEFAULT_TIMEOUT_S, restore_rng_state: bool = True) -> dict[str, Any]:
+    """Load a checkpoint written by :func:`save` into ``model``/``optimizer``/``scheduler`` (in place).
+
+    Every trainer rank calls it, with the model already sharded and the optimizer built. Returns this
+    rank's ``extra`` plus ``"step"`` (the steps done). RNG states are restored last, so the next
+    random draw is the one the saving run made after its save.
+    """
+    path = Path(path)
+    if not _complete(path):
+        raise CheckpointError(f"{path}: not a complete checkpoint (no .metadata or {META})")
+    rank = _rank()
+    group = control_group(timeout_s)
+    state = _state_dicts(model, optimizer)
+    try:
+        dcp.load(state, checkpoint_id=str(path), process_group=group)
+    except Exception as e:
+        raise CheckpointError(f"rank {rank}: loading {path} failed: {e}") from e
+    if optimizer is None:
+        set_model_state_dict(model, state["model"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    own = _rank_file(path, rank)
+    mine = own.is_file()
+    ranked = torch.load(own if mine else _rank_file(path, 0), map_location="cpu", weights_only=False)
+    if scheduler is not None and ranked["scheduler"] is not None:
+        scheduler.load_state_dict(ranked["scheduler"])
+    barrier(f"loading {path}", timeout_s)
+    if restore_rng_state:
+        if mine:
+            restore_rng(ranked["rng"])
+        else:
+            log.warning("%s was saved by %d ranks: rank %d has no RNG state there and keeps its own",
+                        path, ranked["world_size"], rank)
+    return {**ranked["extra"], "step": int(ranked["step"])}

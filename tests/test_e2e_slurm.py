@@ -1,0 +1,181 @@
+"""End to end on the Slurm testbed: real jobs that train, sync each node's own server, checkpoint
+on Slurm's warning signal before the time limit, requeue and resume, and end with a one-line
+reason when a task dies or the job is cancelled. Slow (minutes): few and decisive."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+# One trainer + one server per fake node keeps two nodes inside this machine's 2 cores.
+TWO_TASKS = ["site.node.gpus=2", 'site.node.gpu_cores={"0": "0", "1": "1"}']
+FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
+
+
+# The demo's default batch (128 completions) is for learning; these tests need steps, not learning.
+SMALL_STEPS = ["grpo.per_device_train_batch_size=16", "grpo.num_generations=8"]
+
+
+def _submit(hpcrl, *args, env=None) -> tuple[str, Path]:
+    r = hpcrl("submit", "--site", "testbed", *args, *SMALL_STEPS, env=env)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip(), Path(r.stderr.rsplit("run directory ", 1)[1].strip())
+
+
+def _status(hpcrl, job_id) -> dict:
+    r = hpcrl("status", job_id, "--json")
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def _wait(hpcrl, job_id, until, timeout) -> dict:
+    deadline = time.time() + timeout
+    while True:
+        info = _status(hpcrl, job_id)
+        if until(info):
+            return info
+        if time.time() > deadline:
+            log = Path(info["log"]).read_text()[-3000:] if info.get("log") else ""
+            raise AssertionError(f"job {job_id} {info['state']} after {timeout}s\n{log}")
+        time.sleep(2)
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture
+def cancel_after():
+    ids = []
+    yield ids.append
+    for job_id in ids:
+        subprocess.run(["scancel", job_id], capture_output=True, timeout=10)
+
+
+def test_two_nodes_each_server_synced_by_its_own_sender(testbed, hpcrl, cancel_after):
+    job_id, run_dir = _submit(hpcrl, "-N", "2", *TWO_TASKS, "grpo.max_steps=3", "-t", "15")
+    cancel_after(job_id)
+    info = _wait(hpcrl, job_id, lambda i: i["state"] in FINAL, 900)
+    assert info["state"] == "COMPLETED", info
+    metrics = _metrics(run_dir)
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    # The job's gathers for each sync (counted in hpcrl.sync.gather.GatherTraffic): none between nodes.
+    synced = [m for m in metrics if m.get("sync_s")]
+    assert len(synced) == 2 and all(m["sync_gathered_bytes_cross_node"] == 0 for m in synced), synced
+    health = {int(p.stem.split("-")[1]): json.loads(p.read_text()) for p in (run_dir / ".servers").glob("node-*.json")}
+    assert sorted(health) == [0, 1]
+    ranks = {r["rank"]: r for r in json.loads((run_dir / "ranks.json").read_text())}
+    for node, h in health.items():
+        assert h["engine"] == "vllm" and h["state"] == "finished"
+        # Synced after steps 1 and 2 (the last step needs no sync): each server is at version 2.
+        assert h["weight_version"] == 2, h
+        assert ranks[h["rank"]]["node"] == node and ranks[h["rank"]]["role"] == "server"
+    line = next(l for l in hpcrl("status").stdout.splitlines() if l.startswith(job_id + " "))
+    assert "COMPLETED" in line and " 3 " in line
+
+
+def _ranks(run_dir: Path) -> list[dict]:
+    return json.loads((run_dir / "ranks.json").read_text())
+
+
+def _status_line(hpcrl, job_id) -> str:
+    return next(l for l in hpcrl("status").stdout.splitlines() if l.startswith(job_id + " "))
+
+
+def _latest_checkpoint_step(run_dir: Path) -> int | None:
+    from hpcrl.train import checkpoint
+
+    latest = checkpoint.latest_checkpoint(run_dir / "checkpoints")
+    return None if latest is None else checkpoint.checkpoint_step(latest)
+
+
+def _kill_when(hpcrl, job_id, run_dir, step, role, node) -> tuple[float, int]:
+    """Once the job has done `step` steps and checkpointed, SIGKILL the task of `role` on `node`
+    (every fake node is this machine). Returns when it was killed and the checkpoint's step."""
+    _wait(hpcrl, job_id, lambda i: (i.get("step") or 0) >= step and _latest_checkpoint_step(run_dir), 600)
+    ckpt_step = _latest_checkpoint_step(run_dir)
+    victim = next(r for r in _ranks(run_dir) if r["role"] == role and r["node"] == node)
+    os.kill(victim["pid"], signal.SIGKILL)
+    return time.time(), ckpt_step
+
+
+@pytest.mark.timeout(900)
+def test_time_limit_checkpoints_requeues_and_resumes_each_step_once(testbed, hpcrl, cancel_after):
+    """Slurm's warning signal before the time limit (USR2, 30 s ahead of a 2-minute limit; Slurm
+    sends it up to ~30 s earlier still) makes the trainers checkpoint, the script requeues, the job
+    resumes, until the work is done. Each step sleeps a little (the slow-steps fault) so that the
+    work outlasts one allocation whatever the machine's speed."""
+    job_id, run_dir = _submit(hpcrl, *TWO_TASKS, "site.signal=USR2@30", "inference.engine=transformers",
+                              "grpo.max_steps=160", "-t", "2", env={"HPCRL_FAULT": "slow-steps:0"})
+    cancel_after(job_id)
+    info = _wait(hpcrl, job_id, lambda i: i["state"] in FINAL and i.get("step") == 160, 840)
+    assert info["state"] == "COMPLETED" and info["restarts"] >= 1, info
+    steps = [m["step"] for m in _metrics(run_dir)]
+    assert steps == list(range(1, 161)), steps          # every step exactly once
+    log = Path(info["log"]).read_text()
+    assert "checkpoint and requeue" in log and "resumed from" in log
+
+
+def test_killed_server_fails_the_job_naming_its_node_and_keeps_the_checkpoint(testbed, hpcrl, cancel_after):
+    job_id, run_dir = _submit(hpcrl, "-N", "2", *TWO_TASKS, "grpo.max_steps=100000", "checkpoint.every=2",
+                              "-t", "15")
+    cancel_after(job_id)
+    killed_at, ckpt_step = _kill_when(hpcrl, job_id, run_dir, 3, "server", 1)
+    info = _wait(hpcrl, job_id, lambda i: i["state"] in FINAL, 120)
+    assert time.time() - killed_at < 60, "the job outlived its server by a minute"
+    assert info["state"] == "FAILED", info
+    assert "rank 3 (node 1, server" in info["reason"], info["reason"]
+    line = _status_line(hpcrl, job_id)
+    assert "FAILED" in line and "node 1, server" in line, line
+    assert _latest_checkpoint_step(run_dir) >= ckpt_step
+
+
+def test_killed_trainer_fails_the_job_and_resume_finishes_it(testbed, hpcrl, cancel_after):
+    """A trainer killed mid-run ends the job with its name; `hpcrl submit --resume` then continues
+    from the last checkpoint and every step is in the metrics exactly once."""
+    job_id, run_dir = _submit(hpcrl, "-N", "2", *TWO_TASKS, "inference.engine=transformers",
+                              "grpo.max_steps=30", "checkpoint.every=2", "-t", "15",
+                              env={"HPCRL_FAULT": "slow-steps:0"})
+    cancel_after(job_id)
+    killed_at, ckpt_step = _kill_when(hpcrl, job_id, run_dir, 4, "trainer", 1)
+    info = _wait(hpcrl, job_id, lambda i: i["state"] in FINAL, 120)
+    assert time.time() - killed_at < 60
+    assert info["state"] == "FAILED" and "rank 2 (node 1, trainer" in info["reason"], info
+    detail = hpcrl("status", job_id).stdout
+    assert "why        rank 2 (node 1, trainer" in detail, detail
+    assert _latest_checkpoint_step(run_dir) >= ckpt_step
+
+    r = hpcrl("submit", "--resume", str(run_dir))
+    assert r.returncode == 0, r.stderr
+    job2 = r.stdout.strip()
+    cancel_after(job2)
+    info = _wait(hpcrl, job2, lambda i: i["state"] in FINAL, 600)
+    assert info["state"] == "COMPLETED", info
+    assert info["reason"] == ""          # the first attempt's reason went with it
+    assert [m["step"] for m in _metrics(run_dir)] == list(range(1, 31))
+    assert f"resumed from {run_dir / 'checkpoints'}" in Path(info["log"]).read_text()
+
+
+def test_scancel_ends_the_job_as_cancelled_without_a_requeue(testbed, hpcrl, cancel_after):
+    job_id, run_dir = _submit(hpcrl, "inference.engine=transformers", "grpo.max_steps=100000",
+                              "checkpoint.every=2", "-t", "15")
+    cancel_after(job_id)
+    _wait(hpcrl, job_id, lambda i: (i.get("step") or 0) >= 3 and _latest_checkpoint_step(run_dir), 600)
+    t0 = time.time()
+    r = hpcrl("cancel", job_id)
+    assert r.returncode == 0, r.stderr
+    info = _wait(hpcrl, job_id, lambda i: i["state"] in FINAL, 60)
+    assert time.time() - t0 < 30
+    assert info["state"] == "CANCELLED" and info["restarts"] == 0, info
+    assert "cancelled" in _status_line(hpcrl, job_id)
+    assert _latest_checkpoint_step(run_dir) is not None
+    # Stopping slurmctld while `hpcrl status` runs: tests/test_submit_status.py
+    # (test_status_when_slurmctld_does_not_answer).

@@ -1,0 +1,387 @@
+"""The compute side's start on this machine: mpiexec (the PyPI mpich runtime) runs
+`python -m hpcrl.launch RUN_DIR` as 4 tasks of the local site with 4 fake GPUs (3 trainers +
+1 server); each reports its row and what it really got, and failures end every rank within a
+bound, naming the rank at fault. First the parts in-process: wire format, node channel,
+watchdog hub, mesh choice."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from hpcrl import rundir
+from hpcrl.launch import wire
+from hpcrl.launch.channel import NodeChannel, NodeServerChannel, PeerClosed, socket_name
+from hpcrl.launch.mesh import choose_mesh, count_parameters
+from hpcrl.launch.watchdog import Hub, Peer, Watchdog
+from hpcrl.spec import JobSpec, compose
+
+PY = sys.executable
+MPIEXEC = str(Path(PY).parent / "mpiexec") if (Path(PY).parent / "mpiexec").exists() else shutil.which("mpiexec")
+needs_mpi = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec (pip install mpich)")
+
+
+# ============================================================================ in-process parts
+def test_wire_carries_tensors_out_of_band_bitwise():
+    torch = pytest.importorskip("torch")
+    a, b = socket.socketpair()
+    msg = {"token_ids": torch.arange(10, dtype=torch.int64), "logprobs": -torch.rand(3, 5),
+           "bf16": torch.randn(4, 4).to(torch.bfloat16), "scalar": torch.tensor(3.5),
+           "empty": torch.empty(0, 7), "strided": torch.arange(12).reshape(3, 4).t(), "text": ["x", 1]}
+    wire.send_msg(a, msg)
+    got = wire.recv_msg(b, timeout=5)
+    for key in ("token_ids", "logprobs", "bf16", "scalar", "empty", "strided"):
+        assert got[key].dtype == msg[key].dtype and got[key].shape == msg[key].shape
+        assert torch.equal(got[key], msg[key]), key
+    assert got["text"] == ["x", 1]
+    data, buffers = wire.encode(msg)
+    assert len(buffers) == 6 and len(data) < 2000          # the tensor bytes are not in the pickle
+
+
+def test_wire_refuses_a_peer_without_the_secret():
+    a, b = socket.socketpair()
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault(
+        "server", _try(wire.authenticate_server_side, a, b"right" * 8)))
+    t.start()
+    t0 = time.monotonic()
+    with pytest.raises(wire.AuthError, match="refused this task's proof"):
+        wire.authenticate_client_side(b, b"wrong" * 8, 5)
+    t.join(5)
+    assert isinstance(result["server"], wire.AuthError) and time.monotonic() - t0 < 1
+
+
+def _try(fn, sock, secret):
+    try:
+        fn(sock, secret, 5)
+    except Exception as e:
+        sock.close()                     # as every server does with a failed peer
+        return e
+
+
+def test_node_channel_round_trips_and_turns_strangers_away():
+    torch = pytest.importorskip("torch")
+    secret = os.urandom(32)
+    node = int.from_bytes(os.urandom(2), "big")             # a name no other test run uses
+    server = NodeServerChannel(secret, node, [0, 1])
+    stranger = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stranger.connect(socket_name(secret, node))
+
+    def trainer(rank):
+        ch = NodeChannel.connect(secret, node, rank, 2, timeout=10)
+        reply = ch.request({"op": "gen", "prompt_ids": torch.arange(5) + rank}, timeout=10)
+        assert torch.equal(reply["completion_ids"], torch.arange(5) + rank + 100)
+        ch.close()
+
+    threads = [threading.Thread(target=trainer, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    stranger.sendall(b"HPC1" + b"\0" * 64)                   # knows the name, not the secret
+    server.accept_all(timeout=10)
+    assert server.ranks == (0, 1) and server.rejected
+    served, closed = set(), set()
+    while len(closed) < 2:
+        try:
+            rank, msg = server.recv_any(timeout=10)
+        except PeerClosed as e:
+            closed.add(e.rank)
+            continue
+        server.reply(rank, {"completion_ids": msg["prompt_ids"] + 100})
+        served.add(rank)
+    for t in threads:
+        t.join(5)
+    assert served == {0, 1}
+    with pytest.raises(TimeoutError):
+        server.recv_any(timeout=0.1)
+    server.close()
+
+
+@pytest.fixture
+def verdicts():
+    """The verdicts the watchdogs reach, recorded instead of ending the test process."""
+    return []
+
+
+def _hub_with_peers(verdicts: list, n: int, timeout_s: float):
+    secret = os.urandom(32)
+    hub = Hub(secret, n, timeout_s, "127.0.0.1").start()
+    dogs = [Watchdog(Peer(r, 0, r, "trainer", "h", 1000 + r), secret, timeout_s,
+                     on_fatal=lambda who, reason: verdicts.append((who, reason))) for r in range(n)]
+    threads = [threading.Thread(target=d.connect, args=(hub.address, n, 10)) for d in dogs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert all(len(d.peers) == n for d in dogs)
+    return hub, dogs
+
+
+def _shut(hub, dogs):
+    """Goodbyes first, so the end of the hub is no verdict."""
+    for d in dogs:
+        d.close()
+    hub.close(0.5)
+
+
+def _wait_for(cond, timeout):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not cond():
+        time.sleep(0.02)
+    return cond()
+
+
+def test_hub_names_a_rank_whose_connection_drops(verdicts):
+    hub, dogs = _hub_with_peers(verdicts, 3, timeout_s=30)
+    t0 = time.monotonic()
+    dogs[2]._sock.shutdown(socket.SHUT_RDWR)                # rank 2 dies: no goodbye
+    assert _wait_for(lambda: len([v for v in verdicts if "rank 2 (node 0" in v[1]]) >= 2, 5)
+    assert time.monotonic() - t0 < 1.0                      # no heartbeat timeout needed
+    assert all("connection closed without a goodbye" in r for w, r in verdicts if "rank 2 (node 0" in r)
+    _shut(hub, dogs)
+
+
+def test_hub_names_a_rank_that_stops_heartbeating(verdicts, monkeypatch):
+    """Rank 1 is frozen (its socket open, nothing sent): found after peer_failure_timeout_s."""
+    hub, dogs = _hub_with_peers(verdicts, 3, timeout_s=0.6)
+    monkeypatch.setattr(dogs[1], "_send", lambda msg: None)  # rank 1 is frozen, its socket open
+    t0 = time.monotonic()
+    assert _wait_for(lambda: any("rank 1 (node 0" in r and "no heartbeat" in r for _, r in verdicts), 5)
+    assert time.monotonic() - t0 < 0.6 + 0.5
+    _shut(hub, dogs)
+
+
+def test_a_rank_that_fails_tells_everyone_why(verdicts):
+    hub, dogs = _hub_with_peers(verdicts, 3, timeout_s=30)
+    dogs[1].fail("ValueError: reward function crashed", grace_s=0)
+    assert _wait_for(lambda: len(verdicts) >= 2, 5)
+    assert sorted(who for who, _ in verdicts) == ["rank 0 (node 0, trainer)", "rank 2 (node 0, trainer)"]
+    assert all("rank 1 (node 0, trainer, host h, pid 1001) is gone: failed: ValueError: reward function crashed"
+               == reason for _, reason in verdicts)
+    _shut(hub, dogs)
+
+
+def test_goodbyes_end_the_hub_at_once(verdicts):
+    hub, dogs = _hub_with_peers(verdicts, 4, timeout_s=30)
+    for d in dogs:
+        d.close()
+    t0 = time.monotonic()
+    assert hub.close(wait_s=10) == {}
+    assert time.monotonic() - t0 < 1.0 and not verdicts
+
+
+def test_small_broadcasts_travel_through_the_hub(verdicts):
+    hub, dogs = _hub_with_peers(verdicts, 3, timeout_s=30)
+    dogs[0].bcast("trainer_store", ("10.0.0.1", 29500))
+    assert [d.wait_bcast("trainer_store", 5) for d in dogs[1:]] == [("10.0.0.1", 29500)] * 2
+    _shut(hub, dogs)
+
+
+def _spec(tmp_path, *overrides, nodes=1, site="local") -> JobSpec:
+    return compose(None, site, list(overrides), {"resources.nodes": nodes}, str(tmp_path / f"r-{uuid.uuid4().hex[:6]}"))
+
+
+def test_mesh_choice(tmp_path):
+    assert choose_mesh(*_with_plan(_spec(tmp_path, "site.node.gpus=4"))).kind == "fsdp"          # one node
+    small = choose_mesh(*_with_plan(_spec(tmp_path, nodes=2, site="testbed")))
+    assert (small.kind, small.shape, small.dim_names) == ("hsdp", (2, 3), ("replicate", "shard"))
+    forced = choose_mesh(*_with_plan(_spec(tmp_path, "trainer.mesh=fsdp", nodes=2, site="testbed")))
+    assert (forced.kind, forced.shape) == ("fsdp", (6,))
+    big = tmp_path / "big"
+    big.mkdir()
+    (big / "config.json").write_text(json.dumps({"hidden_size": 8192, "num_hidden_layers": 80, "vocab_size": 128256,
+                                                 "intermediate_size": 28672, "num_attention_heads": 64,
+                                                 "num_key_value_heads": 8}))
+    choice = choose_mesh(*_with_plan(_spec(tmp_path, f"model.path={big}", nodes=2, site="cuda")))
+    assert choice.kind == "fsdp" and 69e9 < choice.params < 72e9          # a 70B model: shard everywhere
+
+
+def _with_plan(spec):
+    return spec, spec.plan()
+
+
+def test_parameter_count_from_config_and_safetensors(tmp_path):
+    qwen = {"hidden_size": 896, "num_hidden_layers": 24, "vocab_size": 151936, "intermediate_size": 4864,
+            "num_attention_heads": 14, "num_key_value_heads": 2, "tie_word_embeddings": True}
+    (tmp_path / "config.json").write_text(json.dumps(qwen))
+    assert abs(count_parameters(str(tmp_path)) - 494_032_768) / 494_032_768 < 0.001   # Qwen2-0.5B
+    header = json.dumps({"a": {"dtype": "F32", "shape": [3, 4], "data_offsets": [0, 48]},
+                         "b": {"dtype": "F32", "shape": [5], "data_offsets": [48, 68]},
+                         "__metadata__": {"format": "pt"}}).encode()
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 68)
+    assert count_parameters(str(tmp_path)) == 17                           # exact, from the header
+    assert count_parameters(str(tmp_path / "absent")) is None
+
+
+# ============================================================================ under mpiexec
+def _make_run_dir(tmp_path, *overrides, nodes=1) -> Path:
+    return rundir.create(_spec(tmp_path, "mode=probe", *overrides, nodes=nodes), None)
+
+
+def _hpcrl_run(tmp_path, *overrides, nodes=1, env=None, timeout=120):
+    run_dir = tmp_path / f"run-{uuid.uuid4().hex[:6]}"
+    t0 = time.monotonic()
+    cmd = [PY, "-m", "hpcrl", "run", "mode=probe", *overrides, "-N", str(nodes), "--run-dir", str(run_dir)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    return proc, time.monotonic() - t0, run_dir
+
+
+def _mpiexec(run_dir, n, *flags, env=None, timeout=120, args=None):
+    t0 = time.monotonic()
+    cmd = [MPIEXEC, *flags, "-n", str(n), PY, "-m", "hpcrl.launch", str(run_dir)] if args is None else [MPIEXEC, *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "HPCRL_LAUNCH_ID": uuid.uuid4().hex[:8], **(env or {})})
+    return proc, time.monotonic() - t0
+
+
+def probe_rows(stdout: str) -> list[dict]:
+    rows = [json.loads(line) for line in stdout.splitlines() if line.startswith("{") and "hpcrl_probe" in line]
+    return sorted(rows, key=lambda r: r["plan"]["rank"])
+
+
+def check_rows_against_plan(rows, spec, source="mpi"):
+    plan = spec.plan()
+    assert [r["plan"] for r in rows] == [json.loads(json.dumps(t.to_dict())) for t in plan.tasks]
+    var = {"nvidia": "CUDA_VISIBLE_DEVICES", "amd": "ROCR_VISIBLE_DEVICES"}.get(spec.site.gpu_vendor)
+    for row, task in zip(rows, plan.tasks):
+        seen = row["observed"]
+        assert (seen["rank"], seen["node"], seen["local_rank"], seen["role"], seen["sender"]) == \
+            (task.rank, task.node, task.local_rank, task.role, task.sender)
+        assert seen["affinity"] == list(task.cores) and seen["source"] == source
+        assert seen["gpu_env"] == ({var: ",".join(map(str, task.gpus))} if var else {})
+        assert all(check["ok"] for check in row["checks"].values()), row["checks"]
+        if task.role == "server":
+            assert row["checks"]["channel"]["served"] == [t.rank for t in plan.node_tasks(task.node)[:-1]]
+        else:
+            assert row["checks"]["channel"]["server_rank"] == task.server_rank
+            n = plan.num_trainers
+            assert row["checks"]["all_reduce"]["sum"] == n * (n + 1) / 2
+
+
+@needs_mpi
+def test_probe_three_trainers_and_a_server_match_the_plan(tmp_path):
+    proc, seconds, run_dir = _hpcrl_run(tmp_path, "site.node.gpus=4", "site.gpu_vendor=nvidia")
+    assert proc.returncode == 0, proc.stderr
+    rows = probe_rows(proc.stdout)
+    assert len(rows) == 4
+    check_rows_against_plan(rows, JobSpec.load(run_dir))
+    assert [r["plan"]["rank"] for r in rows if r["observed"]["sender"]] == [2]     # GPU 2, beside the server
+    assert rows[0]["observed"]["mesh"] == {"kind": "fsdp", "shape": [3], "dims": ["shard"]}
+    assert (run_dir / "run.log").read_text().count("hpcrl_probe") == 4
+    assert not (run_dir / ".launch").exists()           # the meeting files are gone
+    print(f"probe: {seconds:.1f} s")
+
+
+@needs_mpi
+def test_two_fake_nodes_get_an_hsdp_mesh(tmp_path):
+    proc, seconds, run_dir = _hpcrl_run(tmp_path, "site.node.gpus=2", nodes=2)
+    assert proc.returncode == 0, proc.stderr
+    rows = probe_rows(proc.stdout)
+    check_rows_against_plan(rows, JobSpec.load(run_dir))
+    assert {r["observed"]["node_name"] for r in rows if r["observed"]["node"] == 1} != \
+        {r["observed"]["node_name"] for r in rows if r["observed"]["node"] == 0}
+    trainer = next(r for r in rows if r["plan"]["role"] == "trainer")
+    assert trainer["observed"]["mesh"] == {"kind": "hsdp", "shape": [2, 1], "dims": ["replicate", "shard"]}
+
+
+@needs_mpi
+def test_slurm_variables_alone_place_the_same_tasks(tmp_path):
+    """The SLURM_* fallback (no MPI at all), with the variables srun would set, under mpiexec."""
+    run_dir = _make_run_dir(tmp_path, "site.node.gpus=2", nodes=2)
+    args = []
+    for rank in range(4):
+        node, local = divmod(rank, 2)
+        args += ["-n", "1", "-env", "SLURM_PROCID", str(rank), "-env", "SLURM_NODEID", str(node),
+                 "-env", "SLURM_LOCALID", str(local), "-env", "SLURMD_NODENAME", f"fake{node}",
+                 PY, "-m", "hpcrl.launch", str(run_dir), ":"]
+    env = {"HPCRL_RENDEZVOUS": "slurm", "SLURM_JOB_ID": str(os.getpid()), "SLURM_STEP_ID": uuid.uuid4().hex[:6],
+           "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_STEP_NUM_NODES": "2"}
+    proc, _ = _mpiexec(run_dir, 4, env=env, args=args[:-1])
+    assert proc.returncode == 0, proc.stderr
+    rows = probe_rows(proc.stdout)
+    assert len(rows) == 4
+    check_rows_against_plan(rows, JobSpec.load(run_dir), source="slurm")
+
+
+@needs_mpi
+def test_a_killed_trainer_is_named_and_the_run_ends(tmp_path):
+    proc, seconds, _ = _hpcrl_run(tmp_path, "site.node.gpus=4", "launch.peer_failure_timeout_s=5",
+                                  env={"HPCRL_FAULT": "die-after-rendezvous:1"})
+    assert proc.returncode != 0
+    assert "hpcrl: rank 1 (node 0, trainer) was killed by SIGKILL" in proc.stderr
+    assert seconds < 30, seconds
+    print(f"killed trainer: run over in {seconds:.1f} s")
+
+
+@needs_mpi
+@pytest.mark.parametrize("lost, role", [(1, "trainer"), (0, "trainer"), (3, "server")])
+def test_every_rank_exits_naming_a_lost_one(tmp_path, lost, role):
+    """mpiexec told not to clean up: hpcrl's own watchdog must end everyone, naming the rank."""
+    run_dir = _make_run_dir(tmp_path, "site.node.gpus=4", "launch.peer_failure_timeout_s=3")
+    proc, seconds = _mpiexec(run_dir, 4, "-disable-auto-cleanup", env={"HPCRL_FAULT": f"exit-after-rendezvous:{lost}"})
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.endswith("; exiting")]
+    others = sorted(int(line.split()[2]) for line in lines)
+    assert others == [r for r in range(4) if r != lost], proc.stderr
+    if lost == 0:
+        assert all("lost the watchdog hub on rank 0 (node 0, trainer" in line for line in lines)
+    else:
+        assert all(f"rank {lost} (node 0, {role}, host" in line and "is gone" in line for line in lines)
+    assert seconds < 3 + 10, seconds
+    print(f"rank {lost} lost: all out in {seconds:.1f} s")
+
+
+@needs_mpi
+def test_a_frozen_rank_is_found_by_its_missing_heartbeats(tmp_path):
+    proc, seconds, _ = _hpcrl_run(tmp_path, "site.node.gpus=4", "launch.peer_failure_timeout_s=2",
+                                  env={"HPCRL_FAULT": "freeze-after-rendezvous:2"})
+    assert proc.returncode != 0
+    assert "rank 2 (node 0, trainer, host" in proc.stderr and "sent no heartbeat" in proc.stderr
+    assert seconds < 2 + 15, seconds
+    print(f"frozen rank: found and all out in {seconds:.1f} s")
+
+
+@needs_mpi
+def test_a_rank_that_never_arrives_is_named_within_the_bound(tmp_path):
+    proc, seconds, _ = _hpcrl_run(tmp_path, "site.node.gpus=4", "launch.rendezvous_timeout_s=3",
+                                  env={"HPCRL_FAULT": "hang-before-rendezvous:3"})
+    assert proc.returncode != 0
+    assert "the rendezvous did not complete within 3 s" in proc.stderr
+    assert "never arrived: rank 3 (node 0, server)" in proc.stderr
+    assert seconds < 3 + 12, seconds
+    print(f"rank that never arrives: all out in {seconds:.1f} s")
+
+
+@needs_mpi
+def test_a_missing_task_is_named_at_once(tmp_path):
+    run_dir = _make_run_dir(tmp_path, "site.node.gpus=4")
+    proc, seconds = _mpiexec(run_dir, 3)
+    assert proc.returncode != 0
+    assert "the launcher started 3 task(s) but the plan has 4" in proc.stderr
+    assert "missing rank 3 (node 0, server)" in proc.stderr
+    assert seconds < 20, seconds
+
+
+def test_dry_run_prints_the_command_and_writes_nothing(tmp_path):
+    run_dir = tmp_path / "never"
+    proc = subprocess.run([PY, "-m", "hpcrl", "run", "--dry-run", "--run-dir", str(run_dir)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "-m hpcrl.launch" in proc.stdout and " -n 2 " in proc.stdout
+    assert not run_dir.exists()
+
+
+def test_run_refuses_a_slurm_site(tmp_path):
+    proc = subprocess.run([PY, "-m", "hpcrl", "run", "--site", "testbed", "--run-dir", str(tmp_path / "x")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "hpcrl submit --site testbed" in proc.stderr

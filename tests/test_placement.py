@@ -1,0 +1,216 @@
+"""Placement as pure logic: the plan for the frontier and cuda profiles at 1, 2 and 64 nodes
+against the machines' published GPU/NUMA facts (written out here, independently of the site
+files), `hpcrl plan --json` against the plan, and how a task turns its row into pinning and
+checks the launcher's identity against it (pinning.py, rendezvous.py). No hardware needed."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import replace
+
+import pytest
+
+from hpcrl import sites
+from hpcrl.cli import main as cli_main
+from hpcrl.launch import pinning, rendezvous
+from hpcrl.launch.pinning import PinningError
+from hpcrl.launch.rendezvous import Identity
+from hpcrl.placement import make_plan
+
+# OLCF Frontier user guide: hardware threads -> GCD. -S 8 reserves the first core of each region.
+FRONTIER_REGION = {4: range(0, 8), 5: range(8, 16), 2: range(16, 24), 3: range(24, 32),
+                   6: range(32, 40), 7: range(40, 48), 0: range(48, 56), 1: range(56, 64)}
+FRONTIER_MI250X = [{0, 1}, {2, 3}, {4, 5}, {6, 7}]     # GCD pairs on one package (200 GB/s)
+
+
+def _check_common(plan, nodes: int, gpus_per_node: int, server_gpus: int, shared_cores: bool = False) -> None:
+    per_node = gpus_per_node - server_gpus + 1
+    assert (plan.nodes, plan.tasks_per_node, plan.world_size) == (nodes, per_node, nodes * per_node)
+    assert plan.num_trainers == nodes * (gpus_per_node - server_gpus)
+    trainer_ranks = [t.trainer_rank for t in plan.tasks if t.role == "trainer"]
+    assert trainer_ranks == list(range(plan.num_trainers))      # dense, in rank order
+    for t in plan.tasks:
+        assert t.rank == t.node * per_node + t.local_rank       # Slurm's block distribution
+        assert t.server_rank == t.node * per_node + per_node - 1
+    for n in range(nodes):
+        tasks = plan.node_tasks(n)
+        assert [t.role for t in tasks] == ["trainer"] * (per_node - 1) + ["server"]
+        assert tasks[-1].gpus == tuple(range(gpus_per_node - server_gpus, gpus_per_node))  # the last GPU(s)
+        used = [g for t in tasks for g in t.gpus]
+        assert sorted(used) == list(range(gpus_per_node))       # every GPU once
+        cores = [c for t in tasks for c in t.cores]
+        assert shared_cores or len(cores) == len(set(cores))    # no core shared on a node
+        assert sum(t.sender for t in tasks) == 1
+
+
+@pytest.mark.parametrize("nodes", [1, 2, 64])
+def test_frontier_plan_matches_the_node(nodes):
+    plan = make_plan(sites.load("frontier"), nodes)
+    _check_common(plan, nodes, 8, 1)
+    for t in plan.tasks:
+        (gpu_region,) = {g: FRONTIER_REGION[g] for g in t.gpus}.values()
+        # the 7 cores of the GCD's own L3/NUMA region, less the one core spec reserves
+        assert t.cores == tuple(gpu_region)[1:], t
+        if t.role == "trainer":
+            assert len(t.gpus) == 1 and t.gpus[0] != 7
+    for n in range(nodes):
+        sender = plan.sender_of(n)
+        # GCD 6 shares an MI250X with the server's GCD 7: the fastest path for the weights
+        assert sender.gpus == (6,) and {6, 7} in FRONTIER_MI250X
+        assert sender.local_rank == 6 and sender.rank == n * 8 + 6
+    if nodes == 64:
+        assert plan.world_size == 512 and plan.num_trainers == 448 and plan.tasks[-1].rank == 511
+
+
+def test_frontier_tensor_parallel_server_takes_one_whole_mi250x():
+    plan = make_plan(sites.load("frontier"), 2, server_gpus=2)
+    _check_common(plan, 2, 8, 2)
+    server = plan.node_tasks(0)[-1]
+    assert server.gpus == (6, 7)
+    assert server.cores == tuple(FRONTIER_REGION[6])[1:] + tuple(FRONTIER_REGION[7])[1:]
+    # No trainer shares the server's package; the sender is then the highest trainer GCD.
+    assert plan.sender_of(0).gpus == (5,)
+
+
+@pytest.mark.parametrize("nodes", [1, 2, 64])
+def test_cuda_plan_matches_the_node(nodes):
+    site = sites.load("cuda")
+    plan = make_plan(site, nodes)
+    _check_common(plan, nodes, 8, 1)
+    for t in plan.tasks:
+        (gpu,) = t.gpus
+        assert t.cores == tuple(range(12 * gpu, 12 * gpu + 12))     # 96 cores, 12 per GPU
+    for n in range(nodes):
+        # NVSwitch: every GPU is one hop away, the sender is the highest trainer GPU
+        assert plan.sender_of(n).gpus == (6,)
+    assert plan.world_size == 8 * nodes
+
+
+def test_testbed_plan_gives_the_server_its_own_core():
+    plan = make_plan(sites.load("testbed"), 2)
+    _check_common(plan, 2, 4, 1, shared_cores=True)          # 2 real cores for 8 tasks
+    assert [t.cores for t in plan.node_tasks(1)] == [(0,), (0,), (0,), (1,)]
+
+
+@pytest.mark.parametrize("site, nodes", [("frontier", 2), ("cuda", 64), ("testbed", 2)])
+def test_hpcrl_plan_json_is_the_plan(site, nodes, capsys):
+    assert cli_main(["plan", "--site", site, "-N", str(nodes), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    plan = make_plan(sites.load(site), nodes)
+    assert shown["tasks"] == [json.loads(json.dumps(t.to_dict())) for t in plan.tasks]
+    assert shown["senders"] == {str(n): plan.sender_of(n).rank for n in range(nodes)}
+
+
+# ------------------------------------------------------------------------------ pinning
+def test_nvidia_task_sees_exactly_its_gpu_among_what_slurm_gave():
+    site = sites.load("testbed")
+    task = make_plan(site, 2).task(6)
+    env = {"CUDA_VISIBLE_DEVICES": "0,1,2,3", "ROCR_VISIBLE_DEVICES": "0,1,2,3"}
+    assert pinning.gpu_environment(site, task, env) == ({"CUDA_VISIBLE_DEVICES": "2"}, ("ROCR_VISIBLE_DEVICES",))
+    # the g-th device the job holds, whatever its id
+    env = {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}
+    assert pinning.gpu_environment(site, task, env)[0] == {"CUDA_VISIBLE_DEVICES": "6"}
+    assert pinning.gpu_environment(site, task, {})[0] == {"CUDA_VISIBLE_DEVICES": "2"}
+
+
+def test_rocm_task_gets_one_mask_and_no_contradicting_variable():
+    site = sites.load("frontier")
+    plan = make_plan(site, 1, server_gpus=2)
+    env = {"ROCR_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7", "HIP_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7",
+           "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
+    set_vars, removed = pinning.gpu_environment(site, plan.task(6), env)     # the TP server
+    assert set_vars == {"ROCR_VISIBLE_DEVICES": "6,7"}
+    assert set(removed) == {"HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"}
+
+
+def test_launcher_binding_one_gpu_per_task_is_refused_clearly():
+    site = sites.load("cuda")
+    with pytest.raises(PinningError, match=r"--gpu-bind=none"):
+        pinning.gpu_environment(site, make_plan(site, 1).task(3), {"CUDA_VISIBLE_DEVICES": "3"})
+
+
+def test_cpu_set_intersects_with_what_the_task_may_use():
+    site = sites.load("cuda")
+    task = make_plan(site, 1).task(1)                          # cores 12-23
+    cores, dropped = pinning.cpu_set(site, task, allowed=set(range(16, 96)), existing=set(range(96)))
+    assert cores == tuple(range(16, 24)) and dropped == tuple(range(12, 16))
+
+
+def test_cpu_set_fails_clearly_on_a_core_the_node_lacks():
+    site = sites.load("frontier")
+    task = make_plan(site, 1).task(0)                          # GCD 0: cores 49-55
+    with pytest.raises(PinningError, match=r"core\(s\) 49-55, which this node does not have \(it has 0-1\)"):
+        pinning.cpu_set(site, task, allowed={0, 1}, existing={0, 1})
+
+
+def test_cpu_set_fails_clearly_when_the_launcher_allows_none_of_them():
+    site = sites.load("cuda")
+    task = make_plan(site, 1).task(2)
+    with pytest.raises(PinningError, match=r"may only run on 0-3 .*--cpu-bind=none"):
+        pinning.cpu_set(site, task, allowed={0, 1, 2, 3}, existing=set(range(96)))
+
+
+def test_local_site_gpu_slots_set_no_variable():
+    site = replace(sites.load("local"), node=replace(sites.load("local").node, gpus=4))
+    assert pinning.gpu_environment(site, make_plan(site, 1).task(0), {}) == ({}, ())
+
+
+# ------------------------------------------------------------------------------ identity vs plan
+SLURM_ENV = {"SLURM_PROCID": "5", "SLURM_NODEID": "1", "SLURM_LOCALID": "1", "SLURM_STEP_ID": "0",
+             "SLURM_JOB_ID": "42", "SLURM_STEP_NUM_TASKS": "8", "SLURM_STEP_TASKS_PER_NODE": "4(x2)",
+             "SLURM_STEP_NUM_NODES": "2", "SLURMD_NODENAME": "n2"}
+
+
+def test_slurm_variables_give_the_plans_row():
+    ident = rendezvous.slurm_identity(SLURM_ENV)
+    assert (ident.rank, ident.size, ident.node, ident.local_rank, ident.local_size, ident.nodes) == (5, 8, 1, 1, 4, 2)
+    assert ident.node_name == "n2" and ident.source == "slurm"
+    assert rendezvous.placement_problem(ident, make_plan(sites.load("testbed"), 2)) is None
+    assert rendezvous.launch_id(SLURM_ENV) == "slurm-42.0-r0"
+
+
+def test_uneven_tasks_per_node_are_read():
+    assert rendezvous._expand_tasks_per_node("4(x2),3") == [4, 4, 3]
+
+
+def test_forced_slurm_source_never_touches_mpi():
+    ident, world, node_comm, note = rendezvous.discover({**SLURM_ENV, "HPCRL_RENDEZVOUS": "slurm"})
+    assert (ident.rank, world, node_comm) == (5, None, None) and "slurm" in note
+
+
+def test_without_mpi4py_slurm_variables_take_over(monkeypatch):
+    monkeypatch.setitem(sys.modules, "mpi4py", None)        # as if not installed
+    monkeypatch.setitem(sys.modules, "mpi4py.MPI", None)
+    ident, world, _, note = rendezvous.discover(SLURM_ENV)
+    assert (ident.rank, ident.node, ident.source, world) == (5, 1, "slurm", None)
+    assert "mpi4py is unusable" in note
+
+
+def test_without_mpi4py_outside_slurm_the_error_says_what_to_do(monkeypatch):
+    monkeypatch.setitem(sys.modules, "mpi4py", None)
+    monkeypatch.setitem(sys.modules, "mpi4py.MPI", None)
+    with pytest.raises(rendezvous.LaunchError, match=r"not a Slurm step .*`hpcrl run` or srun"):
+        rendezvous.discover({})
+
+
+def _ident(**kw) -> Identity:
+    base = dict(rank=5, size=8, node=1, local_rank=1, local_size=4, nodes=2, host="h", node_name="n2", source="mpi")
+    return Identity(**{**base, **kw})
+
+
+def test_missing_tasks_are_named():
+    plan = make_plan(sites.load("testbed"), 2)
+    problem = rendezvous.placement_problem(_ident(size=7), plan)
+    assert "started 7 task(s) but the plan has 8" in problem and "missing rank 7 (node 1, server)" in problem
+
+
+def test_cyclic_layout_is_refused_with_the_fix():
+    plan = make_plan(sites.load("testbed"), 2)
+    problem = rendezvous.placement_problem(_ident(rank=1, node=1, local_rank=0), plan)   # srun -m cyclic
+    assert "rank 1 landed on node 1" in problem and "--distribution=block" in problem
+
+
+def test_fake_nodes_on_one_machine_are_told_apart():
+    env = {"HPCRL_TASKS_PER_FAKE_NODE": "4", "PMI_RANK": "6"}
+    assert rendezvous.node_name(env).endswith("-fake1")

@@ -1,0 +1,137 @@
+"""Rendering: every Slurm site renders valid bash; the frontier script holds the facts of frontier.md;
+user sites and overrides; values from users are quoted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+SLURM_SITES = {"frontier": ["-A", "abc123"], "cuda": [], "testbed": []}
+
+
+def _render(hpcrl, *args, env=None) -> tuple[Path, str]:
+    r = hpcrl("render", *args, env=env)
+    assert r.returncode == 0, r.stderr
+    run_dir = Path(r.stdout.splitlines()[0].split(":", 1)[1].strip())
+    return run_dir, (run_dir / "job.sbatch").read_text()
+
+
+@pytest.mark.parametrize("site", sorted(SLURM_SITES))
+@pytest.mark.parametrize("nodes", [1, 2, 128])
+def test_site_renders_valid_bash(hpcrl, site, nodes):
+    run_dir, script = _render(hpcrl, "--site", site, "-N", nodes, *SLURM_SITES[site])
+    subprocess.run(["bash", "-n", str(run_dir / "job.sbatch")], check=True)
+    assert f"#SBATCH --nodes={nodes}\n" in script
+    spec = json.loads((run_dir / "job.json").read_text())
+    assert spec["recipe"]["resources"]["nodes"] == nodes and spec["site"]["name"] == site
+    assert "srun --kill-on-bad-exit=1" in script and "-m hpcrl.launch" in script
+
+
+def test_local_site_has_no_script(hpcrl):
+    r = hpcrl("render", "--site", "local")
+    assert r.returncode == 2 and "use `hpcrl run`" in r.stderr
+
+
+def test_frontier_script_holds_the_facts(hpcrl):
+    _, one = _render(hpcrl, "--site", "frontier", "-N", "1", "-A", "abc123")
+    _, two = _render(hpcrl, "--site", "frontier", "-N", "2", "-A", "abc123", "-t", "01:00:00")
+    for fact in ("#SBATCH --account=abc123", "#SBATCH --partition=batch", "#SBATCH --constraint=nvme",
+                 "#SBATCH --network=disable_rdzv_get", "#SBATCH --core-spec=8", "#SBATCH --cpus-per-task=7",
+                 "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8",
+                 "#SBATCH --signal=B:USR2@300", "#SBATCH --requeue",
+                 "module load PrgEnv-gnu/8.7.0 cpe/26.03 miniforge3/23.11.0-0 rocm/7.1.1 rccl-net-plugin "
+                 "craype-accel-amd-gfx90a",
+                 'export LD_LIBRARY_PATH="$CRAY_LD_LIBRARY_PATH:$LD_LIBRARY_PATH"',
+                 'export MIOPEN_USER_DB_PATH="/tmp/miopen-cache-$USER"', "export NCCL_SOCKET_IFNAME=hsn0,hsn1,hsn2,hsn3",
+                 "export FI_CXI_RDZV_PROTO=alt_read", "export HF_HOME=\"/mnt/bb/$USER/hf\"", "export HF_HUB_OFFLINE=1"):
+        assert fact in one and fact in two, fact
+    assert "export NCCL_NET=Socket" in one and "NCCL_NET=OFI" not in one      # the OFI plugin needs >1 node
+    assert "export NCCL_NET=OFI" in two and "NCCL_NET=Socket" not in two
+    assert "torchrun" not in one and "SIGUSR1" not in one                    # OLCF: no torchrun; RCCL eats USR1
+
+
+def test_frontier_stages_python_env_with_sbcast(hpcrl):
+    _, script = _render(hpcrl, "--site", "frontier", "-A", "abc", "site.stage.python_env=/lustre/orion/abc/env.tar.gz")
+    assert "sbcast -pf \"$HPCRL_ENV_TAR\"" in script and "|| { echo" in script      # its exit code is checked
+    assert "HPCRL_ENV_TAR=/lustre/orion/abc/env.tar.gz" in script and "conda-unpack" in script
+
+
+def test_user_site_dir_overrides_and_extends(hpcrl, tmp_path):
+    sites = tmp_path / "sites"
+    sites.mkdir()
+    (sites / "frontier.toml").write_text('partition = "extended"\n')           # only the changed field
+    (sites / "mycluster.toml").write_text('extends = "cuda"\ndescription = "ours"\n[node]\ngpus = 4\n'
+                                          'gpu_cores = { "0" = "0-7", "1" = "8-15", "2" = "16-23", "3" = "24-31" }\n'
+                                          '[env]\nNCCL_IB_HCA = "mlx5"\n')
+    env = {"HPCRL_SITES_PATH": str(sites)}
+    _, script = _render(hpcrl, "--site", "frontier", "-A", "abc", env=env)
+    assert "#SBATCH --partition=extended" in script and "--constraint=nvme" in script
+    _, script = _render(hpcrl, "--site", "mycluster", env=env)
+    assert "#SBATCH --gpus-per-node=4" in script and "#SBATCH --ntasks-per-node=4" in script
+    assert "export NCCL_IB_HCA=mlx5" in script and "export NCCL_ASYNC_ERROR_HANDLING=1" in script
+    r = hpcrl("sites", env=env)
+    assert "mycluster" in r.stdout and "ours" in r.stdout
+
+
+def test_per_user_config_dir_is_a_site_dir(hpcrl, tmp_path):
+    cfg = tmp_path / "xdg" / "hpcrl" / "sites"
+    cfg.mkdir(parents=True)
+    (cfg / "mine.toml").write_text('extends = "testbed"\nsignal = "USR2@120"\n')
+    _, script = _render(hpcrl, "--site", "mine")
+    assert "#SBATCH --signal=B:USR2@120" in script
+
+
+def test_recipe_and_flags_override_site_fields(hpcrl, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("name: myrun\nsite:\n  node:\n    cpus_per_task: 5\n  env:\n    EXTRA: one\n")
+    _, script = _render(hpcrl, "--site", "frontier", "-A", "abc", str(recipe), "site.env.EXTRA=two",
+                        "-J", "flagname")
+    assert "#SBATCH --cpus-per-task=5" in script and "export EXTRA=two" in script
+    assert "#SBATCH --job-name=flagname" in script
+
+
+def test_user_values_are_quoted_not_run(hpcrl, tmp_path):
+    """Values that may hold anything are quoted; running the script's preamble executes none of it."""
+    marker = tmp_path / "pwned"
+    evil = f"$(touch {marker})`touch {marker}`'\""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(json.dumps({"site": {"env": {"EVIL": evil, "NL": "a\nb"}},
+                                  "resources": {"srun_options": [f"--comment={evil}"]}}))
+    run_dir, script = _render(hpcrl, "--site", "testbed", str(recipe),
+                              "--run-dir", str(tmp_path / f"dir $(touch {marker}) `x` 'q'"))
+    subprocess.run(["bash", "-n", str(run_dir / "job.sbatch")], check=True)
+    # Run everything up to the srun line, then print what the shell holds.
+    preamble = script.split("\nsrun ")[0] + '\nprintf "%s|" "$EVIL" "$HPCRL_RUN_DIR" "$PWD"\n'
+    out = subprocess.run(["bash", "-c", preamble], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert not marker.exists()
+    assert out.stdout.split("|")[0] == evil
+    assert out.stdout.split("|")[1] == str(run_dir)
+
+
+def test_render_output_file(hpcrl, tmp_path):
+    out = tmp_path / "job.sh"
+    run_dir, script = _render(hpcrl, "--site", "testbed", "-o", str(out))
+    assert out.read_text() == script
+
+
+def test_dry_run_prints_the_same_script(hpcrl):
+    run_dir, script = _render(hpcrl, "--site", "cuda", "--run-dir", str(hpcrl.work / "r1"))
+    r = hpcrl("submit", "--site", "cuda", "--dry-run", "--run-dir", str(hpcrl.work / "r2"))
+    assert r.returncode == 0
+    assert r.stdout == script.replace(str(hpcrl.work / "r1"), str(hpcrl.work / "r2"))
+    assert not (hpcrl.work / "r2").exists()
+
+
+def test_overrides_and_the_recipe_may_come_between_options(hpcrl):
+    """As people type it: `key=value -N 2 recipe.yaml -t 10 key=value`."""
+    recipe = hpcrl.work / "r.yaml"
+    recipe.write_text("name: interleaved\n")
+    run_dir, _ = _render(hpcrl, "grpo.beta=0.01", "--site", "testbed", "-N", "2", str(recipe), "-t", "10",
+                         "grpo.max_steps=3")
+    spec = json.loads((run_dir / "job.json").read_text())
+    assert spec["recipe"]["resources"]["nodes"] == 2 and spec["recipe"]["name"] == "interleaved"
+    assert spec["recipe"]["grpo"]["beta"] == 0.01 and spec["recipe"]["grpo"]["max_steps"] == 3

@@ -1,0 +1,336 @@
+"""hpcrl.slurm: pure parsers on output captured from the Slurm 22.05.8 testbed (tests/data/slurm/),
+fallbacks driven by fake Slurm commands on PATH, and `slurm`-marked tests against the real testbed."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import stat
+import time
+from pathlib import Path
+
+import pytest
+
+from hpcrl import slurm
+from hpcrl.slurm import JobInfo, SlurmError, SlurmUnavailable
+
+DATA = Path(__file__).parent / "data" / "slurm"
+
+
+@pytest.fixture(autouse=True)
+def fresh_slurm_cache(monkeypatch):
+    """Each test starts without the per-process "--json does not work here" memory."""
+    monkeypatch.setattr(slurm, "_broken", set())
+
+
+# ------------------------------------------------------------------------------ parse_slurm_time
+
+@pytest.mark.parametrize("text, seconds", [
+    ("1-02:03:04", 93784), ("05:00", 300), ("0:01", 1), ("30", 1800), ("1560", 93600),
+    ("2:03:04", 7384), ("2-12", 216000), ("2-12:30", 217800), ("UNLIMITED", None),
+    ("INFINITE", None), ("Partition_Limit", None), ("N/A", None), ("", None), (None, None),
+])
+def test_parse_slurm_time(text, seconds):
+    assert slurm.parse_slurm_time(text) == seconds
+
+
+# ------------------------------------------------------------------------- squeue/sacct JSON 22.05
+
+def test_parse_squeue_json_22_05():
+    jobs = slurm.parse_squeue_json((DATA / "squeue-22.05.json").read_text())
+    ok, fail, held, cancelled, running = (jobs[i] for i in ("2", "3", "4", "5", "6"))
+    assert (ok.state, ok.exit_code, ok.signal, ok.time_limit_s, ok.elapsed_s) == ("COMPLETED", 0, 0, 300, 1)
+    assert ok.std_out == "/tmp/slcap/slurm-2.out" and ok.work_dir == "/tmp/slcap" and ok.node_list == "n1"
+    # exit_code is a raw wait status here: 768 = exit 3
+    assert (fail.state, fail.reason, fail.exit_code, fail.signal) == ("FAILED", "NonZeroExitCode", 3, 0)
+    assert (held.state, held.reason, held.start_time, held.exit_code, held.elapsed_s) == (
+        "PENDING", "JobHeldUser", None, None, None)
+    assert (cancelled.state, cancelled.exit_code, cancelled.signal) == ("CANCELLED", 0, 15)
+    # running: no exit code yet, end_time (the limit) is not an end, 26 h limit
+    assert (running.state, running.exit_code, running.end_time, running.time_limit_s) == (
+        "RUNNING", None, None, 93600)
+    assert running.start_time == 1795232068 and running.elapsed_s > 0
+    assert (jobs["7"].exit_code, jobs["7"].signal) == (0, 9)                  # kill -9 $$
+    assert jobs["9"].std_out == "/tmp/slcap/out-9.txt"                       # -o out-%j.txt expanded
+    assert (jobs["10"].restarts, jobs["10"].state, jobs["10"].reason) == (1, "PENDING", "BeginTime")
+
+
+def test_parse_squeue_json_controller_down():
+    # 22.05 exits 0 with an errors list when slurmctld does not answer
+    with pytest.raises(SlurmUnavailable, match="slurm_load_jobs"):
+        slurm.parse_squeue_json((DATA / "squeue-22.05-controller-down.json").read_text())
+
+
+def test_parse_sacct_json_22_05():
+    jobs = slurm.parse_sacct_json((DATA / "sacct-22.05.json").read_text())
+    assert (jobs["2"].state, jobs["2"].exit_code, jobs["2"].elapsed_s, jobs["2"].time_limit_s) == (
+        "COMPLETED", 0, 1, 300)
+    assert (jobs["4"].state, jobs["4"].reason, jobs["4"].node_list, jobs["4"].start_time) == (
+        "PENDING", "JobHeldUser", "", None)
+    assert jobs["5"].state == "CANCELLED"
+    assert (jobs["6"].state, jobs["6"].end_time, jobs["6"].time_limit_s) == ("RUNNING", None, 93600)
+    # Slurm 22.05's bug, kept on record: the job exited 3 but sacct --json says 0 (sacct -P: "3:0").
+    # query() re-reads such jobs from the text output.
+    assert (jobs["3"].state, jobs["3"].exit_code) == ("FAILED", 0)
+
+
+def test_parse_sacct_json_nothing_found_is_empty():
+    assert slurm.parse_sacct_json((DATA / "sacct-22.05-nothing-found.json").read_text()) == {}
+
+
+# ----------------------------------------------------- the same fields as Slurm 23.02+ writes them
+
+NEWER_SQUEUE = {"meta": {}, "errors": [], "warnings": [], "jobs": [{
+    "job_id": 560, "name": "grpo", "job_state": ["FAILED"], "state_reason": "NonZeroExitCode",
+    "exit_code": {"status": ["EXITED"], "return_code": {"set": True, "infinite": False, "number": 3},
+                  "signal": {"id": {"set": False, "infinite": False, "number": 0}, "name": ""}},
+    "restart_cnt": 2, "time_limit": {"set": True, "infinite": False, "number": 60},
+    "start_time": {"set": True, "infinite": False, "number": 1700000000},
+    "end_time": {"set": True, "infinite": False, "number": 1700000100},
+    "submit_time": {"set": True, "infinite": False, "number": 1699999990},
+    "node_count": {"set": True, "infinite": False, "number": 2}, "nodes": "c[31-32]",
+    "current_working_directory": "/home/dev", "standard_output": "/home/dev/slurm-560.out",
+    "array_job_id": {"set": True, "infinite": False, "number": 0},
+    "array_task_id": {"set": False, "infinite": False, "number": 0}}]}
+
+NEWER_SACCT = {"meta": {}, "errors": [], "jobs": [{
+    "job_id": 561, "name": "grpo", "state": {"current": ["TIMEOUT"], "reason": "None"},
+    "exit_code": {"status": ["SIGNALED"], "return_code": {"set": False, "infinite": False, "number": 0},
+                  "signal": {"id": {"set": True, "infinite": False, "number": 15}, "name": "SIGTERM"}},
+    "time": {"elapsed": 3600, "start": 1700000000, "end": 1700003600, "submission": 1699999000,
+             "limit": {"set": True, "infinite": False, "number": 60}},
+    "nodes": "c1", "allocation_nodes": 1, "working_directory": "/home/dev", "restart_cnt": 1,
+    "stdout_expanded": "/home/dev/slurm-561.out"}]}
+
+
+def test_parse_newer_json_shapes():
+    j = slurm.parse_squeue_json(json.dumps(NEWER_SQUEUE))["560"]
+    assert (j.state, j.exit_code, j.signal, j.restarts, j.time_limit_s, j.nodes, j.elapsed_s) == (
+        "FAILED", 3, 0, 2, 3600, 2, 100)
+    assert j.std_out == "/home/dev/slurm-560.out"
+    a = slurm.parse_sacct_json(json.dumps(NEWER_SACCT))["561"]
+    assert (a.state, a.exit_code, a.signal, a.time_limit_s, a.restarts, a.std_out) == (
+        "TIMEOUT", 0, 15, 3600, 1, "/home/dev/slurm-561.out")
+
+
+# --------------------------------------------------------------------------- text output (22.05)
+
+SQUEUE_TEXT = """\
+2|COMPLETED|None|0:01|5:00|1|n1|/tmp/slcap|/tmp/slcap/slurm-2.out|1795232068|1795232068|1795232069|ok
+11|PENDING|JobHeldUser|0:00|UNLIMITED|1||/tmp/slcap|/tmp/slcap/a/out-%x-%j.log|1795232192|N/A|N/A|a|b
+6|RUNNING|None|1-00:00:34|1-02:00:00|1|n1|/tmp/slcap|/tmp/slcap/slurm-6.out|1795232068|1795232068|1795325668|running
+"""
+
+SACCT_TEXT = """\
+3|FAILED|None|0|UNLIMITED|1|n1|3:0|/tmp/slcap|1795232068|1795232068|1795232068|fail3
+4|PENDING|JobHeldUser|0|Partition_Limit|1|None assigned|0:0|/tmp/slcap|1795232068|Unknown|Unknown|held
+5|CANCELLED by 0|None|3|UNLIMITED|1|n1|0:0|/tmp/slcap|1795232068|1795232068|1795232071|cancelme
+7|FAILED|None|0|UNLIMITED|1|n1|0:9|/tmp/slcap|1795232097|1795232097|1795232097|sig9
+8|RUNNING|None|81|1|1|n1|0:0|/tmp/slcap|1795232097|1795232097|Unknown|tlim
+"""
+
+
+def test_parse_squeue_text():
+    jobs = slurm.parse_squeue_text(SQUEUE_TEXT)
+    assert (jobs["2"].state, jobs["2"].time_limit_s, jobs["2"].elapsed_s, jobs["2"].end_time) == (
+        "COMPLETED", 300, 1, 1795232069)
+    assert jobs["2"].exit_code is None          # squeue's text has none; query() asks sacct
+    held = jobs["11"]
+    assert (held.state, held.reason, held.start_time, held.name) == ("PENDING", "JobHeldUser", None, "a|b")
+    assert held.std_out == "/tmp/slcap/a/out-a|b-11.log"
+    assert (jobs["6"].elapsed_s, jobs["6"].time_limit_s, jobs["6"].end_time) == (86434, 93600, None)
+
+
+def test_parse_sacct_text():
+    jobs = slurm.parse_sacct_text(SACCT_TEXT)
+    assert (jobs["3"].state, jobs["3"].exit_code, jobs["3"].signal) == ("FAILED", 3, 0)
+    assert (jobs["4"].reason, jobs["4"].node_list, jobs["4"].start_time, jobs["4"].time_limit_s) == (
+        "JobHeldUser", "", None, None)
+    assert jobs["5"].state == "CANCELLED"
+    assert (jobs["7"].exit_code, jobs["7"].signal) == (0, 9)
+    assert (jobs["8"].exit_code, jobs["8"].elapsed_s, jobs["8"].end_time, jobs["8"].time_limit_s) == (
+        None, 81, None, 60)
+
+
+def test_jobinfo_dict_round_trip():
+    info = slurm.parse_sacct_text(SACCT_TEXT)["3"]
+    d = info.to_dict()
+    assert json.loads(json.dumps(d)) == d
+    assert JobInfo.from_dict({**d, "from_a_newer_hpcrl": 1}) == info
+    assert info.finished and not slurm.parse_sacct_text(SACCT_TEXT)["8"].finished
+
+
+# --------------------------------------------------------------- fake Slurm commands on PATH
+
+def _fake_bin(tmp_path, monkeypatch, system_path=True, **scripts):
+    """Put shell scripts named after Slurm commands first on PATH (system_path=False: alone)."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir(parents=True)
+    for name, body in scripts.items():
+        f = bindir / name
+        f.write_text("#!/bin/sh\n" + body)
+        f.chmod(f.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("PATH", f"{bindir}:/usr/bin:/bin" if system_path else str(bindir))
+    return bindir
+
+
+def test_command_not_found_is_unavailable(tmp_path, monkeypatch):
+    _fake_bin(tmp_path, monkeypatch, system_path=False)
+    with pytest.raises(SlurmUnavailable, match="sbatch: command not found"):
+        slurm.submit(tmp_path / "x.sh", tmp_path)
+    with pytest.raises(SlurmUnavailable, match="scontrol"):
+        slurm.query(["1"])
+    assert slurm.ping() is False
+
+
+def test_hung_command_times_out(tmp_path, monkeypatch):
+    _fake_bin(tmp_path, monkeypatch, sbatch="exec /bin/sleep 30\n")
+    monkeypatch.setenv("HPCRL_SLURM_TIMEOUT", "1")
+    t0 = time.monotonic()
+    with pytest.raises(SlurmUnavailable, match="no answer within 1 s"):
+        slurm.submit(tmp_path / "x.sh", tmp_path)
+    assert time.monotonic() - t0 < 5
+
+
+def test_submit_parses_cluster_suffix_and_errors(tmp_path, monkeypatch):
+    _fake_bin(tmp_path, monkeypatch, sbatch='echo "$PWD $*" > args; echo "4242;cluster1"\n')
+    assert slurm.submit(Path("/x/job.sh"), tmp_path, ["--hold"]) == "4242"
+    assert (tmp_path / "args").read_text().strip() == f"{tmp_path} --parsable --hold /x/job.sh"
+    _fake_bin(tmp_path / "b", monkeypatch,
+              sbatch='echo "sbatch: error: Batch job submission failed: '
+                     'Invalid partition name specified" >&2; exit 1\n')
+    with pytest.raises(SlurmError, match="Invalid partition name") as e:
+        slurm.submit(Path("/x/job.sh"), tmp_path)
+    assert not isinstance(e.value, SlurmUnavailable) and "\n" not in str(e.value)
+
+
+def test_text_fallback_when_json_is_unsupported(tmp_path, monkeypatch):
+    # a Slurm without the JSON plugin: squeue/sacct --json fail; text output is used from then on
+    squeue_line = SQUEUE_TEXT.splitlines()[0]
+    sacct_text = SACCT_TEXT + "2|COMPLETED|None|1|5|1|n1|0:0|/tmp/slcap|1795232068|1795232068|1795232069|ok\n"
+    no_json = 'case "$*" in *--json*) echo "{}" >&2; exit 1;; esac; echo "$*" >> "$0.calls"; '
+    bindir = _fake_bin(tmp_path, monkeypatch,
+                       scontrol='echo "Slurmctld(primary) at head is UP"\n',
+                       squeue=no_json.format("squeue: unrecognized option '--json'") + f'echo "{squeue_line}"\n',
+                       sacct=no_json.format("sacct: fatal: Unable to find plugin: serializer/json")
+                       + f"cat <<EOF\n{sacct_text}EOF\n")
+    for _ in range(2):
+        got = slurm.query(["2", "3"])
+        # state and stdout from squeue, exit code from sacct
+        assert (got["2"].state, got["2"].exit_code, got["2"].std_out) == (
+            "COMPLETED", 0, "/tmp/slcap/slurm-2.out")
+        assert (got["3"].state, got["3"].exit_code) == ("FAILED", 3)
+    assert slurm._broken == {"squeue --json", "sacct --json"}
+    calls = (bindir / "squeue.calls").read_text().splitlines()
+    assert len(calls) == 2 and "-O" in calls[0]
+
+
+def test_accounting_disabled_uses_job_completion_log(tmp_path, monkeypatch):
+    _fake_bin(tmp_path, monkeypatch,
+              scontrol='echo "Slurmctld(primary) at head is UP"\n',
+              squeue='echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1\n',
+              sacct='case "$*" in *-c*) echo "3|FAILED||0|UNLIMITED|1|n1|3:0|/w|1|2|3|fail3";; '
+                    '*) echo "Slurm accounting storage is disabled" >&2; exit 1;; esac\n')
+    got = slurm.query(["3", "4"])
+    assert (got["3"].state, got["3"].exit_code) == ("FAILED", 3)
+    assert (got["4"].state, got["4"].reason) == ("UNKNOWN", "not known to squeue or sacct")
+    assert "sacct" in slurm._broken
+
+
+# ------------------------------------------------------------------------ the real testbed
+
+def _submit(tmp_path: Path, body: str, *sbatch_args: str) -> str:
+    script = tmp_path / f"job-{time.monotonic_ns()}.sh"
+    script.write_text(f"#!/bin/bash\n#SBATCH -o out-%j.txt\n#SBATCH -n 1 --mem=100M\n{body}\n")
+    return slurm.submit(script, tmp_path, ["-J", "hpcrl-test", *sbatch_args])
+
+
+def _wait(job_id: str, done=lambda i: i.finished, timeout: float = 120, how=slurm.query) -> JobInfo:
+    deadline = time.monotonic() + timeout
+    while True:
+        info = how([job_id]).get(job_id) or JobInfo(job_id)
+        if done(info) or time.monotonic() > deadline:
+            return info
+        time.sleep(0.3)
+
+
+@pytest.mark.slurm
+def test_testbed_completed_job(testbed, tmp_path):
+    job = _submit(tmp_path, "echo hello from $SLURM_JOB_ID", "-t", "5")
+    info = _wait(job)
+    assert (info.state, info.exit_code, info.signal) == ("COMPLETED", 0, 0), info
+    assert info.time_limit_s == 300 and info.work_dir == str(tmp_path) and info.nodes == 1
+    assert info.std_out == str(tmp_path / f"out-{job}.txt")
+    assert Path(info.std_out).read_text().strip() == f"hello from {job}"
+    assert info.start_time and info.end_time and info.submit_time and info.elapsed_s is not None
+    # text fallback: same answer (squeue -O for the state, sacct -P for the exit code)
+    slurm._broken.update({"squeue --json", "sacct --json"})
+    text = slurm.query([job])[job]
+    assert (text.state, text.exit_code, text.std_out) == ("COMPLETED", 0, info.std_out)
+
+
+@pytest.mark.slurm
+def test_testbed_exit_3_is_failed(testbed, tmp_path):
+    job = _submit(tmp_path, "exit 3")
+    info = _wait(job)
+    assert (info.state, info.exit_code, info.signal) == ("FAILED", 3, 0), info
+    # once slurmctld forgets the job, sacct answers; 22.05's JSON says 0 there, and we fix it
+    acct = _wait(job, how=slurm._from_sacct, timeout=30)
+    assert (acct.state, acct.exit_code) == ("FAILED", 3), acct
+    slurm._broken.add("sacct --json")
+    assert slurm._from_sacct([job])[job].exit_code == 3
+
+
+@pytest.mark.slurm
+def test_testbed_held_then_cancelled(testbed, tmp_path):
+    job = _submit(tmp_path, "true", "--hold")
+    info = _wait(job, done=lambda i: i.state == "PENDING" and i.reason == "JobHeldUser", timeout=30)
+    assert (info.state, info.reason, info.exit_code, info.start_time) == (
+        "PENDING", "JobHeldUser", None, None)
+    slurm.cancel(job)
+    info = _wait(job)
+    assert info.state == "CANCELLED", info
+    slurm.cancel(job)   # again: already over, not an error
+
+
+@pytest.mark.slurm
+def test_testbed_unknown_job(testbed):
+    assert slurm.query(["987654321"])["987654321"].state == "UNKNOWN"
+    assert slurm.ping() is True
+
+
+@pytest.mark.slurm
+def test_testbed_controller_unreachable(testbed, tmp_path, monkeypatch):
+    # a copy of the testbed's config pointing at a closed port; the shared testbed keeps running
+    etc = tmp_path / "etc"
+    shutil.copytree(Path(testbed).parent, etc)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    conf = etc / "slurm.conf"
+    lines = [f"SlurmctldPort={port}" if ln.startswith("SlurmctldPort=") else ln
+             for ln in conf.read_text().splitlines()]
+    conf.write_text("\n".join(lines) + "\n")
+    monkeypatch.setenv("SLURM_CONF", str(conf))
+    t0 = time.monotonic()
+    with pytest.raises(SlurmUnavailable, match="scontrol ping"):
+        slurm.query(["1"])
+    assert time.monotonic() - t0 < 3
+    assert slurm.ping() is False
+    monkeypatch.setenv("HPCRL_SLURM_TIMEOUT", "2")   # sbatch retries for ~9 s before giving up
+    t0 = time.monotonic()
+    with pytest.raises(SlurmUnavailable):
+        _submit(tmp_path, "true")
+    assert time.monotonic() - t0 < 5
+
+
+def test_no_heavy_imports():
+    import subprocess
+    import sys
+    code = ("import sys, hpcrl.slurm, hpcrl.registry; "
+            "print(sorted(m for m in ('torch', 'vllm', 'mpi4py', 'numpy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    assert out.stdout.strip() == "[]"

