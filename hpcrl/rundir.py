@@ -7,9 +7,14 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hpcrl.errors import UserError
-from hpcrl.spec import SPEC_FILE, JobSpec
+
+if TYPE_CHECKING:          # the spec's import chain (recipe, sites) is not for `hpcrl status`
+    from hpcrl.spec import JobSpec
+
+SPEC_FILE = "job.json"
 
 SCRIPT_FILE = "job.sbatch"
 METRICS_FILE = "metrics.jsonl"
@@ -20,7 +25,7 @@ FINISHED_MARKER = ".finished"
 FAILURE_FILE = "failure.txt"
 
 
-def create(spec: JobSpec, script: str | None) -> Path:
+def create(spec: "JobSpec", script: str | None) -> Path:
     """Write the run directory atomically: a hidden sibling is filled, then renamed into place."""
     run_dir = Path(spec.run_dir)
     try:

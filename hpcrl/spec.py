@@ -14,17 +14,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from hpcrl import __version__, sites
 from hpcrl.config import build, closest, set_dotted, to_dict
 from hpcrl.errors import UserError
 from hpcrl.placement import Plan, make_plan
 from hpcrl.recipe import Recipe
+from hpcrl.rundir import SPEC_FILE
 from hpcrl.sites import Site
 
 SPEC_VERSION = 1
-SPEC_FILE = "job.json"
 # Job names, accounts, partitions and QOS land on #SBATCH lines: one plain token only.
 SLURM_NAME = re.compile(r"^[A-Za-z0-9_.+\-]{1,128}$")
 CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f]")
@@ -112,6 +110,8 @@ def read_recipe(path: str | None) -> dict:
     """The raw mapping of a recipe file ({} for the built-in demo)."""
     if path is None:
         return {}
+    import yaml     # only here: `hpcrl status` and the built-in demo never parse YAML
+
     p = Path(path)
     if not p.is_file():
         raise UserError(f"recipe: no such file {path!r}")
@@ -133,6 +133,8 @@ def read_recipe(path: str | None) -> dict:
 
 def apply_overrides(data: dict, assignments: list[str]) -> dict:
     """Apply `key.path=value` arguments; values are parsed as YAML scalars/lists ("3", "true", "[a, b]")."""
+    if assignments:
+        import yaml
     for item in assignments:
         key, sep, raw = item.partition("=")
         if not sep or not re.match(r"^[A-Za-z_][\w]*(\.[A-Za-z_0-9][\w]*)*$", key):

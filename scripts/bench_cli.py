@@ -53,6 +53,13 @@ def main() -> int:
         run_dir.mkdir()
         (run_dir / "metrics.jsonl").write_text('{"step": 3, "reward": 0.5, "tokens_per_s": 900, "sync_s": 0.02}\n')
         registry.add(out.stdout.strip().split(";")[0], f"bench{i}", "testbed", str(run_dir), str(run_dir / "job.sbatch"))
+    # slurmctld is busy with 200 fresh jobs for a while: time commands against a quiet controller.
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        queued = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout.split()
+        if not queued:
+            break
+        time.sleep(1)
     hpcrl = [sys.executable, "-m", "hpcrl"]
     subprocess.run([*hpcrl, "status"], env=env, cwd=work, stdout=subprocess.DEVNULL, check=True)   # warm caches
 
