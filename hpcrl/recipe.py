@@ -127,6 +127,10 @@ class InferenceConfig:
     enforce_eager: bool = True
     engine_args: dict[str, Any] = field(default_factory=dict)   # passed to the engine as is
     sync_every: int = 1             # optimizer steps between weight syncs
+    # Sample the next generation while the trainers train on this one (the server's GPU would
+    # otherwise idle through training): completions are then one generation behind the policy.
+    # Pair it with grpo.vllm_importance_sampling_correction, which reweights for the lag.
+    overlap_generation: bool = False
     sync_bucket_mb: int = 256       # gather/send granularity: bounds the sender's extra memory
     start_timeout_s: float = 600.0  # how long trainers wait for the server to come up
     request_timeout_s: float = 600.0

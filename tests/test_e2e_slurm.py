@@ -61,12 +61,16 @@ def cancel_after():
 
 
 def test_two_nodes_each_server_synced_by_its_own_sender(testbed, hpcrl, cancel_after):
-    job_id, run_dir = _submit(hpcrl, "-N", "2", *TWO_TASKS, "grpo.max_steps=3", "-t", "15")
+    """With overlap_generation: each node's next generation is in flight on its vLLM server while its
+    trainer trains, and is taken before that node's sender streams the new weights."""
+    job_id, run_dir = _submit(hpcrl, "-N", "2", *TWO_TASKS, "grpo.max_steps=3", "inference.overlap_generation=true",
+                              "-t", "15")
     cancel_after(job_id)
     info = _wait(hpcrl, job_id, lambda i: i["state"] in FINAL, 900)
     assert info["state"] == "COMPLETED", info
     metrics = _metrics(run_dir)
     assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert [m["off_policy_lag"] for m in metrics] == [0, 1, 1]      # sampled one version behind
     # The job's gathers for each sync (counted in hpcrl.sync.gather.GatherTraffic): none between nodes.
     synced = [m for m in metrics if m.get("sync_s")]
     assert len(synced) == 2 and all(m["sync_gathered_bytes_cross_node"] == 0 for m in synced), synced
@@ -112,14 +116,18 @@ def test_time_limit_checkpoints_requeues_and_resumes_each_step_once(testbed, hpc
     """Slurm's warning signal before the time limit (USR2, 30 s ahead of a 2-minute limit; Slurm
     sends it up to ~30 s earlier still) makes the trainers checkpoint, the script requeues, the job
     resumes, until the work is done. Each step sleeps a little (the slow-steps fault) so that the
-    work outlasts one allocation whatever the machine's speed."""
+    work outlasts one allocation whatever the machine's speed. With overlap_generation the
+    checkpoint also holds the generation asked for ahead, and the resumed job trains on it."""
     job_id, run_dir = _submit(hpcrl, *TWO_TASKS, "site.signal=USR2@30", "inference.engine=transformers",
-                              "grpo.max_steps=160", "-t", "2", env={"HPCRL_FAULT": "slow-steps:0"})
+                              "inference.overlap_generation=true", "grpo.max_steps=160", "-t", "2",
+                              env={"HPCRL_FAULT": "slow-steps:0"})
     cancel_after(job_id)
     info = _wait(hpcrl, job_id, lambda i: i["state"] in FINAL and i.get("step") == 160, 840)
     assert info["state"] == "COMPLETED" and info["restarts"] >= 1, info
-    steps = [m["step"] for m in _metrics(run_dir)]
+    metrics = _metrics(run_dir)
+    steps = [m["step"] for m in metrics]
     assert steps == list(range(1, 161)), steps          # every step exactly once
+    assert [m["off_policy_lag"] for m in metrics] == [0] + [1] * 159     # across the requeue too
     log = Path(info["log"]).read_text()
     assert "checkpoint and requeue" in log and "resumed from" in log
 

@@ -16,6 +16,11 @@ Every metric of steps k+1..n but the timings must be equal (within 1e-6) in A an
 1..k equal A's (saving a checkpoint changes nothing). With num_iterations = 2 the kill falls in the
 middle of a generation (step 3 of the pairs 1-2, 3-4, 5-6): the resumed run must go on with the
 same completions, old log-probabilities and advantages instead of generating anew.
+
+With inference.overlap_generation the next generation is asked for while the current one trains;
+the generator here samples only when the trainer takes the result (as a server samples while the
+trainer trains), so a take after a weight push would carry the new version and fail the version
+check. The checkpoint holds the generation asked for ahead, and the resumed run trains on it.
 """
 
 from __future__ import annotations
@@ -44,17 +49,37 @@ def model_dir(tmp_path_factory) -> str:
     return str(make_tiny_model(tmp_path_factory.mktemp("models") / "tiny", size="tiny", seed=0))
 
 
-def _recipe(run_dir: str, every: int, mu: int):
-    from hpcrl.recipe import CheckpointConfig, GRPOConfig, Recipe
+def _recipe(run_dir: str, every: int, mu: int, overlap: bool):
+    from hpcrl.recipe import CheckpointConfig, GRPOConfig, InferenceConfig, Recipe
 
     grpo = GRPOConfig(
         learning_rate=5e-3, per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4,
         max_completion_length=8, beta=0.04, num_iterations=mu, max_steps=N_STEPS, warmup_ratio=0.3,
         lr_scheduler_type="cosine", max_grad_norm=1.0, weight_decay=0.01, seed=7)
-    return Recipe(grpo=grpo, checkpoint=CheckpointConfig(every=every, keep=2, dir=str(Path(run_dir) / "ckpt")))
+    return Recipe(grpo=grpo, checkpoint=CheckpointConfig(every=every, keep=2, dir=str(Path(run_dir) / "ckpt")),
+                  inference=InferenceConfig(overlap_generation=overlap))
 
 
-def _w_run(rank, world, model_dir, run_dir, metrics_path, every, mu, die_after, seed):
+class _SampledWhenTaken:
+    """A generator whose completions are sampled when the trainer takes them, not when it asks."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def submit(self, prompts, sampling):
+        inner = self.inner
+
+        class Later:
+            def result(self):
+                return inner.generate(prompts, sampling)
+
+        return Later()
+
+    def push_weights(self, model, version):
+        return self.inner.push_weights(model, version)
+
+
+def _w_run(rank, world, model_dir, run_dir, metrics_path, every, mu, overlap, die_after, seed):
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoTokenizer
@@ -67,7 +92,7 @@ def _w_run(rank, world, model_dir, run_dir, metrics_path, every, mu, die_after, 
     from hpcrl.train.trainer import Trainer, TrainerSetup
 
     torch.manual_seed(seed + rank)
-    recipe = _recipe(run_dir, every, mu)
+    recipe = _recipe(run_dir, every, mu, overlap)
     ckpt.control_group(60)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
     policy, reference = load_policy_and_reference(model_dir, mesh, torch.device("cpu"), recipe)
@@ -88,7 +113,8 @@ def _w_run(rank, world, model_dir, run_dir, metrics_path, every, mu, die_after, 
         trainer_rank=rank, num_trainers=world, log=lambda line: None, collective_timeout_s=60,
         on_metrics=on_metrics)
     engine = TransformersEngine(model_dir, device="cpu", dtype="float32", seed=recipe.grpo.seed)
-    trainer = Trainer(setup, InProcessGenerator(engine))
+    generator = InProcessGenerator(engine)
+    trainer = Trainer(setup, _SampledWhenTaken(generator) if overlap else generator)
     outcome = trainer.run()
     assert outcome == "finished" and trainer.step == N_STEPS, (outcome, trainer.step)
 
@@ -111,24 +137,27 @@ def _differences(a: dict, b: dict) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("mu", [1, 2], ids=["mu1", "mu2"])
-def test_killed_and_resumed_run_repeats_the_uninterrupted_one(tmp_path, model_dir, mu):
+@pytest.mark.parametrize("mu,overlap", [(1, False), (2, False), (1, True)], ids=["mu1", "mu2", "mu1-overlap"])
+def test_killed_and_resumed_run_repeats_the_uninterrupted_one(tmp_path, model_dir, mu, overlap):
     runs = {name: tmp_path / name for name in ("whole", "killed")}
     for d in runs.values():
         d.mkdir()
     whole, first, second = tmp_path / "whole.jsonl", tmp_path / "first.jsonl", tmp_path / "second.jsonl"
 
-    spawn(_w_run, tmp_path / "a", model_dir, str(runs["whole"]), str(whole), 0, mu, None, 100, timeout=300)
-    spawn(_w_run, tmp_path / "b", model_dir, str(runs["killed"]), str(first), K, mu, K, 100, timeout=300,
+    spawn(_w_run, tmp_path / "a", model_dir, str(runs["whole"]), str(whole), 0, mu, overlap, None, 100, timeout=300)
+    spawn(_w_run, tmp_path / "b", model_dir, str(runs["killed"]), str(first), K, mu, overlap, K, 100, timeout=300,
           expect={0: -signal.SIGKILL, 1: -signal.SIGKILL})
     ckpt_dir = runs["killed"] / "ckpt"
     assert (ckpt_dir / "latest").read_text().strip() == f"step-{K}"
-    spawn(_w_run, tmp_path / "c", model_dir, str(runs["killed"]), str(second), K, mu, None, 555, timeout=300)
+    spawn(_w_run, tmp_path / "c", model_dir, str(runs["killed"]), str(second), K, mu, overlap, None, 555, timeout=300)
 
     a, b, c = _read(whole), _read(first), _read(second)
     assert sorted(a) == list(range(1, N_STEPS + 1))
     assert sorted(b) == list(range(1, K + 1)), "the first leg was killed after step k"
     assert sorted(c) == list(range(K + 1, N_STEPS + 1)), "the second leg resumed at step k+1"
+    # Overlapped, every generation but the first was sampled one weight version behind the policy.
+    lags = [a[s]["off_policy_lag"] for s in sorted(a)]
+    assert lags == ([0] + [1] * (N_STEPS - 1) if overlap else [0] * N_STEPS), lags
     # The run learns something at all: otherwise equal metrics would prove little.
     assert len({round(a[s]["loss"], 9) for s in a}) > 1 and any(a[s]["grad_norm"] > 0 for s in a)
     problems = [f"step {s} (checkpointing run): {d}" for s in range(1, K + 1) for d in _differences(a[s], b[s])]

@@ -23,14 +23,20 @@ class ServerGenerator:
         self.server = ctx.server_task
         self.engine = None
         self.sync = None
+        self.in_flight: _ServerGeneration | None = None
 
     def _request(self, msg: dict, timeout: float) -> dict:
+        # One conversation at a time on the channel: a reply must not be taken for another's.
+        assert self.in_flight is None, f"{msg['op']!r} sent while a generation is in flight"
+        self.channel.send(msg)
+        return self._reply(msg["op"], timeout)
+
+    def _reply(self, op: str, timeout: float) -> dict:
         try:
-            reply = self.channel.request(msg, timeout=timeout)
+            return self.channel.recv(timeout=timeout)
         except TimeoutError:
             raise ServerUnavailable(f"the server on node {self.ctx.task.node} (rank {self.server.rank}) did not "
-                                    f"answer {msg['op']!r} within {timeout:.0f} s") from None
-        return reply
+                                    f"answer {op!r} within {timeout:.0f} s") from None
 
     def wait_ready(self) -> None:
         """The server loads its engine while the trainers load the model: wait for it, bounded."""
@@ -54,14 +60,19 @@ class ServerGenerator:
         else:
             self.sync = ChannelWeightSync(self, bucket)
 
+    def submit(self, prompts: Sequence[Sequence[int]], sampling: Sampling) -> "_ServerGeneration":
+        """Ask the server for completions and return at once; `result()` takes them."""
+        assert self.in_flight is None, "a second generation submitted before the first was taken"
+        self.channel.send({"op": "generate", "prompts": [list(p) for p in prompts], "sampling": sampling})
+        self.in_flight = _ServerGeneration(self)
+        return self.in_flight
+
     def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling) -> list[Completion]:
-        reply = self._request({"op": "generate", "prompts": [list(p) for p in prompts], "sampling": sampling},
-                              self.inf.request_timeout_s)
-        if not reply.get("ok"):
-            raise RuntimeError(f"server on node {self.ctx.task.node} refused to generate: {reply.get('error')}")
-        return reply["completions"]
+        return self.submit(prompts, sampling).result()
 
     def push_weights(self, model, version: int) -> dict:
+        # The sender's sync messages share the channel with generation: none may be in flight.
+        assert self.in_flight is None, "weights pushed while a generation is in flight"
         self.sync.sync(version)
         return dict(getattr(self.sync, "last_traffic", {}))
 
@@ -72,6 +83,24 @@ class ServerGenerator:
             pass
         if self.sync is not None and hasattr(self.sync, "close"):
             self.sync.close()
+
+
+class _ServerGeneration:
+    """A generate request on the channel whose reply has not been read yet."""
+
+    def __init__(self, client: ServerGenerator):
+        self.client = client
+        self.completions: list[Completion] | None = None
+
+    def result(self) -> list[Completion]:
+        if self.completions is None:
+            c = self.client
+            reply = c._reply("generate", c.inf.request_timeout_s)
+            c.in_flight = None
+            if not reply.get("ok"):
+                raise RuntimeError(f"server on node {c.ctx.task.node} refused to generate: {reply.get('error')}")
+            self.completions = reply["completions"]
+        return self.completions
 
 
 class ChannelWeightSync:

@@ -35,10 +35,30 @@ class StaleWeights(RuntimeError):
     """Completions were sampled with other weights than the trainer's current ones."""
 
 
-class Generator(Protocol):
-    """What the trainer loop needs from generation."""
+class PendingGeneration(Protocol):
+    """A generation asked for and not yet taken: `result()` waits for it (bounded)."""
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling) -> list[Completion]:
+    def result(self) -> list[Completion]:
+        ...
+
+
+@dataclass
+class Generated:
+    """A generation that is already done (what a generator that cannot overlap returns)."""
+    completions: list[Completion]
+
+    def result(self) -> list[Completion]:
+        return self.completions
+
+
+class Generator(Protocol):
+    """What the trainer loop needs from generation.
+
+    `submit` may return before the completions exist, so the trainer can train while they are
+    sampled; the trainer takes every pending result before it pushes weights (`push_weights` never
+    runs while a generation is in flight)."""
+
+    def submit(self, prompts: Sequence[Sequence[int]], sampling: Sampling) -> PendingGeneration:
         """len(prompts) * n completions, grouped by prompt (all n of prompt 0 first)."""
 
     def push_weights(self, model, version: int) -> dict:

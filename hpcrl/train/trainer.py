@@ -7,6 +7,12 @@ in-process engine in tests.
 
 Steps count optimizer steps (TRL's global_step). With num_iterations = mu, one generation feeds mu
 optimizer steps; weights are pushed to generation before the next generation is due.
+
+With inference.overlap_generation the next generation is asked for as soon as the current one is
+in hand, so the server samples it while the trainers train: its completions come from the weights
+one generation older than the policy that trains on them (one-step off-policy;
+grpo.vllm_importance_sampling_correction reweights for it). The trainer takes it before pushing
+new weights, so a sync never meets a generation in flight.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from hpcrl.inference.types import Completion, Generator, Sampling, check_version
+from hpcrl.inference.types import Completion, Generator, PendingGeneration, Sampling, check_version
 from hpcrl.launch import faults
 from hpcrl.launch.stop import STOP
 from hpcrl.rundir import FINISHED_MARKER
@@ -50,6 +56,33 @@ class TrainerSetup:
     on_heartbeat: Callable[[int, str], None] | None = None
     collective_timeout_s: float = 600.0
     extra_state: dict = field(default_factory=dict)
+
+
+@dataclass
+class Requested:
+    """A generation asked for: its prompts, the weight version its completions must carry, and the
+    generator's handle until the completions are taken."""
+    batch: data_mod.PromptBatch
+    version: int
+    pending: PendingGeneration | None
+    completions: list[Completion] | None = None
+    wait_s: float = 0.0         # time the trainer was blocked on it: the generation it could not hide
+
+    def take(self) -> list[Completion]:
+        if self.completions is None:
+            t0 = time.perf_counter()
+            completions = self.pending.result()
+            self.wait_s += time.perf_counter() - t0
+            check_version(completions, self.version)
+            self.completions, self.pending = completions, None
+        return self.completions
+
+    def state_dict(self) -> dict:
+        return {"batch": self.batch, "version": self.version, "completions": self.take()}
+
+    @classmethod
+    def from_state(cls, state: dict | None) -> "Requested | None":
+        return None if state is None else cls(state["batch"], state["version"], None, state["completions"])
 
 
 class StopRequested(Exception):
@@ -125,6 +158,8 @@ class Trainer:
         # optimizer steps are done. A checkpoint taken in its middle keeps it, so a resume finishes it.
         self.generation: dict | None = None
         self.last_sync_stats: dict = {}
+        self.overlap = self.r.inference.overlap_generation
+        self.next: Requested | None = None      # asked for ahead of its turn (overlap_generation)
         self.ckpt_dir = Path(self.r.checkpoint.dir or setup.run_dir / "checkpoints")
         self.flag = STOP
 
@@ -143,14 +178,20 @@ class Trainer:
         self.step = int(extra["step"])
         self.sampler.load_state_dict(extra["sampler"])
         self.generation = _to_device(extra.get("generation"), self.s.device)
+        self.next = Requested.from_state(extra.get("next"))
         self.s.log(f"resumed from {latest} at step {self.step}")
         return True
 
     def save(self) -> Path:
         t0 = time.perf_counter()
+        if self.next is not None:
+            self.next.take()
         path = ckpt.save(self.ckpt_dir, self.step, self.s.policy, self.optimizer, self.scheduler,
                          extra={"sampler": self.sampler.state_dict(),
-                                "generation": _to_device(self.generation, torch.device("cpu"))},
+                                "generation": _to_device(self.generation, torch.device("cpu")),
+                                # A generation asked for ahead is kept whole: the sampler is past
+                                # its prompts, and a resume trains on exactly these completions.
+                                "next": None if self.next is None else self.next.state_dict()},
                          keep=self.r.checkpoint.keep,
                          timeout_s=self.s.collective_timeout_s)
         if self.s.trainer_rank == 0:
@@ -158,17 +199,23 @@ class Trainer:
         return path
 
     # ------------------------------------------------------------------ one generation
-    def _generate(self) -> tuple[data_mod.PromptBatch, list[Completion], float]:
+    def _request(self, first_step: int) -> Requested:
+        """Ask for the generation that training starts on at optimizer step `first_step`."""
         idx = next(self.sampler)
         batch = data_mod.make_batch(self.s.dataset, idx, self.s.tokenizer)
         # A seed per (step, rank): generation is reproducible, so a resumed run repeats itself.
         sampling = Sampling(n=self.g.num_generations, max_tokens=self.g.max_completion_length,
                             temperature=self.g.temperature, top_p=self.g.top_p, top_k=self.g.top_k,
-                            seed=self.g.seed * 100_003 + self.step * 1_009 + self.s.trainer_rank)
+                            seed=self.g.seed * 100_003 + first_step * 1_009 + self.s.trainer_rank)
         t0 = time.perf_counter()
-        completions = self.generator.generate(batch.prompt_ids, sampling)
-        check_version(completions, self.weight_version)
-        return batch.repeat(self.g.num_generations), completions, time.perf_counter() - t0
+        pending = self.generator.submit(batch.prompt_ids, sampling)
+        return Requested(batch, self.weight_version, pending, wait_s=time.perf_counter() - t0)
+
+    def _ask_ahead(self, steps_left_in_generation: int) -> None:
+        """Overlap: ask for the next generation now, if the run will train on it."""
+        next_first_step = self.step + steps_left_in_generation
+        if self.overlap and self.next is None and next_first_step < self.g.max_steps:
+            self.next = self._request(next_first_step)
 
     def _score(self, batch, completions) -> tuple[torch.Tensor, torch.Tensor, dict]:
         texts = [c.text for c in completions]
@@ -261,7 +308,12 @@ class Trainer:
             if fresh:
                 if s.on_heartbeat:
                     s.on_heartbeat(self.step, "generating")
-                batch, completions, t_gen = self._generate()
+                requested = self.next or self._request(self.step)
+                self.next = None
+                completions = requested.take()
+                self._ask_ahead(mu)
+                batch, t_gen, lag = requested.batch.repeat(self.g.num_generations), requested.wait_s, \
+                    self.weight_version - requested.version
                 per_func, advantages, rstats = self._score(batch, completions)
                 tensors = pack_batch(batch.prompt_ids, completions, _pad_id(s.tokenizer), s.device)
                 advantages = advantages.to(s.device)
@@ -277,7 +329,8 @@ class Trainer:
                     ref_logps = completion_logps(s.reference, tensors, g.temperature) if s.reference is not None else None
                 t_logps = time.perf_counter() - t_logps0      # counted as training time of the first step
                 self.generation = dict(tensors=tensors, advantages=advantages, old_logps=old_logps,
-                                       ref_logps=ref_logps, gen_tokens=gen_tokens, rstats=rstats, done=0)
+                                       ref_logps=ref_logps, gen_tokens=gen_tokens, rstats=rstats, done=0,
+                                       lag=lag)
             gen = self.generation
             tensors, advantages, old_logps, ref_logps = gen["tensors"], gen["advantages"], gen["old_logps"], gen["ref_logps"]
             gen_tokens, rstats = gen["gen_tokens"], gen["rstats"]
@@ -285,6 +338,7 @@ class Trainer:
             if s.on_heartbeat:
                 s.on_heartbeat(self.step, "training")
             start = gen["done"]
+            self._ask_ahead(mu - start)         # (a resume in the middle of a generation)
             for it in range(start, mu):
                 if self.step >= g.max_steps:
                     break
@@ -299,6 +353,8 @@ class Trainer:
                 if it == mu - 1:
                     self.generation = None      # spent: the next loop generates
                 if last_of_generation and self.step < g.max_steps and (self.step // mu) % self.r.inference.sync_every == 0:
+                    if self.next is not None:
+                        self.next.take()    # the server finishes it before it takes weights
                     t_sync = self._push(self.step)
                 metrics = {
                     "step": self.step, "time": time.time(), **rstats, **m,
@@ -306,6 +362,8 @@ class Trainer:
                     "completion_len_mean": tokens_global / max(1, gen_tokens[1]),
                     "truncated_frac": gen_tokens[2] / max(1, gen_tokens[1]),
                     "learning_rate": current_lr(self.optimizer), "weight_version": self.weight_version,
+                    # How many weight versions the completions trained on are behind the policy.
+                    "off_policy_lag": gen.get("lag", 0),
                     "time_generation_s": t_gen if first else 0.0, "time_train_s": t_train,
                     "time_sync_s": t_sync, "sync_s": t_sync if t_sync else None,
                 }
