@@ -202,4 +202,7 @@ def run_server(ctx) -> int:
     engine = make_engine(ctx, model_dir)
     ctx.log(f"{engine.name} engine ready in {time.perf_counter() - t0:.1f} s on GPU(s) "
             f"{','.join(map(str, ctx.task.gpus))} (cores {','.join(map(str, ctx.task.cores))})")
-    return Server(ctx, engine).serve()
+    code = Server(ctx, engine).serve()
+    if hasattr(engine, "close"):
+        engine.close()
+    return code
