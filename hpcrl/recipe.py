@@ -78,8 +78,13 @@ class GRPOConfig:
     loss_type: str = "dapo"
     scale_rewards: Literal["group", "batch", "none"] = "group"
     mask_truncated_completions: bool = False
+    # Reweights each completion by pi_trainer / pi_sampler (the engine's numerics, and the lag of
+    # inference.overlap_generation). TRL turns it on by default; here it is off, as the demo is tuned.
     vllm_importance_sampling_correction: bool = False
-    vllm_importance_sampling_cap: float = 2.0
+    vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate",
+                                           "sequence_mask"] = "sequence_mask"
+    vllm_importance_sampling_clip_min: Optional[float] = None
+    vllm_importance_sampling_clip_max: Optional[float] = 3.0
     max_steps: int = 200
     warmup_ratio: float = 0.0
     lr_scheduler_type: Literal["constant", "cosine", "linear", "constant_with_warmup"] = "constant"
@@ -95,7 +100,7 @@ class GRPOConfig:
     def validate(self, where: str) -> None:
         positive = ("learning_rate", "per_device_train_batch_size", "gradient_accumulation_steps",
                     "num_generations", "max_completion_length", "temperature", "num_iterations",
-                    "max_steps", "vllm_importance_sampling_cap")
+                    "max_steps")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise UserError(f"{where}.{name}: must be > 0, got {getattr(self, name)}")
@@ -107,6 +112,16 @@ class GRPOConfig:
                 raise UserError(f"{where}.{name}: must be >= 0, got {getattr(self, name)}")
         if self.epsilon_high is not None and self.epsilon_high < 0:
             raise UserError(f"{where}.epsilon_high: must be >= 0, got {self.epsilon_high}")
+        lo, hi = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        if lo is not None and lo < 0:
+            raise UserError(f"{where}.vllm_importance_sampling_clip_min: must be >= 0 or null, got {lo}")
+        if hi is not None and hi <= 0:
+            raise UserError(f"{where}.vllm_importance_sampling_clip_max: must be > 0 or null, got {hi}")
+        if lo is not None and hi is not None and lo >= hi:
+            raise UserError(f"{where}.vllm_importance_sampling_clip_min: must be below clip_max ({hi}), got {lo}")
+        if self.vllm_importance_sampling_mode.endswith("_truncate") and lo is None and hi is None:
+            raise UserError(f"{where}.vllm_importance_sampling_mode: {self.vllm_importance_sampling_mode} needs "
+                            f"vllm_importance_sampling_clip_min or _clip_max")
         if not 0 < self.top_p <= 1:
             raise UserError(f"{where}.top_p: must be in (0, 1], got {self.top_p}")
         if not 0 <= self.warmup_ratio < 1:

@@ -55,7 +55,10 @@ def _recipe(run_dir: str, every: int, mu: int, overlap: bool):
     grpo = GRPOConfig(
         learning_rate=5e-3, per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4,
         max_completion_length=8, beta=0.04, num_iterations=mu, max_steps=N_STEPS, warmup_ratio=0.3,
-        lr_scheduler_type="cosine", max_grad_norm=1.0, weight_decay=0.01, seed=7)
+        lr_scheduler_type="cosine", max_grad_norm=1.0, weight_decay=0.01, seed=7,
+        # Overlapped, the one-step lag is reweighted, with bounds other than the defaults.
+        vllm_importance_sampling_correction=overlap, vllm_importance_sampling_mode="token_truncate",
+        vllm_importance_sampling_clip_min=0.5, vllm_importance_sampling_clip_max=2.0)
     return Recipe(grpo=grpo, checkpoint=CheckpointConfig(every=every, keep=2, dir=str(Path(run_dir) / "ckpt")),
                   inference=InferenceConfig(overlap_generation=overlap))
 
@@ -158,6 +161,10 @@ def test_killed_and_resumed_run_repeats_the_uninterrupted_one(tmp_path, model_di
     # Overlapped, every generation but the first was sampled one weight version behind the policy.
     lags = [a[s]["off_policy_lag"] for s in sorted(a)]
     assert lags == ([0] + [1] * (N_STEPS - 1) if overlap else [0] * N_STEPS), lags
+    if overlap:     # token_truncate at [0.5, 2.0]: every ratio inside the bounds, some moved off 1
+        lo, hi = min(a[s]["sampling/importance_sampling_ratio/min"] for s in a), \
+            max(a[s]["sampling/importance_sampling_ratio/max"] for s in a)
+        assert 0.5 <= lo and hi <= 2.0 and (lo < 0.999 or hi > 1.001), (lo, hi)
     # The run learns something at all: otherwise equal metrics would prove little.
     assert len({round(a[s]["loss"], 9) for s in a}) > 1 and any(a[s]["grad_norm"] > 0 for s in a)
     problems = [f"step {s} (checkpointing run): {d}" for s in range(1, K + 1) for d in _differences(a[s], b[s])]

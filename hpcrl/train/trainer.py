@@ -264,7 +264,8 @@ class Trainer:
             if g.vllm_importance_sampling_correction:
                 weights, is_metrics = grpo.sampling_importance_ratio(
                     old_logps[sl] if old_logps is not None else logps.detach(), batch["sampling_logps"][sl],
-                    batch["completion_mask"][sl], clip_max=g.vllm_importance_sampling_cap)
+                    batch["completion_mask"][sl], mode=g.vllm_importance_sampling_mode,
+                    clip_min=g.vllm_importance_sampling_clip_min, clip_max=g.vllm_importance_sampling_clip_max)
                 _merge(metrics, is_metrics)
             loss, m = grpo.grpo_loss(
                 logps, None if old_logps is None else old_logps[sl],
