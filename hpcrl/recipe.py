@@ -144,7 +144,7 @@ class InferenceConfig:
     sync_every: int = 1             # optimizer steps between weight syncs
     # Sample the next generation while the trainers train on this one (the server's GPU would
     # otherwise idle through training): completions are then one generation behind the policy.
-    # Pair it with grpo.vllm_importance_sampling_correction, which reweights for the lag.
+    # grpo.vllm_importance_sampling_correction reweights for the lag (README: what it did on the demo).
     overlap_generation: bool = False
     sync_bucket_mb: int = 256       # gather/send granularity: bounds the sender's extra memory
     start_timeout_s: float = 600.0  # how long trainers wait for the server to come up
