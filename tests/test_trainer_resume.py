@@ -74,7 +74,7 @@ class _SampledWhenTaken:
 
         class Later:
             def result(self):
-                return inner.generate(prompts, sampling)
+                return inner.submit(prompts, sampling).result()
 
         return Later()
 

@@ -67,9 +67,6 @@ class ServerGenerator:
         self.in_flight = _ServerGeneration(self)
         return self.in_flight
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling) -> list[Completion]:
-        return self.submit(prompts, sampling).result()
-
     def push_weights(self, model, version: int) -> dict:
         # The sender's sync messages share the channel with generation: none may be in flight.
         assert self.in_flight is None, "weights pushed while a generation is in flight"

@@ -77,3 +77,6 @@ class TransformersEngine:
 
     def set_version(self, version: int) -> None:
         self.version = version
+
+    def close(self) -> None:
+        """Nothing to stop: the model lives in this process."""

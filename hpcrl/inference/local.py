@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from hpcrl.inference.types import Completion, Generated, Sampling
+from hpcrl.inference.types import Generated, Sampling
 from hpcrl.sync.gather import iter_buckets, sync_named_params
 
 
@@ -14,12 +14,9 @@ class InProcessGenerator:
         self.engine = engine
         self.bucket_bytes = bucket_bytes
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling) -> list[Completion]:
-        return self.engine.generate(prompts, sampling)
-
     def submit(self, prompts: Sequence[Sequence[int]], sampling: Sampling) -> Generated:
         # The engine shares this process (and its cores): nothing to overlap, generate now.
-        return Generated(self.generate(prompts, sampling))
+        return Generated(self.engine.generate(prompts, sampling))
 
     def push_weights(self, model, version: int) -> dict:
         # Every rank gathers (a collective) and keeps what it gathered: each has its own engine.

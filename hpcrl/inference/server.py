@@ -203,6 +203,5 @@ def run_server(ctx) -> int:
     ctx.log(f"{engine.name} engine ready in {time.perf_counter() - t0:.1f} s on GPU(s) "
             f"{','.join(map(str, ctx.task.gpus))} (cores {','.join(map(str, ctx.task.cores))})")
     code = Server(ctx, engine).serve()
-    if hasattr(engine, "close"):
-        engine.close()
+    engine.close()
     return code

@@ -78,7 +78,8 @@ class Requested:
         return self.completions
 
     def state_dict(self) -> dict:
-        return {"batch": self.batch, "version": self.version, "completions": self.take()}
+        assert self.completions is not None, "a generation in flight cannot be checkpointed: take() it first"
+        return {"batch": self.batch, "version": self.version, "completions": self.completions}
 
     @classmethod
     def from_state(cls, state: dict | None) -> "Requested | None":
@@ -185,7 +186,7 @@ class Trainer:
     def save(self) -> Path:
         t0 = time.perf_counter()
         if self.next is not None:
-            self.next.take()
+            self.next.take()        # a checkpoint keeps completions, never a request in flight
         path = ckpt.save(self.ckpt_dir, self.step, self.s.policy, self.optimizer, self.scheduler,
                          extra={"sampler": self.sampler.state_dict(),
                                 "generation": _to_device(self.generation, torch.device("cpu")),
@@ -313,8 +314,8 @@ class Trainer:
                 self.next = None
                 completions = requested.take()
                 self._ask_ahead(mu)
-                batch, t_gen, lag = requested.batch.repeat(self.g.num_generations), requested.wait_s, \
-                    self.weight_version - requested.version
+                batch = requested.batch.repeat(self.g.num_generations)
+                t_gen, lag = requested.wait_s, self.weight_version - requested.version
                 per_func, advantages, rstats = self._score(batch, completions)
                 tensors = pack_batch(batch.prompt_ids, completions, _pad_id(s.tokenizer), s.device)
                 advantages = advantages.to(s.device)
