@@ -6,7 +6,8 @@ interpreter, which is looked at first; then PATH. Output is streamed and kept in
 
 When a rank fails, mpiexec (hydra) kills the others at once; the failing rank has named itself
 by then (hpcrl.launch.supervisor), which hydra's banner would not. Every rank also bounds its
-own waits (hpcrl.launch.watchdog) for what no launcher sees: a hang, a rank that never arrives.
+waits for what no launcher sees, a rank that never arrives or hangs: the supervisor bounds the
+rendezvous, hpcrl.launch.watchdog every wait after it.
 As a last resort, ranks still running some time after one of them announced a fatal exit are
 stopped, and so are all of them on Ctrl-C.
 
@@ -32,12 +33,13 @@ import uuid
 from pathlib import Path
 
 from hpcrl.errors import UserError
+from hpcrl.launch.supervisor import kill_group
 from hpcrl.rundir import METRICS_FILE
 
 LOG_FILE = "run.log"
 STOP_GRACE_S = 10.0          # after Ctrl-C / SIGTERM: how long ranks get to exit before SIGKILL
 AFTER_FAILURE_GRACE_S = 15.0  # beyond peer_failure_timeout_s, after a rank announced a fatal exit
-# Every fatal message of hpcrl.launch ends so (watchdog.die, the startup guard, main).
+# Every fatal message of hpcrl.launch ends so (watchdog.die, the supervisor, main).
 _FATAL_LINE = re.compile(r"^hpcrl: .*; exiting\s*$")
 
 
@@ -309,7 +311,7 @@ def supervise(cmd: list[str], env: dict, log_path: Path, after_failure_s: float,
         finally:
             for sig, handler in old.items():
                 signal.signal(sig, handler)
-            _kill_group(proc.pid)            # leftovers (engine processes) of a finished launch
+            kill_group(proc.pid)            # leftovers (engine processes) of a finished launch
             for t in pumps:
                 t.join(2.0)
     code = proc.wait()
@@ -323,12 +325,5 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait(STOP_GRACE_S)
     except subprocess.TimeoutExpired:
         pass
-    _kill_group(proc.pid)
+    kill_group(proc.pid)
     proc.wait()
-
-
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass

@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 # The keys a step line carries (the trainer fills them; `rewards/<name>` per reward function too).
 # `hpcrl status` reads step, reward, tokens_per_s and sync_s from the last line.
 METRIC_KEYS = (
-    "step", "time", "reward", "reward_std", "advantage_mean", "advantage_std", "kl", "loss", "clip_ratio",
+    "step", "time", "reward", "reward_std", "frac_reward_zero_std", "advantage_mean", "advantage_std", "kl", "loss", "clip_ratio",
     "completion_len_mean", "tokens_per_s", "sync_s", "time_generation_s", "time_sync_s", "time_train_s",
     "time_wait_s", "learning_rate", "grad_norm", "weight_version",
 )

@@ -165,6 +165,8 @@ def test_killed_and_resumed_run_repeats_the_uninterrupted_one(tmp_path, model_di
         lo, hi = min(a[s]["sampling/importance_sampling_ratio/min"] for s in a), \
             max(a[s]["sampling/importance_sampling_ratio/max"] for s in a)
         assert 0.5 <= lo and hi <= 2.0 and (lo < 0.999 or hi > 1.001), (lo, hi)
+    # TRL's share of groups with no learning signal, averaged over both trainers' groups.
+    assert all(0.0 <= a[s]["frac_reward_zero_std"] <= 1.0 for s in a)
     # The run learns something at all: otherwise equal metrics would prove little.
     assert len({round(a[s]["loss"], 9) for s in a}) > 1 and any(a[s]["grad_norm"] > 0 for s in a)
     problems = [f"step {s} (checkpointing run): {d}" for s in range(1, K + 1) for d in _differences(a[s], b[s])]

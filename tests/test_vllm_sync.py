@@ -437,3 +437,27 @@ def test_checkpoint_route_reloads_the_same_weights(side, tmp_path):
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--fresh"]:
         fresh_engine_main(sys.argv[2])
+
+
+def test_nccl_transport_is_wired_for_a_gpu_node():
+    """The part of the nccl path (the default wherever torch sees a GPU) that runs without one: the
+    sender gets a loopback rendezvous on a free port and the server's tensor-parallel size; the
+    node's other trainers build vLLM's real NCCL trainer engine without joining the group. NCCL
+    itself needs GPUs and is not run here."""
+    import socket
+
+    from hpcrl.inference.client import transport_options
+    from hpcrl.sync import TrainerWeightSync
+
+    assert transport_options("hpcrl_shm", True, 1) == {}
+    sender = transport_options("nccl", True, 2)
+    host, port = sender["nccl_master"]
+    assert host == "127.0.0.1" and sender["server_world_size"] == 2
+    with socket.socket() as s:
+        s.bind((host, port))            # free when chosen
+    other = transport_options("nccl", False, 2)
+    assert other["nccl_master"] is None
+    sync = TrainerWeightSync(torch.nn.Linear(4, 4), None, is_sender=False, backend="nccl", **other)
+    assert sync.engine is not None and not sync.engine.is_sender and sync.engine.model_update_group is None
+    with pytest.raises(ValueError, match="nccl_master"):
+        TrainerWeightSync(torch.nn.Linear(4, 4), lambda msg: {"ok": True}, is_sender=True, backend="nccl")

@@ -4,6 +4,7 @@ weight sync (every trainer gathers; the node's sender streams to the server)."""
 from __future__ import annotations
 
 import os
+import socket
 import time
 from typing import Sequence
 
@@ -12,6 +13,24 @@ from hpcrl.inference.types import Completion, Sampling
 
 class ServerUnavailable(RuntimeError):
     """The node's server did not answer within its bound."""
+
+
+def transport_options(backend: str, is_sender: bool, server_gpus: int) -> dict:
+    """What TrainerWeightSync needs for `backend` beyond the model and the channel.
+
+    nccl (RCCL on ROCm): the sender hosts the group's rendezvous (a TCPStore) and the server's
+    workers join it. Both are on this node, so it listens on loopback, on a port free now (the
+    store binds it moments later). The group is the sender plus the server's tensor-parallel
+    workers; the node's other trainers only take part in the gathers."""
+    if backend != "nccl":
+        return {}
+    return {"nccl_master": ("127.0.0.1", _free_port()) if is_sender else None, "server_world_size": server_gpus}
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class ServerGenerator:
@@ -54,11 +73,21 @@ class ServerGenerator:
 
             token = f"{os.environ.get('SLURM_JOB_ID', 'local')}-n{self.ctx.task.node}-{os.getpid()}"
             node_of_rank = {t.trainer_rank: t.node for t in self.ctx.plan.tasks if t.trainer_rank is not None}
-            self.sync = TrainerWeightSync(self.model, self.channel.request if self.ctx.is_sender else None,
-                                          is_sender=self.ctx.is_sender, backend=default_backend(),
-                                          bucket_bytes=bucket, job_token=token, node_of_rank=node_of_rank)
+            backend = default_backend()
+            self.sync = TrainerWeightSync(self.model, self._notify if self.ctx.is_sender else None,
+                                          is_sender=self.ctx.is_sender, backend=backend, bucket_bytes=bucket,
+                                          job_token=token, node_of_rank=node_of_rank,
+                                          **transport_options(backend, self.ctx.is_sender, self.inf.gpus))
         else:
             self.sync = ChannelWeightSync(self, bucket)
+
+    def _notify(self, msg: dict) -> dict:
+        """The sync's messages to the server (vLLM's engines call this from their own threads)."""
+        try:
+            return self.channel.request(msg, self.inf.request_timeout_s)
+        except TimeoutError:
+            raise ServerUnavailable(f"the server on node {self.ctx.task.node} (rank {self.server.rank}) did not "
+                                    f"answer {msg['op']!r} within {self.inf.request_timeout_s:.0f} s") from None
 
     def submit(self, prompts: Sequence[Sequence[int]], sampling: Sampling) -> "_ServerGeneration":
         """Ask the server for completions and return at once; `result()` takes them."""

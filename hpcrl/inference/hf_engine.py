@@ -1,5 +1,6 @@
 """A transformers engine: the fallback where vLLM is not installed (a laptop, a cluster without a
-vLLM build), and the in-process generator of the trainer's tests. Same interface as the vLLM one."""
+vLLM build), and the in-process generator of the trainer's tests. It generates with one Sampling a
+call and takes weights as tensors (load_weights), where vLLM takes them through its weight-transfer API."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Generation inside the trainer process: every trainer rank owns an engine copy. For tests of the
-training loop and for a machine where no server role runs; a job uses the node's server instead."""
+training loop; a job uses the node's server instead."""
 
 from __future__ import annotations
 

@@ -47,7 +47,6 @@ class TransformersReceiver:
     def __init__(self, engine):
         self.engine = engine
         self.state = "serving"
-        self.open_version = None
 
     @property
     def consistent(self) -> bool:
@@ -56,7 +55,7 @@ class TransformersReceiver:
     def handle(self, msg: dict) -> dict:
         op = msg["op"]
         if op == "weights_start":
-            self.state, self.open_version = "open", msg.get("version")
+            self.state = "open"
         elif op == "weights_bucket":
             if self.state != "open":
                 return {"ok": False, "error": f"bucket without an open sync (state {self.state})"}
@@ -101,26 +100,31 @@ class Server:
 
     # -------------------------------------------------------------- the loop
     def serve(self) -> int:
-        ch = self.ctx.channel
-        trainers = set(ch.expected)
-        timeout = self.ctx.spec.recipe.inference.request_timeout_s
+        trainers = set(self.ctx.channel.expected)
         self.write_health("serving")
         while self.done != trainers:
             if time.time() - self.last_health > HEALTH_EVERY_S:
-                self.write_health("serving" if self.receiver.consistent else "syncing")
-            try:
-                rank, msg = ch.recv_any(timeout=HEALTH_EVERY_S)
-            except TimeoutError:
-                continue
-            except PeerClosed as e:
-                if e.rank in self.done:
-                    continue
-                raise RuntimeError(f"trainer rank {e.rank} closed the channel without saying goodbye") from None
-            self.handle(rank, msg, timeout)
+                # after a failed sync the server refuses to generate until a full one finishes
+                self.write_health({"open": "syncing", "failed": "sync failed"}.get(self.receiver.state, "serving"))
+            received = self._receive(HEALTH_EVERY_S)
+            if received is not None:
+                self.handle(*received)
         self.write_health("finished")
         return 0
 
-    def handle(self, rank: int, msg: dict, timeout: float) -> None:
+    def _receive(self, timeout: float) -> tuple[int, dict] | None:
+        """The next message from any trainer, or None after `timeout`. A trainer may close its end
+        once it has said goodbye; closing it before is a failure the job must end on."""
+        try:
+            return self.ctx.channel.recv_any(timeout=max(0.0, timeout))
+        except TimeoutError:
+            return None
+        except PeerClosed as e:
+            if e.rank in self.done:
+                return None
+            raise RuntimeError(f"trainer rank {e.rank} closed the channel without saying goodbye") from None
+
+    def handle(self, rank: int, msg: dict) -> None:
         op = msg.get("op")
         ch = self.ctx.channel
         if op == "generate":
@@ -142,23 +146,20 @@ class Server:
             ch.reply(rank, {"ok": False, "error": f"unknown request {op!r}"})
 
     def _maybe_generate(self) -> None:
-        """Generate once every trainer still training has asked, or after a short window."""
-        active = set(self.ctx.channel.expected) - self.done
-        if not self.pending:
-            return
-        if set(self.pending) != active:
-            deadline = time.monotonic() + BATCH_WINDOW_S
-            while set(self.pending) != active and time.monotonic() < deadline:
-                try:
-                    rank, msg = self.ctx.channel.recv_any(timeout=max(0.0, deadline - time.monotonic()))
-                except TimeoutError:
-                    break
-                if msg.get("op") == "generate":
-                    self.pending[rank] = msg
-                else:
-                    self.handle(rank, msg, 0)
-                    return
-        self._generate_pending()
+        """Generate once every trainer still training has asked, or after a short window. Other
+        messages that arrive in the window are handled as they come."""
+        deadline = time.monotonic() + BATCH_WINDOW_S
+        while self.pending and set(self.pending) != set(self.ctx.channel.expected) - self.done:
+            received = self._receive(deadline - time.monotonic())
+            if received is None:
+                break
+            rank, msg = received
+            if msg.get("op") == "generate":
+                self.pending[rank] = msg
+            else:
+                self.handle(rank, msg)      # a "done" may generate the batch itself
+        if self.pending:
+            self._generate_pending()
 
     def _generate_pending(self) -> None:
         batch = sorted(self.pending.items())
@@ -202,6 +203,7 @@ def run_server(ctx) -> int:
     engine = make_engine(ctx, model_dir)
     ctx.log(f"{engine.name} engine ready in {time.perf_counter() - t0:.1f} s on GPU(s) "
             f"{','.join(map(str, ctx.task.gpus))} (cores {','.join(map(str, ctx.task.cores))})")
-    code = Server(ctx, engine).serve()
-    engine.close()
-    return code
+    try:
+        return Server(ctx, engine).serve()
+    finally:
+        engine.close()

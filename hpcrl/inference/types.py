@@ -63,7 +63,7 @@ class Generator(Protocol):
 
     def push_weights(self, model, version: int) -> dict:
         """Make generation use `model`'s current weights as `version` (collective over the node's
-        trainers); returns timings."""
+        trainers); returns what the sync measured (the gathers' byte counts; may be empty)."""
 
 
 def check_version(completions: Sequence[Completion], expected: int) -> None:

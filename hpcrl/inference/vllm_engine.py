@@ -4,6 +4,7 @@ generating for the node's trainers and taking weights through vLLM's weight-tran
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Sequence
 
 from hpcrl.inference.types import Completion, Sampling
@@ -52,11 +53,16 @@ class VLLMEngine:
     def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling | Sequence[Sampling]) -> list[Completion]:
         from vllm import SamplingParams
 
-        per_prompt = [sampling] * len(prompts) if isinstance(sampling, Sampling) else list(sampling)
+        # One Sampling for the batch: its seed is spread over the prompts. A Sampling per prompt (the
+        # server's merged batches) already carries each prompt's own seed, whatever its position.
+        if isinstance(sampling, Sampling):
+            per_prompt = [sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + i)
+                          for i in range(len(prompts))]
+        else:
+            per_prompt = list(sampling)
         params = [SamplingParams(n=s.n, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
-                                 top_k=s.top_k if s.top_k > 0 else -1, logprobs=0,
-                                 seed=None if s.seed is None else s.seed + i)
-                  for i, s in enumerate(per_prompt)]
+                                 top_k=s.top_k if s.top_k > 0 else -1, logprobs=0, seed=s.seed)
+                  for s in per_prompt]
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
         completions = []
         for i, out in enumerate(outputs):

@@ -41,7 +41,7 @@ def inject(point: str, rank: int | None) -> None:
         if "exit-before-rendezvous" in wanted:
             os._exit(3)
         if "hang-before-rendezvous" in wanted:
-            time.sleep(1e6)               # the startup guard ends it
+            time.sleep(1e6)               # the supervisor's rendezvous bound ends it
     elif point == "after-rendezvous":
         global _rank
         _rank = rank

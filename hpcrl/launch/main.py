@@ -208,31 +208,13 @@ def run_role(ctx: LaunchContext) -> int:
         if ctx.spec.recipe.mode == "probe":
             from hpcrl.launch import probe
             return probe.run(ctx)
-        entry = role_entry(ctx.role)
-        if entry is None:
-            module_name, func_name = ROLE_ENTRIES[ctx.role]
-            message = f"the trainer is not built yet (no {module_name}:{func_name})"
-            write_line(f"hpcrl: {message}", sys.stderr)
-            ctx.watchdog.fail(message, grace_s=0)
-            return 1
-        return int(entry(ctx) or 0)
+        module_name, func_name = ROLE_ENTRIES[ctx.role]
+        # Imported here: a probe job, and the other role, never pay for torch/vLLM imports they do not use.
+        return int(getattr(importlib.import_module(module_name), func_name)(ctx) or 0)
     except BaseException as e:
         traceback.print_exc()
         _report_failure(ctx, e)
         return 1
-
-
-def role_entry(role: str):
-    """The role's function, or None while it is not written yet. An ImportError from inside an
-    existing module is a bug, not an absence, and propagates."""
-    module_name, func_name = ROLE_ENTRIES[role]
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        if e.name is None or not module_name.startswith(e.name):
-            raise
-        return None
-    return getattr(module, func_name, None)
 
 
 def _report_failure(ctx: LaunchContext, e: BaseException) -> None:

@@ -101,12 +101,12 @@ class Supervisor:
             signal.signal(sig, signal.SIG_IGN)
         if not self._watch_rendezvous():
             self._end_task()
-            _kill_group(self._task)
+            kill_group(self._task)
             return 1
         _, status = os.waitpid(self._task, 0)
         # Orphans of the task (an engine process) would keep the launcher's step, and so the
         # job, alive: on Slurm without cgroups, srun waits for every process holding its output.
-        _kill_group(self._task)
+        kill_group(self._task)
         if os.WIFSIGNALED(status):
             sig = os.WTERMSIG(status)
             if sig not in self._forwarded:
@@ -182,7 +182,8 @@ class Supervisor:
             pass
 
 
-def _kill_group(pgid: int) -> None:
+def kill_group(pgid: int) -> None:
+    """SIGKILL a whole process group (a task and whatever it started); one already gone is fine."""
     try:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):

@@ -28,7 +28,6 @@ from typing import Any, Callable
 
 __all__ = [
     "BACKENDS",
-    "OPS",
     "SyncError",
     "WeightsInconsistentError",
     "default_backend",
@@ -39,7 +38,6 @@ __all__ = [
 ]
 
 BACKENDS = ("hpcrl_shm", "nccl", "ipc")
-OPS = ("weights_init", "weights_start", "weights_update", "weights_finish", "weights_abort")
 Notify = Callable[[dict], Any]
 
 
@@ -79,8 +77,8 @@ class WeightReceiver:
     generate then. A successful ``finish`` records the version (also in vLLM's own weight version)
     and resets the prefix cache, whose entries were computed with the old weights.
 
-    The role should call ``abort()`` when the sending trainer is gone or silent past a timeout
-    between ``begin`` and ``finish``; a ``begin`` while a sync is open aborts the open one first.
+    A sender that dies between ``begin`` and ``finish`` ends the job (the launch's watchdog), and a
+    sender that fails sends ``weights_abort``; a ``begin`` while a sync is open aborts the open one first.
     """
 
     def __init__(self, llm, version: str | None = "initial") -> None:
@@ -241,8 +239,8 @@ class TrainerWeightSync:
     server reports it at init (hpcrl_shm), else as gathered.
 
     ``backend="hpcrl_shm"``: ``ShmWeightSender`` (CPU, tested); ``shm_mode`` "stream" or "rpc".
-    ``backend="nccl"``: vLLM's ``NCCLTrainerWeightTransferEngine`` (RCCL on ROCm); needs
-    ``nccl_master=(address, port)`` for the rendezvous and ``server_world_size`` (TP size).
+    ``backend="nccl"``: vLLM's ``NCCLTrainerWeightTransferEngine`` (RCCL on ROCm); the sender
+    needs ``nccl_master=(address, port)`` for the rendezvous, and ``server_world_size`` (TP size).
     ``backend="ipc"``: vLLM's CUDA-IPC engine; only when the server runs on the sender's GPU.
     The ``nccl`` and ``ipc`` paths are UNTESTED without a GPU.
     """
@@ -295,9 +293,11 @@ class TrainerWeightSync:
         if self.backend == "nccl":
             from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
-            if nccl_master is None:
-                raise ValueError("backend nccl needs nccl_master=(address, port) for the rendezvous")
-            info = NCCLTrainerInitInfo(master_address=nccl_master[0], master_port=nccl_master[1],
+            if nccl_master is None and self.is_sender:
+                raise ValueError("backend nccl needs nccl_master=(address, port) for the rendezvous on the sender")
+            # The other trainers never join the group (vLLM's engine returns before connecting).
+            address, port = nccl_master or ("", 0)
+            info = NCCLTrainerInitInfo(master_address=address, master_port=port,
                                        world_size=1 + server_world_size, packed=True,
                                        packed_buffer_size_bytes=self.bucket_bytes, rank=rank)
         else:

@@ -1,7 +1,7 @@
 """The GRPO training loop of one trainer rank: generate -> reward -> advantages -> loss -> step -> sync.
 
 A plain loop in the manner of torchtitan. Everything it needs comes in through `TrainerSetup`
-(built by `build_setup` from the job spec and the launch context), and it talks to generation only
+(built by `run_trainer` from the job spec and the launch context), and it talks to generation only
 through the `Generator` interface (hpcrl.inference.types): the node's server in a job, an
 in-process engine in tests.
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -34,8 +34,7 @@ from hpcrl.train import checkpoint as ckpt
 from hpcrl.train import data as data_mod
 from hpcrl.train import grpo
 from hpcrl.train.optim import build_optimizer, build_scheduler, clip_grad_norm, current_lr
-from hpcrl.train.rewards import RewardFunction, load_reward_functions, score_completions
-
+from hpcrl.train.rewards import RewardFunction, as_completions, load_reward_functions, score_completions
 
 
 @dataclass
@@ -50,12 +49,10 @@ class TrainerSetup:
     trainer_rank: int
     num_trainers: int
     group: Any = None                # torch.distributed group of all trainers (None = default)
-    stop_tokens: tuple[int, ...] = ()
     log: Callable[[str], None] = print
     on_metrics: Callable[[int, dict], None] | None = None    # rank 0: where a step's metrics go
     on_heartbeat: Callable[[int, str], None] | None = None
     collective_timeout_s: float = 600.0
-    extra_state: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -86,13 +83,8 @@ class Requested:
         return None if state is None else cls(state["batch"], state["version"], None, state["completions"])
 
 
-class StopRequested(Exception):
-    """A signal asked the job to checkpoint and stop (preemption, time limit)."""
-
-
-
-
-def _all_true(flag: bool, group) -> bool:
+def _any_true(flag: bool, group) -> bool:
+    """True on every rank when any rank's flag is raised (a stop request seen by one rank stops all)."""
     t = torch.tensor([1.0 if flag else 0.0])
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return bool(t.item())
@@ -221,16 +213,17 @@ class Trainer:
     def _score(self, batch, completions) -> tuple[torch.Tensor, torch.Tensor, dict]:
         texts = [c.text for c in completions]
         per_func = score_completions(
-            self.rewards, batch.prompts, _as_completions(batch.prompts, texts),
+            self.rewards, batch.prompts, as_completions(batch.prompts, texts),
             [list(c.token_ids) for c in completions], batch.columns)
         # Whole groups live on one rank (spec validation), so advantages are local.
-        advantages, _ = grpo.compute_advantages(per_func, self.g.num_generations,
-                                                [rf.weight for rf in self.rewards], self.g.scale_rewards)
-        stats = self._reward_stats(per_func)
+        advantages, local = grpo.compute_advantages(per_func, self.g.num_generations,
+                                                    [rf.weight for rf in self.rewards], self.g.scale_rewards)
+        stats = self._reward_stats(per_func, local["frac_reward_zero_std"])
         return per_func, advantages, stats
 
-    def _reward_stats(self, per_func: torch.Tensor) -> dict:
-        """Mean/std over all trainers' completions, overall and per reward function."""
+    def _reward_stats(self, per_func: torch.Tensor, frac_zero_std: float) -> dict:
+        """Mean/std over all trainers' completions, overall and per reward function, and the share
+        of completions whose group's rewards were all alike (no learning signal), as TRL logs them."""
         weights = torch.tensor([rf.weight for rf in self.rewards])
         total = grpo.combine_rewards(per_func, weights)
         cols = [total] + [per_func[:, i] for i in range(per_func.shape[1])]
@@ -238,6 +231,7 @@ class Trainer:
         for c in cols:
             ok = ~torch.isnan(c)
             sums += [c[ok].sum().item(), (c[ok] ** 2).sum().item(), ok.sum().item()]
+        sums += [frac_zero_std, 1.0]        # every rank scores as many completions: average over ranks
         sums = _global_sum(sums, self.s.group)
         out = {}
         names = ["reward"] + [f"rewards/{rf.name}" for rf in self.rewards]
@@ -247,6 +241,7 @@ class Trainer:
             out[name] = mean
             if k == 0:
                 out["reward_std"] = math.sqrt(max(0.0, sq / n - mean * mean)) if n else float("nan")
+        out["frac_reward_zero_std"] = sums[-2] / sums[-1]
         return out
 
     # ------------------------------------------------------------------ one optimizer step
@@ -297,10 +292,10 @@ class Trainer:
         mu = g.num_iterations
         resumed = self.resume()
         self.weight_version = self.step
-        if resumed or self.step > 0:
+        if resumed:
             self._push(self.step)        # the server starts from the model directory's weights
         while self.step < g.max_steps:
-            if _all_true(self.flag.raised, s.group):
+            if _any_true(self.flag.raised, s.group):
                 self.save()
                 return "stopped"
             faults.at_step()
@@ -423,13 +418,6 @@ def _pad_id(tokenizer) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
-def _as_completions(prompts: list, texts: list[str]) -> list:
-    """Conversational prompts get conversational completions, as TRL passes them to rewards."""
-    from hpcrl.train.rewards import as_completions
-
-    return as_completions(prompts, texts)
-
-
 # ---------------------------------------------------------------------- the trainer role
 def run_trainer(ctx) -> int:
     """The trainer role's entry (hpcrl.launch): build everything from the job spec, then train."""
@@ -453,7 +441,7 @@ def run_trainer(ctx) -> int:
     policy, reference = load_policy_and_reference(model_dir, ctx.mesh, device, recipe)
     if rank0:
         ctx.log(describe(policy))
-    writer = MetricsWriter(ctx.run_dir, 0 if rank0 else 1, tensorboard=recipe.logging.tensorboard,
+    writer = MetricsWriter(ctx.run_dir, 0, tensorboard=recipe.logging.tensorboard,
                            wandb=recipe.logging.wandb, run_name=recipe.name) if rank0 else None
     generator = ServerGenerator(ctx, policy)
     setup = TrainerSetup(
@@ -467,8 +455,9 @@ def run_trainer(ctx) -> int:
     )
     generator.wait_ready()
     trainer = Trainer(setup, generator)
-    if rank0 and trainer.resume_step_hint() is not None:
-        writer.truncate_after(trainer.resume_step_hint())
+    resume_step = trainer.resume_step_hint() if rank0 else None
+    if resume_step is not None:
+        writer.truncate_after(resume_step)
     try:
         outcome = trainer.run()
     finally:
