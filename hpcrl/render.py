@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
-from importlib import resources
+from pathlib import Path
 
 import jinja2
 
@@ -38,7 +38,7 @@ def _bytecode_cache() -> jinja2.BytecodeCache | None:
 
 
 def _environment() -> jinja2.Environment:
-    loader = jinja2.FileSystemLoader(str(resources.files("hpcrl") / "templates"))
+    loader = jinja2.FileSystemLoader(str(Path(__file__).parent / "templates"))
     env = jinja2.Environment(loader=loader, undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
                              autoescape=False, bytecode_cache=_bytecode_cache())
     env.filters["q"] = lambda v: shlex.quote(str(v))

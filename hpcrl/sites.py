@@ -14,13 +14,15 @@ import os
 import re
 import tomllib
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Literal, Optional
 
 from hpcrl.config import build, closest, deep_merge
 from hpcrl.errors import UserError
 
+# The shipped profiles sit in the package (a plain directory: importlib.resources would cost
+# `hpcrl render` an import it does not need).
+PACKAGE_DIR = Path(__file__).parent
 # A value that ends up on an #SBATCH line or as a bare word in the script must be one token.
 SAFE_WORD = re.compile(r"^[A-Za-z0-9_.+:=,@%/\-]+$")
 # Tables that describe one machine's hardware: an override replaces them whole.
@@ -157,7 +159,7 @@ def parse_cpu_list(text: str, where: str) -> tuple[int, ...]:
 
 
 def site_dirs() -> list[Path]:
-    dirs = [Path(str(resources.files("hpcrl") / "sites"))]
+    dirs = [PACKAGE_DIR / "sites"]
     dirs += [Path(p) for p in os.environ.get("HPCRL_SITES_PATH", "").split(":") if p]
     config_home = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
     dirs.append(config_home / "hpcrl" / "sites")
