@@ -79,7 +79,8 @@ class GRPOConfig:
     scale_rewards: Literal["group", "batch", "none"] = "group"
     mask_truncated_completions: bool = False
     # Reweights each completion by pi_trainer / pi_sampler (the engine's numerics, and the lag of
-    # inference.overlap_generation). TRL turns it on by default; here it is off, as the demo is tuned.
+    # inference.overlap_generation). TRL turns it on by default; here it is off: it costs a forward
+    # pass a step, and in order on matching numerics it changes little (README: what it did on the demo).
     vllm_importance_sampling_correction: bool = False
     vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate",
                                            "sequence_mask"] = "sequence_mask"

@@ -450,14 +450,42 @@ def test_nccl_transport_is_wired_for_a_gpu_node():
     from hpcrl.sync import TrainerWeightSync
 
     assert transport_options("hpcrl_shm", True, 1) == {}
-    sender = transport_options("nccl", True, 2)
+    sender = transport_options("nccl", True, 2, "bfloat16")
     host, port = sender["nccl_master"]
     assert host == "127.0.0.1" and sender["server_world_size"] == 2
+    assert sender["cast_to"] is torch.bfloat16      # the engine's dtype, not the fp32 masters
+    assert transport_options("nccl", True, 1, None)["cast_to"] == "auto"
     with socket.socket() as s:
         s.bind((host, port))            # free when chosen
-    other = transport_options("nccl", False, 2)
+    other = transport_options("nccl", False, 2, "bfloat16")
     assert other["nccl_master"] is None
-    sync = TrainerWeightSync(torch.nn.Linear(4, 4), None, is_sender=False, backend="nccl", **other)
+    model = torch.nn.Linear(4, 4)
+    sync = TrainerWeightSync(model, None, is_sender=False, backend="nccl", **other)
     assert sync.engine is not None and not sync.engine.is_sender and sync.engine.model_update_group is None
+    # A send that failed on the sender before or during its gathers: the sender runs the ones it
+    # left, which the other trainers are inside (each parameter's gather is counted here).
+    import hpcrl.sync.vllm_plugin as plugin
+
+    gathered = []
+
+    def counted(params, cast_to):
+        for name, t in plugin_iter(params, cast_to):
+            gathered.append((name, t.dtype))
+            yield name, t
+
+    plugin_iter, plugin.iter_full_tensors = plugin.iter_full_tensors, counted
+    try:
+        source = sync.source
+        source.new_send()
+        source.finish_gathers()         # it failed before its first gather: a whole pass
+        assert gathered == [("weight", torch.bfloat16), ("bias", torch.bfloat16)]
+        gathered.clear()
+        source.new_send()
+        started = iter(source)
+        next(started)                   # it failed after the first
+        source.finish_gathers()
+        assert [name for name, _ in gathered] == ["weight", "bias"] and next(started, None) is None
+    finally:
+        plugin.iter_full_tensors = plugin_iter
     with pytest.raises(ValueError, match="nccl_master"):
         TrainerWeightSync(torch.nn.Linear(4, 4), lambda msg: {"ok": True}, is_sender=True, backend="nccl")

@@ -15,16 +15,22 @@ class ServerUnavailable(RuntimeError):
     """The node's server did not answer within its bound."""
 
 
-def transport_options(backend: str, is_sender: bool, server_gpus: int) -> dict:
+def transport_options(backend: str, is_sender: bool, server_gpus: int, engine_dtype: str | None = None) -> dict:
     """What TrainerWeightSync needs for `backend` beyond the model and the channel.
 
     nccl (RCCL on ROCm): the sender hosts the group's rendezvous (a TCPStore) and the server's
     workers join it. Both are on this node, so it listens on loopback, on a port free now (the
     store binds it moments later). The group is the sender plus the server's tensor-parallel
-    workers; the node's other trainers only take part in the gathers."""
+    workers; the node's other trainers only take part in the gathers. Weights travel in the
+    engine's dtype (the trainer keeps fp32 masters: half the bytes for a bf16 engine).
+    (hpcrl_shm learns the engine's dtype in its own handshake.)"""
     if backend != "nccl":
         return {}
-    return {"nccl_master": ("127.0.0.1", _free_port()) if is_sender else None, "server_world_size": server_gpus}
+    import torch
+
+    cast_to = getattr(torch, engine_dtype, None) if engine_dtype else None
+    return {"nccl_master": ("127.0.0.1", _free_port()) if is_sender else None, "server_world_size": server_gpus,
+            "cast_to": cast_to if isinstance(cast_to, torch.dtype) else "auto"}
 
 
 def _free_port() -> int:
@@ -40,7 +46,8 @@ class ServerGenerator:
         self.inf = ctx.spec.recipe.inference
         self.channel = ctx.channel
         self.server = ctx.server_task
-        self.engine = None
+        self.engine = None              # the server's engine name and dtype, from its first health reply
+        self.engine_dtype: str | None = None
         self.sync = None
         self.in_flight: _ServerGeneration | None = None
 
@@ -61,7 +68,7 @@ class ServerGenerator:
         """The server loads its engine while the trainers load the model: wait for it, bounded."""
         t0 = time.perf_counter()
         reply = self._request({"op": "health"}, self.inf.start_timeout_s)
-        self.engine = reply["engine"]
+        self.engine, self.engine_dtype = reply["engine"], reply.get("dtype")
         self.ctx.log(f"server on node {self.ctx.task.node} ready ({self.engine}) after "
                      f"{time.perf_counter() - t0:.1f} s of waiting")
         self._make_sync()
@@ -73,11 +80,12 @@ class ServerGenerator:
 
             token = f"{os.environ.get('SLURM_JOB_ID', 'local')}-n{self.ctx.task.node}-{os.getpid()}"
             node_of_rank = {t.trainer_rank: t.node for t in self.ctx.plan.tasks if t.trainer_rank is not None}
-            backend = default_backend()
+            backend = default_backend(self.ctx.device)
             self.sync = TrainerWeightSync(self.model, self._notify if self.ctx.is_sender else None,
                                           is_sender=self.ctx.is_sender, backend=backend, bucket_bytes=bucket,
                                           job_token=token, node_of_rank=node_of_rank,
-                                          **transport_options(backend, self.ctx.is_sender, self.inf.gpus))
+                                          **transport_options(backend, self.ctx.is_sender, self.inf.gpus,
+                                                              self.engine_dtype))
         else:
             self.sync = ChannelWeightSync(self, bucket)
 

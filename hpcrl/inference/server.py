@@ -34,7 +34,7 @@ def make_engine(ctx, model_dir: str):
         from hpcrl.sync import default_backend
 
         return VLLMEngine(model_dir, inf, device=ctx.device, cores=ctx.task.cores,
-                          seed=ctx.spec.recipe.grpo.seed, backend=default_backend())
+                          seed=ctx.spec.recipe.grpo.seed, backend=default_backend(ctx.device))
     from hpcrl.inference.hf_engine import TransformersEngine
 
     device = "cuda" if ctx.device == "cuda" else "cpu"
@@ -137,7 +137,7 @@ class Server:
             ch.reply(rank, reply)
         elif op == "health":
             ch.reply(rank, {"ok": True, "engine": self.engine.name, "weight_version": self.engine.version,
-                            "consistent": self.receiver.consistent})
+                            "consistent": self.receiver.consistent, "dtype": getattr(self.engine, "dtype", None)})
         elif op == "done":
             self.done.add(rank)
             self.pending.pop(rank, None)

