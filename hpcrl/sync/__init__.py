@@ -320,6 +320,12 @@ class TrainerWeightSync:
             if self.client is not None:
                 self.client.pending_version = version
             self.source.new_send()
+            import torch
+
+            if torch.cuda.is_initialized():
+                # vLLM's packed sender gathers on side streams: the optimizer step queued on this
+                # stream must have landed in the shards first.
+                torch.cuda.current_stream().synchronize()
             try:
                 self.engine.send_weights()
             except Exception as exc:
