@@ -91,11 +91,7 @@ class ServerGenerator:
 
     def _notify(self, msg: dict) -> dict:
         """The sync's messages to the server (vLLM's engines call this from their own threads)."""
-        try:
-            return self.channel.request(msg, self.inf.request_timeout_s)
-        except TimeoutError:
-            raise ServerUnavailable(f"the server on node {self.ctx.task.node} (rank {self.server.rank}) did not "
-                                    f"answer {msg['op']!r} within {self.inf.request_timeout_s:.0f} s") from None
+        return self._request(msg, self.inf.request_timeout_s)
 
     def submit(self, prompts: Sequence[Sequence[int]], sampling: Sampling) -> "_ServerGeneration":
         """Ask the server for completions and return at once; `result()` takes them."""

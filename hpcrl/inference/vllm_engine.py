@@ -56,10 +56,9 @@ class VLLMEngine:
 
     @property
     def dtype(self) -> str | None:
-        """What the engine computes in ("bfloat16"): the dtype the trainers send weights in."""
-        config = getattr(getattr(self.llm, "llm_engine", None), "vllm_config", None)
-        dtype = getattr(getattr(config, "model_config", None), "dtype", None)
-        return None if dtype is None else str(dtype).removeprefix("torch.")
+        from hpcrl.sync import llm_dtype
+
+        return llm_dtype(self.llm)
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling | Sequence[Sampling]) -> list[Completion]:
         from vllm import SamplingParams

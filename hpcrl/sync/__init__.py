@@ -32,6 +32,7 @@ __all__ = [
     "WeightsInconsistentError",
     "default_backend",
     "engine_kwargs",
+    "llm_dtype",
     "WeightReceiver",
     "NotifyClient",
     "TrainerWeightSync",
@@ -54,6 +55,13 @@ def default_backend(device: str) -> str:
     site's device, not by asking torch: ``torch.cuda.is_available()`` initializes the driver, and
     a vLLM engine process forked after that cannot use the GPU."""
     return "nccl" if device == "cuda" else "hpcrl_shm"
+
+
+def llm_dtype(llm) -> str | None:
+    """The dtype a ``vllm.LLM`` computes in ("bfloat16"): what the trainers send weights as."""
+    config = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
+    dtype = getattr(getattr(config, "model_config", None), "dtype", None)
+    return None if dtype is None else str(dtype).removeprefix("torch.")
 
 
 def engine_kwargs(backend: str) -> dict:
@@ -104,9 +112,8 @@ class WeightReceiver:
         number of workers (hpcrl_shm's stream mode needs exactly one)."""
         self.llm.init_weight_transfer_engine({"init_info": init_info})
         config = getattr(getattr(self.llm, "llm_engine", None), "vllm_config", None)
-        dtype = getattr(getattr(config, "model_config", None), "dtype", None)
         workers = getattr(getattr(config, "parallel_config", None), "world_size", None)
-        return {"dtype": None if dtype is None else str(dtype).removeprefix("torch."), "workers": workers}
+        return {"dtype": llm_dtype(self.llm), "workers": workers}
 
     def begin(self, version: str | None = None) -> None:
         if self.state == "open":
