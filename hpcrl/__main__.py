@@ -1,3 +1,3 @@
-from hpcrl.cli import main
+from hpcrl.login.cli import main
 
 raise SystemExit(main())

@@ -7,7 +7,7 @@ Registers --jobs real jobs (tiny `sbatch --wrap true` jobs on the testbed) in a 
 then times each command --repeat times and reports medians. Last line:
 worst_cli_over_python_start=X  (the largest ratio; status is held against python start + one squeue)
 Two reference rows (not in X) time a Python start that only imports jinja2, and one that also
-imports hpcrl.spec (the recipe and site dataclasses): the floor under `hpcrl render`.
+imports hpcrl.job.spec (the recipe and site dataclasses): the floor under `hpcrl render`.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def main() -> int:
     env = dict(os.environ, HPCRL_HOME=str(Path(work) / "home"))
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     os.environ["HPCRL_HOME"] = env["HPCRL_HOME"]
-    from hpcrl.registry import Registry
+    from hpcrl.login.registry import Registry
 
     registry = Registry()
     for i in range(args.jobs):
@@ -73,9 +73,9 @@ def main() -> int:
     rendert = timed([*hpcrl, "render", "--site", "testbed"], env, str(render_dir), args.repeat)
     statust = timed([*hpcrl, "status", "-n", str(args.jobs)], env, work, args.repeat)
     # What render cannot go below: a Python start that imports jinja2 (the template engine), and one
-    # that also defines the recipe and site dataclasses (hpcrl.spec). Reference rows, not in X.
+    # that also defines the recipe and site dataclasses (hpcrl.job.spec). Reference rows, not in X.
     jinja = timed([sys.executable, "-c", "import jinja2"], env, work, args.repeat)
-    floor = timed([sys.executable, "-c", "import jinja2, hpcrl.spec"], env, work, args.repeat)
+    floor = timed([sys.executable, "-c", "import jinja2, hpcrl.job.spec"], env, work, args.repeat)
 
     rows = [("python -c pass", py, py, 1.0), ("squeue", squeue, None, None),
             ("hpcrl --help", helpt, py, helpt / py), ("hpcrl render", rendert, py, rendert / py),

@@ -10,8 +10,8 @@ TRL:    trl.GRPOTrainer in a child process, in-process HF `generate`, use_cpu=Tr
         torch threads = all cores; times from a callback (step = interval between step ends) and a
         wrapper around GRPOTrainer._generate (generation).
 
-Both get the same model directory (hpcrl.models.tiny), the same data (hpcrl's demo addition task),
-the same reward function (hpcrl.train.rewards:demo_correct), and the same hyperparameters:
+Both get the same model directory (hpcrl.compute.models.tiny), the same data (hpcrl's demo addition task),
+the same reward function (hpcrl.compute.train.rewards:demo_correct), and the same hyperparameters:
 learning_rate, num_generations, completions per step (= per_device_train_batch_size, one micro-batch,
 gradient_accumulation_steps=1), max_completion_length, temperature, top_p/top_k, beta, epsilon,
 loss_type, scale_rewards, constant LR, max_grad_norm, no weight decay, --precision (fp32 default, or bf16 mixed precision on both), no gradient checkpointing.
@@ -55,7 +55,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-REWARD = "hpcrl.train.rewards:demo_correct"
+REWARD = "hpcrl.compute.train.rewards:demo_correct"
 MIN_TOKENS_ENV = "HPCRL_BENCH_MIN_TOKENS"
 PLUGIN_MODULE = "hpcrl_bench_min_tokens"
 
@@ -279,8 +279,8 @@ def trl_worker(cfg_path: str) -> int:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from hpcrl.train.data import demo_dataset
-    from hpcrl.train.rewards import import_callable
+    from hpcrl.compute.train.data import demo_dataset
+    from hpcrl.compute.train.rewards import import_callable
 
     t_import = time.perf_counter()
     dataset = demo_dataset(n=2000, seed=cfg["seed"])        # what hpcrl's data.path=demo loads
@@ -423,7 +423,7 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps per system run (default 6; quick 3)")
     ap.add_argument("--warmup", type=int, default=None, help="steps skipped per run (default 2; quick 1)")
-    ap.add_argument("--model-size", default=None, help="hpcrl.models.tiny size (default medium)")
+    ap.add_argument("--model-size", default=None, help="hpcrl.compute.models.tiny size (default medium)")
     ap.add_argument("--completion-length", type=int, default=None, help="max_completion_length (default 128; quick 32)")
     ap.add_argument("--prompts", type=int, default=None, help="prompts per step (default 8; quick 4)")
     ap.add_argument("--generations", type=int, default=None, help="completions per prompt (default 8; quick 4)")
@@ -468,7 +468,7 @@ def main(argv=None) -> int:
         ap.error("--systems: a comma-separated list of hpcrl, hpcrl-overlap, trl")
 
     sys.path.insert(0, str(Path(args.hpcrl_src).resolve() if args.hpcrl_src else REPO))
-    from hpcrl.models.tiny import make_tiny_model
+    from hpcrl.compute.models.tiny import make_tiny_model
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_step-", dir="/tmp")).absolute()
     work.mkdir(parents=True, exist_ok=True)

@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-SIZES = {"small": "~10M", "base": "~100M", "large": "~500M"}  # hpcrl.models.tiny sizes
+SIZES = {"small": "~10M", "base": "~100M", "large": "~500M"}  # hpcrl.compute.models.tiny sizes
 
 
 # ---------------------------------------------------------------- trainer ranks (spawned)
@@ -75,9 +75,9 @@ def trainer_rank(rank: int, world: int, init_file: str, model_dir: str, conn, cf
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
 
-    from hpcrl.sync import TrainerWeightSync
-    from hpcrl.sync.checkpoint_route import save_checkpoint
-    from hpcrl.sync.gather import LiveBytes, iter_buckets, param_specs, sync_named_params
+    from hpcrl.compute.sync import TrainerWeightSync
+    from hpcrl.compute.sync.checkpoint_route import save_checkpoint
+    from hpcrl.compute.sync.gather import LiveBytes, iter_buckets, param_specs, sync_named_params
 
     torch.set_num_threads(cfg["threads"])
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -180,7 +180,7 @@ def run_one(size: str, args) -> dict:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     import multiprocessing as mp
 
-    from hpcrl.models.tiny import make_tiny_model
+    from hpcrl.compute.models.tiny import make_tiny_model
 
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -190,8 +190,8 @@ def run_one(size: str, args) -> dict:
 
     from vllm import LLM
 
-    from hpcrl.sync import WeightReceiver, engine_kwargs
-    from hpcrl.sync.checkpoint_route import reload_checkpoint
+    from hpcrl.compute.sync import WeightReceiver, engine_kwargs
+    from hpcrl.compute.sync.checkpoint_route import reload_checkpoint
 
     t = time.perf_counter()
     llm = LLM(model=str(model_dir), dtype="bfloat16", enforce_eager=True, max_model_len=256, seed=0,

@@ -4,10 +4,10 @@
 No generation: every rank builds a fixed batch of "generated" completions (random prompt and
 completion tokens of random lengths and random advantages, seeded by the rank, so rank 0's batch is
 the same at both world sizes), packed by the trainer's own `pack_batch`. The policy (and with the reference on, the reference model) is loaded and sharded by
-hpcrl's FSDP2 code exactly as the trainer does it (hpcrl.train.fsdp: `fully_shard` per decoder layer
+hpcrl's FSDP2 code exactly as the trainer does it (hpcrl.compute.train.fsdp: `fully_shard` per decoder layer
 and root, rank 0 streams the checkpoint); the step is the trainer's: per micro-batch
-`completion_logps` -> `hpcrl.train.grpo.grpo_loss` (dapo, TRL's numerics) -> backward, then
-gradient clipping and AdamW (hpcrl.train.optim). Each rank keeps its own batch of
+`completion_logps` -> `hpcrl.compute.train.grpo.grpo_loss` (dapo, TRL's numerics) -> backward, then
+gradient clipping and AdamW (hpcrl.compute.train.optim). Each rank keeps its own batch of
 `--batch` completions (per_device_train_batch_size: at world size 2 the global batch is twice as big).
 
 World size 1 is one process with all the cores' threads; world size 2 is two gloo processes (a
@@ -113,9 +113,9 @@ def fixed_batch(cfg: dict, seed: int):
     """The trainer's packed batch for `cfg["batch"]` random completions of random prompts."""
     import torch
 
-    from hpcrl.inference.types import Completion
-    from hpcrl.models.tiny import VOCAB_SIZE
-    from hpcrl.train.trainer import pack_batch
+    from hpcrl.compute.inference.types import Completion
+    from hpcrl.compute.models.tiny import VOCAB_SIZE
+    from hpcrl.compute.train.trainer import pack_batch
 
     g = torch.Generator().manual_seed(seed)
     n, groups = cfg["batch"], cfg["batch"] // cfg["num_generations"]
@@ -151,10 +151,10 @@ def _rank_main(rank: int, world: int, cfg: dict, store: str, out_dir: str) -> No
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from hpcrl.recipe import GRPOConfig, Recipe
-    from hpcrl.train import fsdp, grpo
-    from hpcrl.train.optim import build_optimizer, clip_grad_norm
-    from hpcrl.train.trainer import completion_logps
+    from hpcrl.job.recipe import GRPOConfig, Recipe
+    from hpcrl.compute.train import fsdp, grpo
+    from hpcrl.compute.train.optim import build_optimizer, clip_grad_norm
+    from hpcrl.compute.train.trainer import completion_logps
 
     torch.set_num_threads(len(mine))
     torch.manual_seed(0)
@@ -321,7 +321,7 @@ def print_table(title: str, headers: list[str], rows: list[list[str]]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help='the 10M model ("small") instead of the 100M one')
-    parser.add_argument("--size", default=None, help='hpcrl.models.tiny size (default "base", ~100M; --quick: "small")')
+    parser.add_argument("--size", default=None, help='hpcrl.compute.models.tiny size (default "base", ~100M; --quick: "small")')
     parser.add_argument("--batch", type=int, default=None, help="completions per rank and step (default 8)")
     parser.add_argument("--micro", type=int, default=None, help="completions per micro-batch (default: --batch)")
     parser.add_argument("--prompt-len", type=int, default=None, help="longest prompt, tokens (default 16)")
@@ -347,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg["cores"] = cores
     args.work_dir.mkdir(parents=True, exist_ok=True)
 
-    from hpcrl.models.tiny import SIZES, make_tiny_model
+    from hpcrl.compute.models.tiny import SIZES, make_tiny_model
 
     t0 = time.perf_counter()
     model_dir = make_tiny_model(args.work_dir / f"model-{size}", size=size, seed=0)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from conftest import run_to_the_end
 
-from hpcrl.recipe import GRPOConfig
+from hpcrl.job.recipe import GRPOConfig
 
 PY = sys.executable
 MPIEXEC = str(Path(PY).parent / "mpiexec") if (Path(PY).parent / "mpiexec").exists() else shutil.which("mpiexec")

@@ -71,7 +71,7 @@ def test_two_nodes_each_server_synced_by_its_own_sender(testbed, hpcrl, cancel_a
     metrics = _metrics(run_dir)
     assert [m["step"] for m in metrics] == [1, 2, 3]
     assert [m["off_policy_lag"] for m in metrics] == [0, 1, 1]      # sampled one version behind
-    # The job's gathers for each sync (counted in hpcrl.sync.gather.GatherTraffic): none between nodes.
+    # The job's gathers for each sync (counted in hpcrl.compute.sync.gather.GatherTraffic): none between nodes.
     synced = [m for m in metrics if m.get("sync_s")]
     assert len(synced) == 2 and all(m["sync_gathered_bytes_cross_node"] == 0 for m in synced), synced
     health = {int(p.stem.split("-")[1]): json.loads(p.read_text()) for p in (run_dir / ".servers").glob("node-*.json")}
@@ -95,7 +95,7 @@ def _status_line(hpcrl, job_id) -> str:
 
 
 def _latest_checkpoint_step(run_dir: Path) -> int | None:
-    from hpcrl.train import checkpoint
+    from hpcrl.compute.train import checkpoint
 
     latest = checkpoint.latest_checkpoint(run_dir / "checkpoints")
     return None if latest is None else checkpoint.checkpoint_step(latest)

@@ -1,5 +1,5 @@
-"""FSDP2 policy/reference (hpcrl.train.fsdp), AdamW + schedule + clipping (hpcrl.train.optim),
-DCP checkpoints (hpcrl.train.checkpoint) and the run's metrics files (hpcrl.metrics).
+"""FSDP2 policy/reference (hpcrl.compute.train.fsdp), AdamW + schedule + clipping (hpcrl.compute.train.optim),
+DCP checkpoints (hpcrl.compute.train.checkpoint) and the run's metrics files (hpcrl.compute.metrics).
 
 Distributed tests run 2 gloo ranks (spawned processes, a FileStore) on a tiny Qwen2 model. Each
 worker asserts itself; a failing rank's traceback becomes the test failure."""
@@ -21,13 +21,13 @@ from dist_harness import WORLD, spawn  # noqa: E402  (the gloo harness)
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> str:
-    from hpcrl.models.tiny import make_tiny_model
+    from hpcrl.compute.models.tiny import make_tiny_model
 
     return str(make_tiny_model(tmp_path_factory.mktemp("models") / "tiny", size="tiny", seed=0))
 
 
 def _recipe(**grpo):
-    from hpcrl.recipe import GRPOConfig, Recipe, TrainerConfig
+    from hpcrl.job.recipe import GRPOConfig, Recipe, TrainerConfig
 
     trainer = {k: grpo.pop(k) for k in ("reference_offload", "activation_checkpointing") if k in grpo}
     return Recipe(grpo=GRPOConfig(**grpo), trainer=TrainerConfig(**trainer))
@@ -59,7 +59,7 @@ def _max_diff(a: dict, b: dict) -> tuple[float, str]:
 
 
 def _ce_step(model, opt, x, max_norm=1.0):
-    from hpcrl.train.optim import clip_grad_norm
+    from hpcrl.compute.train.optim import clip_grad_norm
 
     loss = model(input_ids=x, labels=x).loss
     loss.backward()
@@ -73,8 +73,8 @@ def _w_step_equivalence(rank, world, model_dir, cases):
     from torch.distributed.tensor import DTensor
     from transformers import AutoModelForCausalLM
 
-    from hpcrl.train.fsdp import load_policy_and_reference
-    from hpcrl.train.optim import build_optimizer
+    from hpcrl.compute.train.fsdp import load_policy_and_reference
+    from hpcrl.compute.train.optim import build_optimizer
 
     cfg = _recipe(learning_rate=1e-3, weight_decay=0.1)
     x = torch.randint(0, 384, (4, 24), generator=torch.Generator().manual_seed(0))
@@ -147,7 +147,7 @@ def test_hsdp_2x2_step_equals_unsharded(tmp_path, model_dir):
 def _w_reference(rank, world, model_dir):
     import torch
 
-    from hpcrl.train import fsdp
+    from hpcrl.compute.train import fsdp
 
     mesh = _mesh((world,))
     cpu = torch.device("cpu")
@@ -202,7 +202,7 @@ def test_reference_model(tmp_path, model_dir):
 def test_mixed_precision_for():
     import torch
 
-    from hpcrl.train.fsdp import mixed_precision_for
+    from hpcrl.compute.train.fsdp import mixed_precision_for
 
     assert mixed_precision_for("cpu", None) == (torch.float32, torch.float32)
     assert mixed_precision_for("cuda", None) == (torch.bfloat16, torch.float32)
@@ -213,8 +213,8 @@ def test_mixed_precision_for():
 def test_schedule_matches_transformers_and_weight_decay_groups():
     import torch
 
-    from hpcrl.recipe import GRPOConfig
-    from hpcrl.train.optim import build_optimizer, build_scheduler, param_groups
+    from hpcrl.job.recipe import GRPOConfig
+    from hpcrl.compute.train.optim import build_optimizer, build_scheduler, param_groups
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
     groups = param_groups(model, 0.1)
@@ -244,8 +244,8 @@ def _train_setup(model_dir, seed_rank):
     import numpy as np
     import torch
 
-    from hpcrl.train.fsdp import load_policy_and_reference
-    from hpcrl.train.optim import build_optimizer, build_scheduler
+    from hpcrl.compute.train.fsdp import load_policy_and_reference
+    from hpcrl.compute.train.optim import build_optimizer, build_scheduler
 
     cfg = _recipe(learning_rate=3e-3, weight_decay=0.1, max_steps=10, warmup_ratio=0.2,
                   lr_scheduler_type="cosine", max_grad_norm=0.5)
@@ -262,7 +262,7 @@ def _train_step(policy, opt, sched, cfg):
     import numpy as np
     import torch
 
-    from hpcrl.train.optim import clip_grad_norm
+    from hpcrl.compute.train.optim import clip_grad_norm
 
     length = random.randint(8, 16)
     x = torch.randint(0, 384, (2, length))
@@ -279,7 +279,7 @@ def _train_step(policy, opt, sched, cfg):
 def _w_ckpt_first_run(rank, world, model_dir, ckpt_dir, out):
     import torch
 
-    from hpcrl.train import checkpoint
+    from hpcrl.compute.train import checkpoint
 
     cfg, policy, opt, sched = _train_setup(model_dir, seed_rank=100 + rank)
     checkpoint.control_group(10)
@@ -311,7 +311,7 @@ def _w_ckpt_first_run(rank, world, model_dir, ckpt_dir, out):
 def _w_ckpt_resume(rank, world, model_dir, ckpt_dir, out):
     import torch
 
-    from hpcrl.train import checkpoint
+    from hpcrl.compute.train import checkpoint
 
     # Different seeds than the first run: only a restored RNG makes the same batches.
     cfg, policy, opt, sched = _train_setup(model_dir, seed_rank=999 + rank)
@@ -341,7 +341,7 @@ def test_checkpoint_resume_is_exact_and_interrupted_save_is_harmless(tmp_path, m
     assert float(took) < 15 and "commit" in message and "rank" in message, message
     assert (ckpt / "step-5.tmp").is_dir() and not (ckpt / "step-5").exists()
     assert (ckpt / "latest").read_text().strip() == "step-3"
-    from hpcrl.train.checkpoint import latest_checkpoint, list_checkpoints
+    from hpcrl.compute.train.checkpoint import latest_checkpoint, list_checkpoints
 
     assert latest_checkpoint(ckpt) == ckpt / "step-3"
     assert [p.name for p in list_checkpoints(ckpt)] == ["step-2", "step-3"]
@@ -352,7 +352,7 @@ def test_checkpoint_resume_is_exact_and_interrupted_save_is_harmless(tmp_path, m
 def _w_hung_rank(rank, world, ckpt_dir, out):
     import torch
 
-    from hpcrl.train import checkpoint
+    from hpcrl.compute.train import checkpoint
 
     checkpoint.control_group(3)
     model = torch.nn.Linear(4, 4)
@@ -375,13 +375,13 @@ def test_save_fails_with_message_when_a_rank_hangs(tmp_path):
     took, _, message = (tmp_path / "hung.txt").read_text().partition(" ")
     assert float(took) < 10, took
     assert "Rank 1" in message and "3 s timeout" in message, message
-    from hpcrl.train.checkpoint import latest_checkpoint
+    from hpcrl.compute.train.checkpoint import latest_checkpoint
 
     assert latest_checkpoint(ckpt) is None
 
 
 def test_latest_checkpoint_falls_back_to_newest_complete(tmp_path):
-    from hpcrl.train.checkpoint import latest_checkpoint
+    from hpcrl.compute.train.checkpoint import latest_checkpoint
 
     for step in (4, 7):
         d = tmp_path / f"step-{step}"
@@ -402,7 +402,8 @@ def test_latest_checkpoint_falls_back_to_newest_complete(tmp_path):
 
 
 def test_metrics_truncate_after_and_rank_zero_only(tmp_path, caplog):
-    from hpcrl.metrics import MetricsWriter, read_metrics
+    from hpcrl.compute.metrics import MetricsWriter
+    from hpcrl.job.rundir import read_metrics
 
     assert MetricsWriter(tmp_path / "other", rank=1).log(1, {"reward": 1.0}) is None
     assert not (tmp_path / "other").exists()
@@ -434,18 +435,18 @@ def test_metrics_truncate_after_and_rank_zero_only(tmp_path, caplog):
 
 
 def test_metrics_lines_survive_a_kill(tmp_path):
-    code = ("import os, sys; from hpcrl.metrics import MetricsWriter; w = MetricsWriter(sys.argv[1], 0)\n"
+    code = ("import os, sys; from hpcrl.compute.metrics import MetricsWriter; w = MetricsWriter(sys.argv[1], 0)\n"
             "for s in range(1, 4): w.log(s, {'reward': s})\n"
             "os._exit(9)")
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], timeout=60)
     assert r.returncode == 9
-    from hpcrl.metrics import read_metrics
+    from hpcrl.job.rundir import read_metrics
 
     assert [m["step"] for m in read_metrics(tmp_path)] == [1, 2, 3]
 
 
 def test_heartbeat_is_whole_json_under_concurrent_rewrites(tmp_path):
-    from hpcrl.metrics import MetricsWriter, read_heartbeat
+    from hpcrl.compute.metrics import MetricsWriter
 
     w = MetricsWriter(tmp_path, rank=0)
     stop = threading.Event()
@@ -474,7 +475,7 @@ def test_heartbeat_is_whole_json_under_concurrent_rewrites(tmp_path):
     stop.set()
     threads[0].join()
     assert not bad, bad[:1]
-    hb = read_heartbeat(tmp_path)
+    hb = json.loads((tmp_path / "heartbeat.json").read_text())
     assert hb["step"] == 149 and hb["pid"] == os.getpid() and hb["servers"]["node0"]["state"] == "ready"
     assert {"time", "step", "phase", "pid", "host", "servers"} <= hb.keys()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["heartbeat.json"], "no temp files left"
@@ -485,7 +486,7 @@ def test_tensorboard_gets_every_numeric_metric(tmp_path):
     pytest.importorskip("tensorboard")      # installed by scripts/install.sh (the test extra)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from hpcrl.metrics import MetricsWriter
+    from hpcrl.compute.metrics import MetricsWriter
 
     w = MetricsWriter(tmp_path, rank=0, tensorboard=True)
     for step in range(1, 4):

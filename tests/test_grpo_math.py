@@ -1,4 +1,4 @@
-"""hpcrl.train.grpo against TRL's own GRPOTrainer code, on identical random inputs.
+"""hpcrl.compute.train.grpo against TRL's own GRPOTrainer code, on identical random inputs.
 
 A real (tiny) GRPOTrainer is built once; each test sets the attributes its branch reads and calls
 TRL's methods themselves (``_generate_and_score_completions``, ``_compute_loss``), stubbing only the
@@ -18,8 +18,8 @@ import torch
 pytest.importorskip("trl")
 transformers = pytest.importorskip("transformers")
 
-from hpcrl.train import grpo  # noqa: E402
-from hpcrl.train.rewards import load_reward_functions, score_completions  # noqa: E402
+from hpcrl.compute.train import grpo  # noqa: E402
+from hpcrl.compute.train.rewards import load_reward_functions, score_completions  # noqa: E402
 
 ATOL = 1e-6
 TEMPERATURE = 0.7  # not 1, so that the temperature handling of the log-probs is exercised
@@ -40,7 +40,7 @@ def trainer(tmp_path_factory):
     import datasets
     from trl import GRPOConfig, GRPOTrainer
 
-    from hpcrl.models.tiny import build_tokenizer
+    from hpcrl.compute.models.tiny import build_tokenizer
 
     tok = build_tokenizer()
     config = transformers.Qwen2Config(

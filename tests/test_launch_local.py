@@ -1,5 +1,5 @@
 """The compute side's start on this machine: mpiexec (the PyPI mpich runtime) runs
-`python -m hpcrl.launch RUN_DIR` as 4 tasks of the local site with 4 fake GPUs (3 trainers +
+`python -m hpcrl.compute.launch RUN_DIR` as 4 tasks of the local site with 4 fake GPUs (3 trainers +
 1 server); each reports its row and what it really got, and failures end every rank within a
 bound, naming the rank at fault. First the parts in-process: wire format, node channel,
 watchdog hub, mesh choice."""
@@ -20,12 +20,13 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl import rundir
-from hpcrl.launch import wire
-from hpcrl.launch.channel import NodeChannel, NodeServerChannel, PeerClosed, socket_name
-from hpcrl.launch.mesh import choose_mesh, count_parameters
-from hpcrl.launch.watchdog import Hub, Peer, Watchdog
-from hpcrl.spec import JobSpec, compose
+from hpcrl.job import rundir
+from hpcrl.compute.launch import wire
+from hpcrl.compute.launch.channel import NodeChannel, NodeServerChannel, PeerClosed, socket_name
+from hpcrl.compute.launch.mesh import choose_mesh, count_parameters
+from hpcrl.compute.launch.watchdog import Hub, Peer, Watchdog
+from hpcrl.job.spec import JobSpec
+from hpcrl.login.compose import compose
 
 PY = sys.executable
 MPIEXEC = str(Path(PY).parent / "mpiexec") if (Path(PY).parent / "mpiexec").exists() else shutil.which("mpiexec")
@@ -225,7 +226,8 @@ def test_parameter_count_from_config_and_safetensors(tmp_path):
 
 # ============================================================================ under mpiexec
 def _make_run_dir(tmp_path, *overrides, nodes=1) -> Path:
-    return rundir.create(_spec(tmp_path, "mode=probe", *overrides, nodes=nodes), None)
+    spec = _spec(tmp_path, "mode=probe", *overrides, nodes=nodes)
+    return rundir.create(spec.run_dir, spec.to_json(), None)
 
 
 def _hpcrl_run(tmp_path, *overrides, nodes=1, env=None, timeout=120):
@@ -238,7 +240,7 @@ def _hpcrl_run(tmp_path, *overrides, nodes=1, env=None, timeout=120):
 
 def _mpiexec(run_dir, n, *flags, env=None, timeout=120, args=None):
     t0 = time.monotonic()
-    cmd = [MPIEXEC, *flags, "-n", str(n), PY, "-m", "hpcrl.launch", str(run_dir)] if args is None else [MPIEXEC, *args]
+    cmd = [MPIEXEC, *flags, "-n", str(n), PY, "-m", "hpcrl.compute.launch", str(run_dir)] if args is None else [MPIEXEC, *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "HPCRL_LAUNCH_ID": uuid.uuid4().hex[:8], **(env or {})})
     return proc, time.monotonic() - t0
@@ -303,7 +305,7 @@ def test_slurm_variables_alone_place_the_same_tasks(tmp_path):
         node, local = divmod(rank, 2)
         args += ["-n", "1", "-env", "SLURM_PROCID", str(rank), "-env", "SLURM_NODEID", str(node),
                  "-env", "SLURM_LOCALID", str(local), "-env", "SLURMD_NODENAME", f"fake{node}",
-                 PY, "-m", "hpcrl.launch", str(run_dir), ":"]
+                 PY, "-m", "hpcrl.compute.launch", str(run_dir), ":"]
     env = {"HPCRL_RENDEZVOUS": "slurm", "SLURM_JOB_ID": str(os.getpid()), "SLURM_STEP_ID": uuid.uuid4().hex[:6],
            "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_STEP_NUM_NODES": "2"}
     proc, _ = _mpiexec(run_dir, 4, env=env, args=args[:-1])
@@ -377,7 +379,7 @@ def test_dry_run_prints_the_command_and_writes_nothing(tmp_path):
     proc = subprocess.run([PY, "-m", "hpcrl", "run", "--dry-run", "--run-dir", str(run_dir)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert "-m hpcrl.launch" in proc.stdout and " -n 2 " in proc.stdout
+    assert "-m hpcrl.compute.launch" in proc.stdout and " -n 2 " in proc.stdout
     assert not run_dir.exists()
 
 

@@ -36,7 +36,7 @@ STEPS = """#!/bin/bash
 #SBATCH --output={run}/job-%j.out
 cd {run}
 SRUN="srun --nodes=2 --ntasks-per-node=4 --cpus-per-task=2 --mpi=pmi2"
-LAUNCH="{py} -u -m hpcrl.launch {run}"
+LAUNCH="{py} -u -m hpcrl.compute.launch {run}"
 step() {{
   name=$1; shift
   start=$(date +%s.%N)

@@ -1,4 +1,4 @@
-"""hpcrl.models.tiny, hpcrl.train.data and hpcrl.train.rewards."""
+"""hpcrl.compute.models.tiny, hpcrl.compute.train.data and hpcrl.compute.train.rewards."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 
-from hpcrl.models import tiny  # noqa: E402
-from hpcrl.train import data, rewards  # noqa: E402
+from hpcrl.compute.models import tiny  # noqa: E402
+from hpcrl.compute.train import data, rewards  # noqa: E402
 
 # --------------------------------------------------------------------------------------------------
 # Tiny models
@@ -107,7 +107,7 @@ def _greedy_accuracy(model_dir) -> float:
 
 
 def test_demo_model_paths_are_warm_or_random(tmp_path):
-    from hpcrl.train.sources import parse_demo_model, resolve_model
+    from hpcrl.compute.train.sources import parse_demo_model, resolve_model
 
     assert parse_demo_model("demo:tiny") == ("tiny", True) and parse_demo_model("demo:") == ("tiny", True)
     assert parse_demo_model("demo:small:random") == ("small", False)
@@ -294,7 +294,7 @@ def test_demo_rewards_prefer_the_right_answer():
 
 def test_load_reward_functions_and_score():
     funcs = rewards.load_reward_functions(
-        [*rewards.DEMO_REWARDS, "hpcrl.train.rewards.demo_format", {"func": lambda completions, **kw: [None, 2.0]}]
+        [*rewards.DEMO_REWARDS, "hpcrl.compute.train.rewards.demo_format", {"func": lambda completions, **kw: [None, 2.0]}]
     )
     assert [f.name for f in funcs] == ["demo_correct", "demo_format", "demo_format", "<lambda>"]
     assert [f.weight for f in funcs] == [1.0, 0.5, 1.0, 1.0]
@@ -317,25 +317,25 @@ def test_async_reward_and_wrong_length():
     "path,kind",
     [
         ("no_such_pkg.mod:f", "ModuleNotFoundError"),
-        ("hpcrl.train.rewards:no_such_func", "AttributeError"),
-        ("hpcrl.train.rewards.no_such_func", "AttributeError"),
+        ("hpcrl.compute.train.rewards:no_such_func", "AttributeError"),
+        ("hpcrl.compute.train.rewards.no_such_func", "AttributeError"),
         ("justaname", "ImportError"),
     ],
 )
 def test_bad_reward_paths_give_one_line_errors(path, kind):
     with pytest.raises(ValueError) as err:
-        rewards.load_reward_functions(["hpcrl.train.rewards:demo_format", {"func": path, "weight": 2}])
+        rewards.load_reward_functions(["hpcrl.compute.train.rewards:demo_format", {"func": path, "weight": 2}])
     msg = str(err.value)
     assert msg.startswith(f"rewards[1].func: cannot import {path!r} ({kind}: ") and "\n" not in msg
 
 
 def test_bad_reward_specs():
     with pytest.raises(ValueError, match=r"rewards\[0\].func: .* is not callable"):
-        rewards.load_reward_functions(["hpcrl.models.tiny:VOCAB_SIZE"])
+        rewards.load_reward_functions(["hpcrl.compute.models.tiny:VOCAB_SIZE"])
     with pytest.raises(ValueError, match=r"rewards\[0\]: unknown keys \['wieght'\]"):
-        rewards.load_reward_functions([{"func": "hpcrl.train.rewards:demo_format", "wieght": 1}])
+        rewards.load_reward_functions([{"func": "hpcrl.compute.train.rewards:demo_format", "wieght": 1}])
     with pytest.raises(ValueError, match=r"rewards\[0\].weight"):
-        rewards.load_reward_functions([{"func": "hpcrl.train.rewards:demo_format", "weight": "heavy"}])
+        rewards.load_reward_functions([{"func": "hpcrl.compute.train.rewards:demo_format", "weight": "heavy"}])
 
 
 def test_trl_reward_functions_work_unchanged():
@@ -403,8 +403,8 @@ def test_vllm_loads_the_tiny_model(tiny_dir, tokenizer, tmp_path):
 
 def test_recipe_knows_every_loss_type_of_the_trainer():
     """The login side validates loss_type without torch: its list must be the trainer's."""
-    from hpcrl.recipe import LOSS_TYPES
-    from hpcrl.train.grpo import LOSS_TYPES as TRAINER_LOSS_TYPES
+    from hpcrl.job.recipe import LOSS_TYPES
+    from hpcrl.compute.train.grpo import LOSS_TYPES as TRAINER_LOSS_TYPES
 
     assert set(LOSS_TYPES) == set(TRAINER_LOSS_TYPES)
 

@@ -11,12 +11,12 @@ from dataclasses import replace
 
 import pytest
 
-from hpcrl import sites
-from hpcrl.cli import main as cli_main
-from hpcrl.launch import pinning, rendezvous
-from hpcrl.launch.pinning import PinningError
-from hpcrl.launch.rendezvous import Identity
-from hpcrl.placement import make_plan
+from hpcrl.login import profiles
+from hpcrl.login.cli import main as cli_main
+from hpcrl.compute.launch import pinning, rendezvous
+from hpcrl.compute.launch.pinning import PinningError
+from hpcrl.compute.launch.rendezvous import Identity
+from hpcrl.job.placement import make_plan
 
 # OLCF Frontier user guide: hardware threads -> GCD. -S 8 reserves the first core of each region.
 FRONTIER_REGION = {4: range(0, 8), 5: range(8, 16), 2: range(16, 24), 3: range(24, 32),
@@ -46,7 +46,7 @@ def _check_common(plan, nodes: int, gpus_per_node: int, server_gpus: int, shared
 
 @pytest.mark.parametrize("nodes", [1, 2, 64])
 def test_frontier_plan_matches_the_node(nodes):
-    plan = make_plan(sites.load("frontier"), nodes)
+    plan = make_plan(profiles.load("frontier"), nodes)
     _check_common(plan, nodes, 8, 1)
     for t in plan.tasks:
         (gpu_region,) = {g: FRONTIER_REGION[g] for g in t.gpus}.values()
@@ -64,7 +64,7 @@ def test_frontier_plan_matches_the_node(nodes):
 
 
 def test_frontier_tensor_parallel_server_takes_one_whole_mi250x():
-    plan = make_plan(sites.load("frontier"), 2, server_gpus=2)
+    plan = make_plan(profiles.load("frontier"), 2, server_gpus=2)
     _check_common(plan, 2, 8, 2)
     server = plan.node_tasks(0)[-1]
     assert server.gpus == (6, 7)
@@ -75,7 +75,7 @@ def test_frontier_tensor_parallel_server_takes_one_whole_mi250x():
 
 @pytest.mark.parametrize("nodes", [1, 2, 64])
 def test_cuda_plan_matches_the_node(nodes):
-    site = sites.load("cuda")
+    site = profiles.load("cuda")
     plan = make_plan(site, nodes)
     _check_common(plan, nodes, 8, 1)
     for t in plan.tasks:
@@ -88,7 +88,7 @@ def test_cuda_plan_matches_the_node(nodes):
 
 
 def test_testbed_plan_gives_the_server_its_own_core():
-    plan = make_plan(sites.load("testbed"), 2)
+    plan = make_plan(profiles.load("testbed"), 2)
     _check_common(plan, 2, 4, 1, shared_cores=True)          # 2 real cores for 8 tasks
     assert [t.cores for t in plan.node_tasks(1)] == [(0,), (0,), (0,), (1,)]
 
@@ -97,14 +97,14 @@ def test_testbed_plan_gives_the_server_its_own_core():
 def test_hpcrl_plan_json_is_the_plan(site, nodes, capsys):
     assert cli_main(["plan", "--site", site, "-N", str(nodes), "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
-    plan = make_plan(sites.load(site), nodes)
+    plan = make_plan(profiles.load(site), nodes)
     assert shown["tasks"] == [json.loads(json.dumps(t.to_dict())) for t in plan.tasks]
     assert shown["senders"] == {str(n): plan.sender_of(n).rank for n in range(nodes)}
 
 
 # ------------------------------------------------------------------------------ pinning
 def test_nvidia_task_sees_exactly_its_gpu_among_what_slurm_gave():
-    site = sites.load("testbed")
+    site = profiles.load("testbed")
     task = make_plan(site, 2).task(6)
     env = {"CUDA_VISIBLE_DEVICES": "0,1,2,3", "ROCR_VISIBLE_DEVICES": "0,1,2,3"}
     assert pinning.gpu_environment(site, task, env) == ({"CUDA_VISIBLE_DEVICES": "2"}, ("ROCR_VISIBLE_DEVICES",))
@@ -115,7 +115,7 @@ def test_nvidia_task_sees_exactly_its_gpu_among_what_slurm_gave():
 
 
 def test_rocm_task_gets_one_mask_and_no_contradicting_variable():
-    site = sites.load("frontier")
+    site = profiles.load("frontier")
     plan = make_plan(site, 1, server_gpus=2)
     env = {"ROCR_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7", "HIP_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7",
            "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
@@ -125,34 +125,34 @@ def test_rocm_task_gets_one_mask_and_no_contradicting_variable():
 
 
 def test_launcher_binding_one_gpu_per_task_is_refused_clearly():
-    site = sites.load("cuda")
+    site = profiles.load("cuda")
     with pytest.raises(PinningError, match=r"--gpu-bind=none"):
         pinning.gpu_environment(site, make_plan(site, 1).task(3), {"CUDA_VISIBLE_DEVICES": "3"})
 
 
 def test_cpu_set_intersects_with_what_the_task_may_use():
-    site = sites.load("cuda")
+    site = profiles.load("cuda")
     task = make_plan(site, 1).task(1)                          # cores 12-23
     cores, dropped = pinning.cpu_set(site, task, allowed=set(range(16, 96)), existing=set(range(96)))
     assert cores == tuple(range(16, 24)) and dropped == tuple(range(12, 16))
 
 
 def test_cpu_set_fails_clearly_on_a_core_the_node_lacks():
-    site = sites.load("frontier")
+    site = profiles.load("frontier")
     task = make_plan(site, 1).task(0)                          # GCD 0: cores 49-55
     with pytest.raises(PinningError, match=r"core\(s\) 49-55, which this node does not have \(it has 0-1\)"):
         pinning.cpu_set(site, task, allowed={0, 1}, existing={0, 1})
 
 
 def test_cpu_set_fails_clearly_when_the_launcher_allows_none_of_them():
-    site = sites.load("cuda")
+    site = profiles.load("cuda")
     task = make_plan(site, 1).task(2)
     with pytest.raises(PinningError, match=r"may only run on 0-3 .*--cpu-bind=none"):
         pinning.cpu_set(site, task, allowed={0, 1, 2, 3}, existing=set(range(96)))
 
 
 def test_local_site_gpu_slots_set_no_variable():
-    site = replace(sites.load("local"), node=replace(sites.load("local").node, gpus=4))
+    site = replace(profiles.load("local"), node=replace(profiles.load("local").node, gpus=4))
     assert pinning.gpu_environment(site, make_plan(site, 1).task(0), {}) == ({}, ())
 
 
@@ -166,7 +166,7 @@ def test_slurm_variables_give_the_plans_row():
     ident = rendezvous.slurm_identity(SLURM_ENV)
     assert (ident.rank, ident.size, ident.node, ident.local_rank, ident.local_size, ident.nodes) == (5, 8, 1, 1, 4, 2)
     assert ident.node_name == "n2" and ident.source == "slurm"
-    assert rendezvous.placement_problem(ident, make_plan(sites.load("testbed"), 2)) is None
+    assert rendezvous.placement_problem(ident, make_plan(profiles.load("testbed"), 2)) is None
     assert rendezvous.launch_id(SLURM_ENV) == "slurm-42.0-r0"
 
 
@@ -200,13 +200,13 @@ def _ident(**kw) -> Identity:
 
 
 def test_missing_tasks_are_named():
-    plan = make_plan(sites.load("testbed"), 2)
+    plan = make_plan(profiles.load("testbed"), 2)
     problem = rendezvous.placement_problem(_ident(size=7), plan)
     assert "started 7 task(s) but the plan has 8" in problem and "missing rank 7 (node 1, server)" in problem
 
 
 def test_cyclic_layout_is_refused_with_the_fix():
-    plan = make_plan(sites.load("testbed"), 2)
+    plan = make_plan(profiles.load("testbed"), 2)
     problem = rendezvous.placement_problem(_ident(rank=1, node=1, local_rank=0), plan)   # srun -m cyclic
     assert "rank 1 landed on node 1" in problem and "--distribution=block" in problem
 

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from conftest import run_to_the_end
 
-from hpcrl import local_run, plot
-from hpcrl.cli import main
-from hpcrl.registry import Registry
+from hpcrl.login import local as local_run, plot
+from hpcrl.login.cli import main
+from hpcrl.login.registry import Registry
 
 pytest.importorskip("matplotlib")
 
@@ -118,7 +118,7 @@ def test_plot_by_registered_job_id_imports_no_torch(tmp_path, hpcrl_home):
     run_dir = make_run(tmp_path / "run", 12)
     with Registry() as reg:
         reg.add("4242", "gsm8k-test", "testbed", run_dir, run_dir / "job.sbatch")
-    code = ("import sys; from hpcrl.cli import main; rc = main(['plot', '4242']); "
+    code = ("import sys; from hpcrl.login.cli import main; rc = main(['plot', '4242']); "
             "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)")
     proc = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=120, env=os.environ.copy())
     assert proc.returncode == 0, proc.stderr

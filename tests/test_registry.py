@@ -1,4 +1,4 @@
-"""hpcrl.registry: a real SQLite file, written by more than one process at a time."""
+"""hpcrl.login.registry: a real SQLite file, written by more than one process at a time."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl.registry import Record, Registry, RegistryError, _on_network_fs, default_path
+from hpcrl.login.registry import Record, Registry, RegistryError, _on_network_fs, default_path
 
 
 @pytest.fixture
@@ -57,7 +57,7 @@ def test_update_state_keeps_the_newest_answer(reg):
 
 
 def test_state_from_slurm_jobinfo_round_trips(reg):
-    from hpcrl.slurm import JobInfo
+    from hpcrl.login.slurm import JobInfo
 
     info = JobInfo("8", name="n", state="FAILED", exit_code=3, signal=0, time_limit_s=300)
     reg.add("8", "n", "s", "/r", "/r/s")

@@ -27,7 +27,7 @@ def test_site_renders_valid_bash(hpcrl, site, nodes):
     assert f"#SBATCH --nodes={nodes}\n" in script
     spec = json.loads((run_dir / "job.json").read_text())
     assert spec["recipe"]["resources"]["nodes"] == nodes and spec["site"]["name"] == site
-    assert "srun --kill-on-bad-exit=1" in script and "-m hpcrl.launch" in script
+    assert "srun --kill-on-bad-exit=1" in script and "-m hpcrl.compute.launch" in script
 
 
 def test_local_site_has_no_script(hpcrl):

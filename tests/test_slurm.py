@@ -1,4 +1,4 @@
-"""hpcrl.slurm: pure parsers on output captured from the Slurm 22.05.8 testbed (tests/data/slurm/),
+"""hpcrl.login.slurm: pure parsers on output captured from the Slurm 22.05.8 testbed (tests/data/slurm/),
 fallbacks driven by fake Slurm commands on PATH, and `slurm`-marked tests against the real testbed."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl import slurm
-from hpcrl.slurm import JobInfo, SlurmError, SlurmUnavailable
+from hpcrl.login import slurm
+from hpcrl.login.slurm import JobInfo, SlurmError, SlurmUnavailable
 
 DATA = Path(__file__).parent / "data" / "slurm"
 
@@ -329,7 +329,7 @@ def test_testbed_controller_unreachable(testbed, tmp_path, monkeypatch):
 def test_no_heavy_imports():
     import subprocess
     import sys
-    code = ("import sys, hpcrl.slurm, hpcrl.registry; "
+    code = ("import sys, hpcrl.login.slurm, hpcrl.login.registry; "
             "print(sorted(m for m in ('torch', 'vllm', 'mpi4py', 'numpy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})

@@ -137,7 +137,7 @@ def test_concurrent_submits_register_every_job(testbed, hpcrl):
 def test_python_api_returns_a_submitit_handle(testbed, hpcrl, monkeypatch):
     """The API submits the same script `hpcrl render` writes and hands back a submitit job."""
     monkeypatch.chdir(hpcrl.work)
-    from hpcrl import api
+    from hpcrl.login import api
 
     job = api.submit(site="testbed", overrides=["mode=probe"], name="api-probe")
     submitted.append(job.job_id)

@@ -1,6 +1,6 @@
-"""Trainer side of a weight sync, without vLLM: the gather (hpcrl.sync.gather: FSDP2 shards on 2
+"""Trainer side of a weight sync, without vLLM: the gather (hpcrl.compute.sync.gather: FSDP2 shards on 2
 gloo ranks -> full tensors, in buckets, bitwise equal to the unsharded model, in one order, within
-the memory bound) and the shared-memory transport (hpcrl.sync.shm) against a stand-in worker."""
+the memory bound) and the shared-memory transport (hpcrl.compute.sync.shm) against a stand-in worker."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from hpcrl.sync.gather import LiveBytes, hf_name, iter_buckets, param_specs, sync_named_params
+from hpcrl.compute.sync.gather import LiveBytes, hf_name, iter_buckets, param_specs, sync_named_params
 
 BUCKET = 20_000  # bytes: small enough that buckets split layers and the embedding is a bucket alone
 
@@ -146,7 +146,7 @@ class FakeServer:
         self.fail_at = None  # raise while applying this slot number
 
     def init_weight_transfer_engine(self, info):
-        from hpcrl.sync.shm import ShmRegion, SignalPipe
+        from hpcrl.compute.sync.shm import ShmRegion, SignalPipe
 
         self.mode_bits = os.stat(info["path"]).st_mode & 0o777
         self.region = ShmRegion.open(info["path"], num_slots=info["num_slots"], slot_bytes=info["slot_bytes"],
@@ -164,7 +164,7 @@ class FakeServer:
             self.received[name] = t.clone()
 
     def update_weights(self, info):
-        from hpcrl.sync.shm import receive_stream
+        from hpcrl.compute.sync.shm import receive_stream
 
         if info["slot"] >= 0:
             self._apply(self.region.read_slot(info["slot"], info["seq"]), info["slot"])
@@ -186,7 +186,7 @@ def _random_buckets(seed=0):
 
 @pytest.mark.parametrize("mode", ["stream", "rpc"])
 def test_shm_transport_round_trip(mode, tmp_path):
-    from hpcrl.sync.shm import ShmWeightSender
+    from hpcrl.compute.sync.shm import ShmWeightSender
 
     server = FakeServer()
     tensors = _random_buckets()
@@ -206,8 +206,8 @@ def test_shm_transport_round_trip(mode, tmp_path):
 def test_shm_stream_failures_are_loud_and_bounded(tmp_path):
     import threading
 
-    from hpcrl.sync import SyncError
-    from hpcrl.sync.shm import ShmWeightSender
+    from hpcrl.compute.sync import SyncError
+    from hpcrl.compute.sync.shm import ShmWeightSender
 
     tensors = _random_buckets()
     buckets = [[(n, t)] for n, t in tensors]
@@ -265,8 +265,8 @@ def _traffic_rank(rank, world, mesh_kind, out_dir):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from hpcrl.sync.gather import GatherTraffic
-    from hpcrl.train.fsdp import apply_fsdp
+    from hpcrl.compute.sync.gather import GatherTraffic
+    from hpcrl.compute.train.fsdp import apply_fsdp
 
     shape, names = ((2, 2), ("replicate", "shard")) if mesh_kind == "hsdp" else ((4,), ("shard",))
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)

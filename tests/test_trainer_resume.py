@@ -1,8 +1,8 @@
 """Resume: a run killed after step k and resumed from its checkpoint in new processes gives, for
 steps k+1..n, the same metrics as an uninterrupted run (issue 4).
 
-Three runs of the real `Trainer` loop (hpcrl.train.trainer) on 2 gloo ranks (tests/dist_harness.py),
-each rank with its own in-process transformers generator (hpcrl.inference.local), a tiny random
+Three runs of the real `Trainer` loop (hpcrl.compute.train.trainer) on 2 gloo ranks (tests/dist_harness.py),
+each rank with its own in-process transformers generator (hpcrl.compute.inference.local), a tiny random
 model, the demo dataset and the demo rewards, a reference model (beta > 0, so KL is in the
 metrics), a cosine schedule with warmup (so the scheduler state matters) and gradient accumulation:
 
@@ -44,13 +44,13 @@ TIMING_KEYS = {"time", "time_generation_s", "time_train_s", "time_sync_s", "sync
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
-    from hpcrl.models.tiny import make_tiny_model
+    from hpcrl.compute.models.tiny import make_tiny_model
 
     return str(make_tiny_model(tmp_path_factory.mktemp("models") / "tiny", size="tiny", seed=0))
 
 
 def _recipe(run_dir: str, every: int, mu: int, overlap: bool):
-    from hpcrl.recipe import CheckpointConfig, GRPOConfig, InferenceConfig, Recipe
+    from hpcrl.job.recipe import CheckpointConfig, GRPOConfig, InferenceConfig, Recipe
 
     grpo = GRPOConfig(
         learning_rate=5e-3, per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4,
@@ -87,12 +87,12 @@ def _w_run(rank, world, model_dir, run_dir, metrics_path, every, mu, overlap, di
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoTokenizer
 
-    from hpcrl.inference.hf_engine import TransformersEngine
-    from hpcrl.inference.local import InProcessGenerator
-    from hpcrl.train import checkpoint as ckpt
-    from hpcrl.train.fsdp import load_policy_and_reference
-    from hpcrl.train.sources import load_dataset
-    from hpcrl.train.trainer import Trainer, TrainerSetup
+    from hpcrl.compute.inference.hf_engine import TransformersEngine
+    from hpcrl.compute.inference.local import InProcessGenerator
+    from hpcrl.compute.train import checkpoint as ckpt
+    from hpcrl.compute.train.fsdp import load_policy_and_reference
+    from hpcrl.compute.train.sources import load_dataset
+    from hpcrl.compute.train.trainer import Trainer, TrainerSetup
 
     torch.manual_seed(seed + rank)
     recipe = _recipe(run_dir, every, mu, overlap)

@@ -72,7 +72,7 @@ def fresh_engine_outputs(model_dir: Path) -> dict:
 
 
 def make_model_dir(out: Path, tied: bool) -> Path:
-    from hpcrl.models.tiny import build_tokenizer, make_tiny_model, model_config
+    from hpcrl.compute.models.tiny import build_tokenizer, make_tiny_model, model_config
 
     if tied:
         return make_tiny_model(out, "tiny", seed=0, dtype="bfloat16")
@@ -141,7 +141,7 @@ class Side:
         from transformers import AutoModelForCausalLM
         from vllm import LLM
 
-        from hpcrl.sync import NotifyClient, WeightReceiver, engine_kwargs
+        from hpcrl.compute.sync import NotifyClient, WeightReceiver, engine_kwargs
 
         self.tied = tied
         self.root = root
@@ -153,14 +153,14 @@ class Side:
         self.sender = self.new_sender(self.client)
 
     def new_sender(self, client, mode: str = "stream"):
-        from hpcrl.sync.gather import param_specs, sync_named_params
-        from hpcrl.sync.shm import ShmWeightSender
+        from hpcrl.compute.sync.gather import param_specs, sync_named_params
+        from hpcrl.compute.sync.shm import ShmWeightSender
 
         largest = max(s.nbytes for s in param_specs(sync_named_params(self.model)))
         return ShmWeightSender(client, BUCKET, largest, mode=mode, stall_timeout_s=60)
 
     def buckets(self, model=None):
-        from hpcrl.sync.gather import iter_buckets, sync_named_params
+        from hpcrl.compute.sync.gather import iter_buckets, sync_named_params
 
         return iter_buckets(sync_named_params(model or self.model), BUCKET, cast_to=torch.bfloat16)
 
@@ -196,7 +196,7 @@ def test_backend_registered(side):
 
 
 def test_interrupted_syncs_refuse_to_serve(side):
-    from hpcrl.sync import NotifyClient, SyncError, WeightsInconsistentError
+    from hpcrl.compute.sync import NotifyClient, SyncError, WeightsInconsistentError
 
     noisy = copy.deepcopy(side.model)  # other weights, so that leftovers would show later
     with torch.no_grad():
@@ -321,8 +321,8 @@ def _fsdp_trainer(rank: int, world: int, init_file: str, model_dir: str, conn, s
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
 
-    from hpcrl.sync import TrainerWeightSync
-    from hpcrl.sync.gather import iter_full_tensors, sync_named_params
+    from hpcrl.compute.sync import TrainerWeightSync
+    from hpcrl.compute.sync.gather import iter_full_tensors, sync_named_params
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -409,7 +409,7 @@ def test_vllm_trainer_api_gives_the_same_weights(side):
     """hpcrl_shm through vLLM's own trainer API (WeightTransferTrainerFactory + WeightSource)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from hpcrl.sync.vllm_plugin import HFWeightSource, HpcrlShmTrainerInitInfo
+    from hpcrl.compute.sync.vllm_plugin import HFWeightSource, HpcrlShmTrainerInitInfo
 
     if not hasattr(side, "fresh"):
         pytest.skip("needs test_sync_matches_fresh_engine first")
@@ -423,7 +423,7 @@ def test_vllm_trainer_api_gives_the_same_weights(side):
 
 
 def test_checkpoint_route_reloads_the_same_weights(side, tmp_path):
-    from hpcrl.sync.checkpoint_route import reload_checkpoint, save_checkpoint
+    from hpcrl.compute.sync.checkpoint_route import reload_checkpoint, save_checkpoint
 
     if not hasattr(side, "fresh"):
         pytest.skip("needs test_sync_matches_fresh_engine first")
@@ -446,8 +446,8 @@ def test_nccl_transport_is_wired_for_a_gpu_node():
     itself needs GPUs and is not run here."""
     import socket
 
-    from hpcrl.inference.client import transport_options
-    from hpcrl.sync import TrainerWeightSync
+    from hpcrl.compute.inference.client import transport_options
+    from hpcrl.compute.sync import TrainerWeightSync
 
     assert transport_options("hpcrl_shm", True, 1) == {}
     sender = transport_options("nccl", True, 2, "bfloat16")
@@ -464,7 +464,7 @@ def test_nccl_transport_is_wired_for_a_gpu_node():
     assert sync.engine is not None and not sync.engine.is_sender and sync.engine.model_update_group is None
     # A send that failed on the sender before or during its gathers: the sender runs the ones it
     # left, which the other trainers are inside (each parameter's gather is counted here).
-    import hpcrl.sync.vllm_plugin as plugin
+    import hpcrl.compute.sync.vllm_plugin as plugin
 
     gathered = []
 

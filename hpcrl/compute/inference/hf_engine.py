@@ -1,0 +1,83 @@
+"""A transformers engine: the fallback where vLLM is not installed (a laptop, a cluster without a
+vLLM build), and the in-process generator of the trainer's tests. It generates with one Sampling a
+call and takes weights as tensors (load_weights), where vLLM takes them through its weight-transfer API."""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+
+from hpcrl.compute.inference.types import Completion, Sampling
+
+
+class TransformersEngine:
+    name = "transformers"
+
+    def __init__(self, model_dir: str, device: str = "cpu", dtype: str = "auto", seed: int = 0):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).to(device).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.device = torch.device(device)
+        self.version = 0
+        self._seed = seed
+        self._calls = 0
+        self._params = dict(self.model.named_parameters())
+        self._tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
+        eos = self.model.generation_config.eos_token_id
+        eos = eos if isinstance(eos, (list, tuple)) else [eos if eos is not None else self.tokenizer.eos_token_id]
+        self.stop_tokens = tuple(t for t in eos if t is not None)
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling) -> list[Completion]:
+        tok = self.tokenizer
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        width = max(len(p) for p in prompts)
+        # Left padding: generation continues every row from the same position.
+        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(list(p))
+            mask[i, width - len(p):] = 1
+        self._calls += 1
+        # A request's own seed alone decides its samples (the trainer makes one per step and rank), so
+        # that a resumed trainer or a restarted engine samples what the first did; without one, the
+        # engine's seed and its call count.
+        seed = sampling.seed if sampling.seed is not None else self._seed * 1_000_003 + self._calls
+        greedy = sampling.temperature == 0
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            out = self.model.generate(
+                input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                do_sample=not greedy, temperature=None if greedy else sampling.temperature,
+                top_p=None if greedy else sampling.top_p, top_k=None if greedy else sampling.top_k,
+                max_new_tokens=sampling.max_tokens, num_return_sequences=sampling.n,
+                output_scores=True, return_dict_in_generate=True, pad_token_id=pad,
+                eos_token_id=list(self.stop_tokens))
+        new = out.sequences[:, width:].cpu()
+        # `scores` are the processed logits (after temperature/top-k/top-p): the sampling distribution.
+        logp = torch.stack(out.scores, dim=1).float().log_softmax(-1).cpu() if out.scores else None
+        completions = []
+        for row in range(new.shape[0]):
+            tokens = new[row].tolist()
+            end = next((i + 1 for i, t in enumerate(tokens) if t in self.stop_tokens), None)
+            kept = tokens[:end] if end else tokens
+            lps = [float(logp[row, i, t]) for i, t in enumerate(kept)] if logp is not None else []
+            completions.append(Completion(row // sampling.n, tuple(kept), tuple(lps),
+                                          tok.decode(kept, skip_special_tokens=True), end is None, self.version))
+        return completions
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in named_tensors:
+            if self._tied and name == "lm_head.weight":
+                continue
+            self._params[name].copy_(tensor)
+
+    def set_version(self, version: int) -> None:
+        self.version = version
+
+    def close(self) -> None:
+        """Nothing to stop: the model lives in this process."""

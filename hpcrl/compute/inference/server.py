@@ -1,0 +1,209 @@
+"""The server role: the node's last GPU(s) generate for the node's trainers and take their weights.
+
+One loop in the role's main thread: take messages from the node channel, answer weight-sync
+messages at once (the sender waits on them), and batch generation requests until every trainer
+of the node has asked (or a short window passes), so the engine sees one large batch per step.
+Completions carry the weight version they were sampled with; between the start of a sync and its
+successful finish (or after a failed one) the server refuses to generate.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from hpcrl.compute.inference.types import Sampling
+from hpcrl.compute.launch.channel import PeerClosed
+
+BATCH_WINDOW_S = 0.05      # after the first request, wait this long for the other trainers'
+HEALTH_EVERY_S = 5.0
+
+
+def make_engine(ctx, model_dir: str):
+    inf = ctx.spec.recipe.inference
+    from hpcrl.compute.inference.vllm_engine import VLLMEngine, vllm_available
+
+    use_vllm = inf.engine == "vllm" or (inf.engine == "auto" and vllm_available())
+    if inf.engine == "vllm" and not vllm_available():
+        raise RuntimeError("inference.engine: vllm is not installed in this environment; "
+                           "install a vLLM build for this site or use inference.engine=transformers")
+    if use_vllm:
+        from hpcrl.compute.sync import default_backend
+
+        return VLLMEngine(model_dir, inf, device=ctx.device, cores=ctx.task.cores,
+                          seed=ctx.spec.recipe.grpo.seed, backend=default_backend(ctx.device))
+    from hpcrl.compute.inference.hf_engine import TransformersEngine
+
+    device = "cuda" if ctx.device == "cuda" else "cpu"
+    return TransformersEngine(model_dir, device=device, dtype=inf.dtype, seed=ctx.spec.recipe.grpo.seed)
+
+
+class TransformersReceiver:
+    """Weight syncs into the transformers engine: buckets arrive as tensors over the channel."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.state = "serving"
+
+    @property
+    def consistent(self) -> bool:
+        return self.state == "serving"
+
+    def handle(self, msg: dict) -> dict:
+        op = msg["op"]
+        if op == "weights_start":
+            self.state = "open"
+        elif op == "weights_bucket":
+            if self.state != "open":
+                return {"ok": False, "error": f"bucket without an open sync (state {self.state})"}
+            self.engine.load_weights(msg["tensors"])
+        elif op == "weights_finish":
+            if self.state != "open":
+                return {"ok": False, "error": f"finish without an open sync (state {self.state})"}
+            self.state = "serving"
+        elif op == "weights_abort":
+            self.state = "failed"
+        else:
+            return {"ok": False, "error": f"unknown weight-sync message {op!r}"}
+        return {"ok": True, "state": self.state}
+
+
+class Server:
+    def __init__(self, ctx, engine):
+        self.ctx = ctx
+        self.engine = engine
+        if engine.name == "vllm":
+            from hpcrl.compute.sync import WeightReceiver
+
+            self.receiver = WeightReceiver(engine.llm, version="0")
+        else:
+            self.receiver = TransformersReceiver(engine)
+        self.pending: dict[int, dict] = {}     # trainer rank -> its generate request
+        self.done: set[int] = set()
+        self.requests = 0
+        self.last_health = 0.0
+        self.health_file = Path(ctx.run_dir) / ".servers" / f"node-{ctx.task.node}.json"
+        self.health_file.parent.mkdir(exist_ok=True)
+
+    # -------------------------------------------------------------- health for `hpcrl status`
+    def write_health(self, state: str) -> None:
+        data = {"node": self.ctx.task.node, "rank": self.ctx.task.rank, "state": state, "engine": self.engine.name,
+                "weight_version": self.engine.version, "requests": self.requests, "time": time.time(),
+                "pid": os.getpid()}
+        tmp = self.health_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, self.health_file)
+        self.last_health = time.time()
+
+    # -------------------------------------------------------------- the loop
+    def serve(self) -> int:
+        trainers = set(self.ctx.channel.expected)
+        self.write_health("serving")
+        while self.done != trainers:
+            if time.time() - self.last_health > HEALTH_EVERY_S:
+                # after a failed sync the server refuses to generate until a full one finishes
+                self.write_health({"open": "syncing", "failed": "sync failed"}.get(self.receiver.state, "serving"))
+            received = self._receive(HEALTH_EVERY_S)
+            if received is not None:
+                self.handle(*received)
+        self.write_health("finished")
+        return 0
+
+    def _receive(self, timeout: float) -> tuple[int, dict] | None:
+        """The next message from any trainer, or None after `timeout`. A trainer may close its end
+        once it has said goodbye; closing it before is a failure the job must end on."""
+        try:
+            return self.ctx.channel.recv_any(timeout=max(0.0, timeout))
+        except TimeoutError:
+            return None
+        except PeerClosed as e:
+            if e.rank in self.done:
+                return None
+            raise RuntimeError(f"trainer rank {e.rank} closed the channel without saying goodbye") from None
+
+    def handle(self, rank: int, msg: dict) -> None:
+        op = msg.get("op")
+        ch = self.ctx.channel
+        if op == "generate":
+            self.pending[rank] = msg
+            self._maybe_generate()
+        elif op and op.startswith("weights_"):
+            reply = self.receiver.handle(msg)
+            if op == "weights_finish" and reply.get("ok"):
+                self.engine.version = int(msg.get("version") or 0)
+            ch.reply(rank, reply)
+        elif op == "health":
+            ch.reply(rank, {"ok": True, "engine": self.engine.name, "weight_version": self.engine.version,
+                            "consistent": self.receiver.consistent, "dtype": getattr(self.engine, "dtype", None)})
+        elif op == "done":
+            self.done.add(rank)
+            self.pending.pop(rank, None)
+            self._maybe_generate()
+        else:
+            ch.reply(rank, {"ok": False, "error": f"unknown request {op!r}"})
+
+    def _maybe_generate(self) -> None:
+        """Generate once every trainer still training has asked, or after a short window. Other
+        messages that arrive in the window are handled as they come."""
+        deadline = time.monotonic() + BATCH_WINDOW_S
+        while self.pending and set(self.pending) != set(self.ctx.channel.expected) - self.done:
+            received = self._receive(deadline - time.monotonic())
+            if received is None:
+                break
+            rank, msg = received
+            if msg.get("op") == "generate":
+                self.pending[rank] = msg
+            else:
+                self.handle(rank, msg)      # a "done" may generate the batch itself
+        if self.pending:
+            self._generate_pending()
+
+    def _generate_pending(self) -> None:
+        batch = sorted(self.pending.items())
+        self.pending.clear()
+        if not self.receiver.consistent:
+            for rank, _ in batch:
+                self.ctx.channel.reply(rank, {"ok": False, "error": "weights are not servable (a sync is open or failed)"})
+            return
+        prompts, samplings, owners = [], [], []
+        for rank, msg in batch:
+            sampling: Sampling = msg["sampling"]
+            for i, p in enumerate(msg["prompts"]):
+                prompts.append(p)
+                # A per-prompt seed keeps each trainer's draws independent of how requests batch.
+                samplings.append(Sampling(sampling.n, sampling.max_tokens, sampling.temperature, sampling.top_p,
+                                          sampling.top_k, None if sampling.seed is None else sampling.seed * 1009 + i))
+                owners.append((rank, i))
+        if self.engine.name == "vllm":
+            completions = self.engine.generate(prompts, samplings)
+        else:   # transformers: one sampling setting per call
+            completions, offset = [], 0
+            for _, msg in batch:
+                out = self.engine.generate(msg["prompts"], msg["sampling"])
+                completions += [replace(c, prompt_index=c.prompt_index + offset) for c in out]
+                offset += len(msg["prompts"])
+        by_rank: dict[int, list] = {rank: [] for rank, _ in batch}
+        for c in completions:
+            rank, i = owners[c.prompt_index]
+            by_rank[rank].append(replace(c, prompt_index=i))
+        self.requests += len(batch)
+        for rank, comps in by_rank.items():
+            self.ctx.channel.reply(rank, {"ok": True, "completions": comps})
+
+
+def run_server(ctx) -> int:
+    from hpcrl.compute.train.sources import resolve_model
+
+    recipe = ctx.spec.recipe
+    model_dir = resolve_model(recipe.model.path, ctx.run_dir, recipe.grpo.seed)
+    t0 = time.perf_counter()
+    engine = make_engine(ctx, model_dir)
+    ctx.log(f"{engine.name} engine ready in {time.perf_counter() - t0:.1f} s on GPU(s) "
+            f"{','.join(map(str, ctx.task.gpus))} (cores {','.join(map(str, ctx.task.cores))})")
+    try:
+        return Server(ctx, engine).serve()
+    finally:
+        engine.close()

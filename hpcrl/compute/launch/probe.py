@@ -1,0 +1,90 @@
+"""recipe.mode = "probe": each task prints one JSON line with its plan row and what it really
+got (host, node, devices, cores, links), after checking the links: an all_reduce among the
+trainers (and inside each mesh dimension) and a round trip with its node's server."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+
+from hpcrl.compute.launch.context import LaunchContext, write_line
+
+GPU_VARIABLES = ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
+
+
+def run(ctx: LaunchContext) -> int:
+    checks = {"channel": _serve(ctx) if ctx.is_server else _echo(ctx)}
+    if ctx.is_trainer:
+        checks["all_reduce"] = _all_reduce(ctx)
+    row = {"hpcrl_probe": 1, "plan": ctx.task.to_dict(), "observed": observe(ctx), "checks": checks}
+    write_line(json.dumps(row, sort_keys=True))
+    return 0 if all(c["ok"] for c in checks.values()) else 1
+
+
+def observe(ctx: LaunchContext) -> dict:
+    ident = ctx.identity
+    out = {
+        "hostname": socket.gethostname(), "node_name": ident.node_name, "source": ident.source,
+        "rank": ident.rank, "node": ident.node, "local_rank": ident.local_rank, "role": ctx.role,
+        "sender": ctx.is_sender, "slurm_nodeid": os.environ.get("SLURM_NODEID"),
+        "slurm_procid": os.environ.get("SLURM_PROCID"),
+        "gpu_env": {v: os.environ[v] for v in GPU_VARIABLES if v in os.environ},
+        "affinity": sorted(os.sched_getaffinity(0)), "dropped_cores": list(ctx.pinning.dropped_cores),
+    }
+    if ctx.mesh_choice is not None:
+        out["mesh"] = {"kind": ctx.mesh_choice.kind, "shape": list(ctx.mesh_choice.shape),
+                       "dims": list(ctx.mesh_choice.dim_names)}
+    return out
+
+
+def _echo(ctx: LaunchContext) -> dict:
+    import torch
+
+    sent = {"op": "echo", "rank": ctx.task.rank,
+            "token_ids": torch.arange(32, dtype=torch.int64) + 1000 * ctx.task.rank,
+            "logprobs": -torch.rand(32), "hidden": torch.randn(4, 8).to(torch.bfloat16)}
+    t0 = time.perf_counter()
+    reply = ctx.channel.request(sent, timeout=ctx.launch.collective_timeout_s)
+    seconds = time.perf_counter() - t0
+    ctx.channel.send({"op": "done"})
+    ok = (reply.get("server_rank") == ctx.task.server_rank
+          and all(torch.equal(reply[k], sent[k]) for k in ("token_ids", "logprobs", "hidden")))
+    return {"ok": ok, "server_rank": reply.get("server_rank"), "seconds": round(seconds, 4)}
+
+
+def _serve(ctx: LaunchContext) -> dict:
+    from hpcrl.compute.launch.channel import PeerClosed
+
+    pending, served = {t.rank for t in ctx.node_trainers}, []
+    while pending:
+        try:
+            rank, msg = ctx.channel.recv_any(timeout=ctx.launch.collective_timeout_s)
+        except PeerClosed as e:
+            if e.rank in pending:
+                raise
+            continue
+        if msg.get("op") == "echo":
+            ctx.channel.reply(rank, {**msg, "server_rank": ctx.task.rank})
+            served.append(rank)
+        elif msg.get("op") == "done":
+            pending.discard(rank)
+    return {"ok": sorted(served) == sorted(t.rank for t in ctx.node_trainers), "served": sorted(served)}
+
+
+def _all_reduce(ctx: LaunchContext) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    device = "cuda" if ctx.device == "cuda" else "cpu"
+    n = ctx.plan.num_trainers
+    total = torch.tensor([float(ctx.task.trainer_rank + 1)], device=device)
+    dist.all_reduce(total)
+    result = {"ok": total.item() == n * (n + 1) / 2, "sum": total.item(), "world": dist.get_world_size()}
+    for dim, size in zip(ctx.mesh_choice.dim_names, ctx.mesh_choice.shape):
+        one = torch.ones(1, device=device)
+        dist.all_reduce(one, group=ctx.mesh.get_group(dim))
+        result[f"mesh_{dim}"] = one.item()
+        result["ok"] = result["ok"] and one.item() == size
+    return result

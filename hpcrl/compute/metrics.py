@@ -1,0 +1,223 @@
+"""What a run reports while it trains: ``metrics.jsonl`` (one line per step) and ``heartbeat.json``.
+
+Only trainer rank 0 writes (on other ranks every method is a no-op, so callers need no ``if``).
+
+- ``<run_dir>/metrics.jsonl``: one JSON object per optimizer step, appended, flushed and fsynced
+  line by line, so a killed job keeps every step it finished. On resume, :meth:`MetricsWriter.truncate_after`
+  drops the lines past the checkpoint's step, so that each step appears exactly once.
+- ``<run_dir>/heartbeat.json``: rewritten atomically (temp file + ``os.replace``), so a reader
+  (``hpcrl status``) always sees a whole file: time, step, phase, pid, host, and per-node server health.
+- Optional TensorBoard (``torch.utils.tensorboard``, only if ``tensorboard`` is installed) and W&B in
+  offline mode (only if ``wandb`` is installed); either missing gives a one-line warning.
+
+Importable without torch (the login side reads the same file names).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import math
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+from hpcrl.job.rundir import HEARTBEAT_FILE, METRICS_FILE
+
+log = logging.getLogger(__name__)
+
+_counter = 0
+_counter_lock = threading.Lock()
+
+
+def _plain(value: Any) -> Any:
+    """JSON-safe: tensors/numpy scalars -> numbers, non-finite floats -> None (strict JSON has no NaN)."""
+    if hasattr(value, "item") and callable(value.item):
+        try:
+            value = value.item()
+        except (ValueError, RuntimeError):
+            value = value.tolist()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _write_atomic(path: Path, text: str, fsync: bool = True) -> None:
+    """Whole-file rewrite that a concurrent reader never sees half done (unique temp per writer)."""
+    global _counter
+    with _counter_lock:
+        _counter += 1
+        n = _counter
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.{n}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+class MetricsWriter:
+    """Per-step metrics and the heartbeat of one run; active on trainer rank 0 only.
+
+    ``tensorboard``/``wandb``: also log there (``<run_dir>/tensorboard``, ``<run_dir>/wandb`` offline),
+    if the package is importable. ``config``: a plain dict W&B records with the run.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, rank: int, *, tensorboard: bool = False, wandb: bool = False,
+                 run_name: Optional[str] = None, config: Optional[Mapping[str, Any]] = None) -> None:
+        self.run_dir = Path(run_dir)
+        self.rank = rank
+        self.active = rank == 0
+        self.metrics_path = self.run_dir / METRICS_FILE
+        self.heartbeat_path = self.run_dir / HEARTBEAT_FILE
+        self._lock = threading.Lock()
+        self._file = None
+        self._host = socket.gethostname()
+        self._want_tb = tensorboard
+        self._want_wandb = wandb
+        self._run_name = run_name
+        self._config = dict(config or {})
+        self._tb = None
+        self._wandb = None
+        self._purge_step: Optional[int] = None
+        self._backends_started = False
+        if self.active:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+
+    # -- metrics.jsonl ------------------------------------------------------------------------
+
+    def _open(self):
+        if self._file is None:
+            self._file = open(self.metrics_path, "a", encoding="utf-8")
+        return self._file
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> Optional[dict]:
+        """Append one line for ``step`` (adds ``step``, ``time``; ``sync_s`` from ``time_sync_s``).
+
+        Returns the record written (None off rank 0).
+        """
+        if not self.active:
+            return None
+        record: dict[str, Any] = {"step": int(step), "time": time.time()}
+        record.update(_plain(dict(metrics)))
+        record["step"] = int(step)
+        if "sync_s" not in record and "time_sync_s" in record:
+            record["sync_s"] = record["time_sync_s"]
+        line = json.dumps(record, separators=(",", ":")) + "\n"
+        with self._lock:
+            f = self._open()
+            f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
+        self._log_backends(record)
+        return record
+
+    def truncate_after(self, step: int) -> int:
+        """Drop lines with ``step`` > ``step`` (and torn lines, and earlier duplicates of a step).
+
+        Call on resume from a checkpoint of ``step``, before logging. Returns the lines dropped.
+        """
+        if not self.active:
+            return 0
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+            try:
+                lines = self.metrics_path.read_text(encoding="utf-8").splitlines()
+            except FileNotFoundError:
+                lines = []
+            kept: dict[Any, str] = {}
+            for i, line in enumerate(lines):
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                s = rec.get("step") if isinstance(rec, dict) else None
+                if isinstance(s, int) and s > step:
+                    continue
+                # The last line of a step wins; lines without a step keep their place.
+                key = ("step", s) if isinstance(s, int) else ("line", i)
+                kept.pop(key, None)
+                kept[key] = line
+            text = "".join(v + "\n" for v in kept.values())
+            if lines or self.metrics_path.exists():
+                _write_atomic(self.metrics_path, text)
+            self._purge_step = step + 1
+        return len(lines) - len(kept)
+
+    # -- heartbeat.json -----------------------------------------------------------------------
+
+    def heartbeat(self, step: int, phase: str, servers: Optional[Mapping[str, Any]] = None, **extra: Any) -> None:
+        """Rewrite ``heartbeat.json``: time, step, phase, pid, host, ``servers`` (node -> health dict)."""
+        if not self.active:
+            return
+        record = {"time": time.time(), "step": int(step), "phase": phase, "pid": os.getpid(), "host": self._host,
+                  "servers": _plain(dict(servers or {}))}
+        record.update(_plain(extra))
+        _write_atomic(self.heartbeat_path, json.dumps(record, indent=1) + "\n", fsync=False)
+
+    # -- TensorBoard / W&B --------------------------------------------------------------------
+
+    def _start_backends(self) -> None:
+        self._backends_started = True
+        if self._want_tb:
+            if importlib.util.find_spec("tensorboard") is None:
+                log.warning("logging.tensorboard: the tensorboard package is not installed; not logging to TensorBoard")
+            else:
+                from torch.utils.tensorboard import SummaryWriter
+                self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=self._purge_step)
+        if self._want_wandb:
+            if importlib.util.find_spec("wandb") is None:
+                log.warning("logging.wandb: the wandb package is not installed; not logging to W&B")
+            else:
+                import wandb
+                self._wandb = wandb.init(mode="offline", dir=str(self.run_dir), name=self._run_name,
+                                         config=self._config)
+
+    def _log_backends(self, record: Mapping[str, Any]) -> None:
+        if not self._backends_started:
+            self._start_backends()
+        step = record["step"]
+        scalars = {k: v for k, v in record.items()
+                   if k not in ("step", "time") and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if self._tb is not None:
+            for k, v in scalars.items():
+                self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+    def __enter__(self) -> "MetricsWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

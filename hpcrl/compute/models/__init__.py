@@ -1,0 +1,1 @@
+"""Locally built models (no hub downloads): see :mod:`hpcrl.compute.models.tiny`."""

@@ -1,0 +1,319 @@
+"""FSDP2 in one place: how the policy and the reference model are sharded and loaded.
+
+Modelled on torchtitan's ``apply_fsdp``: ``fully_shard`` each decoder layer, then the root (which
+takes what is left: embeddings, the final norm, the LM head; tied embeddings stay in one group).
+A 1-D mesh fully shards; a 2-D ``("replicate", "shard")`` mesh is HSDP (FSDP2 shards over the last
+dimension and all-reduces gradients over the first).
+
+Loading never materialises the model on every rank: all ranks build it on the meta device and
+shard it, then rank 0 reads the Hugging Face checkpoint and streams it tensor by tensor
+(``broadcast``); every rank keeps only its own slice. Non-persistent buffers (rotary ``inv_freq``)
+travel the same way, so nothing is left uninitialised by ``to_empty``.
+
+Numerics: the policy's master weights are fp32 (so is the optimizer). With bf16 the layers compute in
+bf16 (``MixedPrecisionPolicy``) and gradients are reduced in fp32. The reference model has no optimizer
+and no gradients: with bf16 it is *stored* in bf16, which gives the same forward as an fp32 copy cast
+to bf16 at every all-gather, in half the memory.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+__all__ = [
+    "mixed_precision_for",
+    "decoder_layers",
+    "enable_activation_checkpointing",
+    "apply_fsdp",
+    "load_sharded_model",
+    "load_policy_and_reference",
+    "local_param_bytes",
+    "global_param_bytes",
+    "param_devices",
+    "is_offloaded",
+    "describe",
+]
+
+log = logging.getLogger(__name__)
+
+
+def mixed_precision_for(device_type: str, bf16: Optional[bool]) -> tuple[torch.dtype, torch.dtype]:
+    """``(param_dtype, reduce_dtype)`` for a recipe's ``grpo.bf16``.
+
+    None (auto): bf16 compute with fp32 gradient reduction on an accelerator, fp32 on CPU.
+    True: bf16/fp32 anywhere (CPU included). False: fp32/fp32.
+    """
+    if bf16 is None:
+        bf16 = device_type != "cpu"
+    return (torch.bfloat16, torch.float32) if bf16 else (torch.float32, torch.float32)
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated transformer blocks of a Hugging Face causal LM (``model.model.layers``).
+
+    Falls back to the classes the model names in ``_no_split_modules`` (what HF's own device_map
+    and accelerate's FSDP auto-wrap use) for architectures that keep their layers elsewhere.
+    """
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if isinstance(layers, (nn.ModuleList, nn.ModuleDict)):
+        return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    found = [m for m in model.modules() if type(m).__name__ in names]
+    if not found:
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__}: "
+                         f"no model.model.layers and no _no_split_modules")
+    return found
+
+
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each decoder layer's activations in backward (non-reentrant checkpointing).
+
+    Uses the model's own Hugging Face switch, which keeps parameter names unchanged (a
+    ``checkpoint_wrapper`` would add ``_checkpoint_wrapped_module.`` to every name, and the names are
+    what the weight sync and checkpoints are keyed by). FSDP2's hooks run inside the checkpointed
+    region, so the recomputation re-gathers the layer's parameters like the backward does.
+    """
+    enable = getattr(model, "gradient_checkpointing_enable", None)
+    if enable is None:
+        raise ValueError(f"{type(model).__name__} has no gradient_checkpointing_enable()")
+    enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if getattr(model, "config", None) is not None:
+        model.config.use_cache = False
+
+
+def apply_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    param_dtype: Optional[torch.dtype] = None,
+    reduce_dtype: Optional[torch.dtype] = None,
+    reshard_after_forward: bool = True,
+    activation_checkpointing: bool = False,
+    offload: bool = False,
+) -> nn.Module:
+    """Shard ``model`` in place: each decoder layer, then the root. Returns the model.
+
+    ``mesh``: 1-D = full sharding; 2-D (replicate, shard) = HSDP. ``param_dtype``/``reduce_dtype``:
+    compute and gradient-reduction dtypes (None or the parameters' own dtype = no casting).
+    ``offload``: FSDP2's ``CPUOffloadPolicy`` (sharded parameters, gradients and optimizer state
+    live in host memory; each layer is copied to the device for its all-gather).
+    """
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"apply_fsdp: mesh must be 1-D (fsdp) or 2-D (replicate, shard), got {mesh.ndim}-D")
+    if activation_checkpointing:
+        enable_activation_checkpointing(model)
+    orig_dtypes = {p.dtype for p in model.parameters()}
+    if param_dtype in orig_dtypes and len(orig_dtypes) == 1:
+        param_dtype = None          # no cast: the policy stays the identity
+    if reduce_dtype is not None and param_dtype is None and reduce_dtype in orig_dtypes:
+        reduce_dtype = None
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    offload_policy: OffloadPolicy = OffloadPolicy()
+    if offload:
+        # Pinned host memory needs an accelerator; on a CPU-only machine it cannot be had.
+        offload_policy = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu")
+    kw: dict[str, Any] = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+    for layer in decoder_layers(model):
+        fully_shard(layer, reshard_after_forward=reshard_after_forward, **kw)
+    # The root keeps the embeddings / norm / head. Resharding it after forward matters for a
+    # forward-only model (the reference): nothing would free it otherwise until the next forward.
+    fully_shard(model, reshard_after_forward=reshard_after_forward, **kw)
+    return model
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+
+
+def _named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and ALL buffers (non-persistent ones too), tied names deduplicated."""
+    out: dict[str, torch.Tensor] = dict(model.named_parameters())
+    out.update(model.named_buffers())
+    return out
+
+
+@torch.no_grad()
+def _stream_from_rank0(model: nn.Module, source: Optional[nn.Module], comm_device: torch.device,
+                       group: Optional[dist.ProcessGroup]) -> None:
+    """Copy ``source`` (a full model, on group rank 0 only) into the sharded ``model`` on every rank.
+
+    One broadcast per tensor, so the extra memory is one full tensor at a time. Each rank keeps the
+    slice its DTensor placement owns (``distribute_tensor(..., src_data_rank=None)`` slices locally).
+    """
+    rank0 = dist.get_rank(group) == 0
+    targets = _named_tensors(model)
+    header: list[Any] = [None]
+    if rank0:
+        src = _named_tensors(source)
+        missing = sorted(set(targets) - set(src))
+        header = [[(name, tuple(t.shape), t.dtype) for name, t in src.items()], missing]
+    else:
+        header = [None, None]
+    dist.broadcast_object_list(header, group=group, group_src=0)
+    entries, missing = header
+    if missing:
+        raise RuntimeError(f"checkpoint lacks {len(missing)} tensors the model has: {missing[:5]}")
+    for name, shape, dtype in entries:
+        if rank0:
+            full = src[name].detach().to(comm_device, copy=False).contiguous()
+        else:
+            full = torch.empty(shape, dtype=dtype, device=comm_device)
+        dist.broadcast(full, group=group, group_src=0)
+        target = targets.get(name)
+        if target is None:
+            continue                    # e.g. a buffer the sharded model does not have
+        if isinstance(target, DTensor):
+            if tuple(target.shape) != tuple(shape):
+                raise RuntimeError(f"{name}: checkpoint shape {shape} != model shape {tuple(target.shape)}")
+            piece = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
+            target.to_local().copy_(piece.to_local())
+        else:
+            target.copy_(full)
+        del full
+
+
+def _comm_group(mesh: DeviceMesh) -> Optional[dist.ProcessGroup]:
+    if mesh.ndim == 1:
+        return mesh.get_group()
+    if mesh.size() != dist.get_world_size():
+        raise ValueError(f"a {mesh.ndim}-D mesh of {mesh.size()} ranks in a world of "
+                         f"{dist.get_world_size()}: load needs a group spanning the mesh")
+    return None
+
+
+def load_sharded_model(
+    model_dir: str,
+    mesh: DeviceMesh,
+    device: torch.device,
+    *,
+    dtype: torch.dtype = torch.float32,
+    param_dtype: Optional[torch.dtype] = None,
+    reduce_dtype: Optional[torch.dtype] = None,
+    reshard_after_forward: bool = True,
+    activation_checkpointing: bool = False,
+    offload: bool = False,
+    trust_remote_code: bool = False,
+) -> nn.Module:
+    """A Hugging Face causal LM from ``model_dir``, sharded with :func:`apply_fsdp` on ``mesh``.
+
+    Parameters are stored in ``dtype`` on ``device`` (on the host when ``offload``). Only rank 0
+    reads the checkpoint; the others receive their slices.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    device = torch.device(device)
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    config.use_cache = False            # the trainer only runs whole sequences
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+    apply_fsdp(model, mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+               reshard_after_forward=reshard_after_forward,
+               activation_checkpointing=activation_checkpointing, offload=offload)
+    model.to_empty(device=torch.device("cpu") if offload else device)
+    if offload and device.type != "cpu":
+        # FSDP2 offloads parameters only; buffers (rotary inv_freq) belong on the compute device,
+        # where a non-meta fully_shard would have moved them.
+        for module in model.modules():
+            for name, buf in module.named_buffers(recurse=False):
+                module._buffers[name] = buf.to(device)
+    group = _comm_group(mesh)
+    source = None
+    if dist.get_rank(group) == 0:
+        source = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, trust_remote_code=trust_remote_code)
+    _stream_from_rank0(model, source, device, group)
+    del source
+    return model
+
+
+def load_policy_and_reference(model_dir: str, mesh: DeviceMesh, device: torch.device, cfg: Any
+                              ) -> tuple[nn.Module, Optional[nn.Module]]:
+    """The trainable policy and (when ``cfg.grpo.beta > 0``) the frozen reference model.
+
+    ``cfg``: the :class:`hpcrl.job.recipe.Recipe` (reads ``grpo.bf16``, ``grpo.beta``,
+    ``grpo.gradient_checkpointing``, ``trainer.activation_checkpointing``,
+    ``trainer.reference_offload``, ``model.trust_remote_code``).
+
+    Both are sharded the same way on the same mesh and device. The reference is in eval mode with
+    ``requires_grad=False`` everywhere; it lives in host memory only with an explicit
+    ``trainer.reference_offload`` (FSDP2 ``CPUOffloadPolicy``), never because of where it was loaded.
+    """
+    device = torch.device(device)
+    grpo, trainer = cfg.grpo, cfg.trainer
+    trust = bool(getattr(getattr(cfg, "model", None), "trust_remote_code", False))
+    param_dtype, reduce_dtype = mixed_precision_for(device.type, grpo.bf16)
+    policy = load_sharded_model(
+        model_dir, mesh, device, dtype=torch.float32, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+        activation_checkpointing=bool(grpo.gradient_checkpointing or trainer.activation_checkpointing),
+        trust_remote_code=trust)
+    policy.train()
+    _check_devices(policy, device, offload=False, what="policy")
+    if grpo.beta <= 0:
+        return policy, None
+    # No gradients, no optimizer: stored directly in the compute dtype (same forward, half the bytes).
+    reference = load_sharded_model(
+        model_dir, mesh, device, dtype=param_dtype, offload=bool(trainer.reference_offload),
+        trust_remote_code=trust)
+    reference.eval()
+    reference.requires_grad_(False)
+    _check_devices(reference, device, offload=bool(trainer.reference_offload), what="reference")
+    return policy, reference
+
+
+# ----------------------------------------------------------------------------------------------
+# Introspection (tests, benchmarks, startup log)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def local_param_bytes(model: nn.Module) -> int:
+    """Bytes of this rank's parameter shards (what the parameters cost this rank at rest)."""
+    return sum(_local(p).numel() * _local(p).element_size() for p in model.parameters())
+
+
+def global_param_bytes(model: nn.Module) -> int:
+    """Bytes of the whole (unsharded) model in its storage dtype."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def param_devices(model: nn.Module) -> set[torch.device]:
+    """Devices holding this rank's parameter shards."""
+    return {_local(p).device for p in model.parameters()}
+
+
+def is_offloaded(model: nn.Module) -> bool:
+    """True when FSDP2 manages ``model`` with a ``CPUOffloadPolicy``."""
+    if not isinstance(model, FSDPModule):
+        return False
+    state = model._get_fsdp_state()       # FSDP2 keeps the policy on its parameter group
+    group = state._fsdp_param_group
+    return group is not None and isinstance(group.offload_policy, CPUOffloadPolicy)
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
+def _check_devices(model: nn.Module, device: torch.device, *, offload: bool, what: str) -> None:
+    want = torch.device("cpu") if offload else device
+    bad = {d for d in param_devices(model) if not _same_device(d, want)}
+    if bad:
+        raise RuntimeError(f"{what}: parameters on {sorted(map(str, bad))}, expected {want}"
+                           + (" (offload)" if offload else ""))
+
+
+def describe(model: nn.Module) -> str:
+    """One line for the startup log: shard bytes here / whole model, devices, offload."""
+    return (f"{type(model).__name__}: {local_param_bytes(model) / 2**20:.1f} MiB of "
+            f"{global_param_bytes(model) / 2**20:.1f} MiB here on {sorted(map(str, param_devices(model)))}"
+            f"{', host-offloaded' if is_offloaded(model) else ''}")

@@ -1,0 +1,215 @@
+"""Reward functions: TRL's calling convention, loading by import path, scoring, and the demo rewards.
+
+A reward function is called as TRL calls it::
+
+    f(prompts=[...], completions=[...], completion_ids=[[...], ...], **columns) -> list[float | None]
+
+``prompts`` and ``completions`` are strings, or for conversational prompts message lists (each
+completion ``[{"role": "assistant", "content": text}]``); ``columns`` are the dataset's other columns,
+one value per completion. None means "does not apply"; a row where every function says None is left
+out of the advantages. So any TRL reward function (``trl.rewards``) works unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import importlib
+import inspect
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "RewardFunction",
+    "import_callable",
+    "load_reward_functions",
+    "score_completions",
+    "as_completions",
+    "completion_text",
+    "demo_correct",
+    "demo_format",
+    "DEMO_REWARDS",
+]
+
+
+@dataclass
+class RewardFunction:
+    name: str  # TRL logs rewards/<name>/mean
+    func: Callable[..., list[float | None]]
+    weight: float = 1.0
+
+
+def import_callable(path: str) -> Callable:
+    """``"package.module:attr"`` (or ``"package.module.attr"``) -> the object. Raises ImportError or
+    AttributeError with the underlying message."""
+    if ":" in path:
+        module_name, _, attr = path.partition(":")
+    else:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise ImportError(f"not of the form 'package.module:function': {path!r}")
+    obj = importlib.import_module(module_name)
+    for part in attr.split("."):  # "module:Class.method" works too
+        obj = getattr(obj, part)
+    return obj
+
+
+def load_reward_functions(specs: Sequence[str | Mapping[str, Any] | Callable]) -> list[RewardFunction]:
+    """Resolve reward specs, each one of:
+
+    - ``"package.module:function"`` (weight 1),
+    - ``{"func": "package.module:function", "weight": 0.5, "name": ..., "kwargs": {...}}``: with
+      ``kwargs`` the imported object is a *factory* called with them to make the reward function (as
+      ``trl.rewards.get_soft_overlong_punishment``),
+    - a callable.
+
+    A bad path raises ``ValueError("rewards[i].func: cannot import 'x.y:z' (ModuleNotFoundError: ...)")``.
+    """
+    out = []
+    for i, spec in enumerate(specs):
+        where = f"rewards[{i}]"
+        if callable(spec):
+            spec = {"func": spec}
+        elif isinstance(spec, str):
+            spec = {"func": spec}
+        elif not isinstance(spec, Mapping) or "func" not in spec:
+            raise ValueError(f"{where}: expected an import path or a mapping with 'func', got {spec!r}")
+        unknown = set(spec) - {"func", "weight", "name", "kwargs"}
+        if unknown:
+            raise ValueError(f"{where}: unknown keys {sorted(unknown)}")
+        func = spec["func"]
+        if isinstance(func, str):
+            try:
+                func = import_callable(func)
+            except Exception as e:  # any failure while importing user code is a config error
+                raise ValueError(f"{where}.func: cannot import {spec['func']!r} ({type(e).__name__}: {e})") from None
+        if spec.get("kwargs") is not None:
+            func = func(**spec["kwargs"])
+        if not callable(func):
+            raise ValueError(f"{where}.func: {spec['func']!r} is not callable")
+        try:
+            weight = float(spec.get("weight", 1.0))
+        except (TypeError, ValueError):
+            raise ValueError(f"{where}.weight: not a number: {spec.get('weight')!r}") from None
+        out.append(RewardFunction(spec.get("name") or _callable_name(func), func, weight))
+    return out
+
+
+def _unwrap(func: Callable) -> Callable:
+    while isinstance(func, functools.partial):
+        func = func.func
+    return func
+
+
+def _callable_name(func: Callable) -> str:
+    # As TRL's get_callable_name: partials unwrapped, callable objects named by their class.
+    func = _unwrap(func)
+    return getattr(func, "__name__", type(func).__name__)
+
+
+def _is_async(func: Callable) -> bool:
+    # As TRL's is_async_callable: an async callable object carries the `async` on its __call__.
+    func = _unwrap(func)
+    return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(getattr(func, "__call__", None))
+
+
+def score_completions(
+    reward_funcs: Sequence[RewardFunction],
+    prompts: list,
+    completions: list,
+    completion_ids: list[list[int]] | None = None,
+    columns: Mapping[str, list] | None = None,
+    **extra: Any,
+) -> torch.Tensor:
+    """Rewards ``[B, F]`` (float32, NaN where a function returned None), as TRL's _calculate_rewards.
+
+    ``extra`` is passed to every function as well (TRL passes ``trainer_state``, ``log_extra``, ...;
+    functions take ``**kwargs`` for that reason). Async functions run concurrently.
+    """
+    kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **(columns or {}), **extra)
+    out = torch.zeros(len(prompts), len(reward_funcs), dtype=torch.float32)
+    pending = {}
+    for i, rf in enumerate(reward_funcs):
+        if _is_async(rf.func):
+            pending[i] = rf.func(**kwargs)
+        else:
+            out[:, i] = _to_tensor(rf, rf.func(**kwargs), len(prompts))
+    if pending:
+
+        async def gather():
+            return await asyncio.gather(*pending.values())
+
+        for i, values in zip(pending, asyncio.run(gather())):
+            out[:, i] = _to_tensor(reward_funcs[i], values, len(prompts))
+    return out
+
+
+def _to_tensor(rf: RewardFunction, values: Sequence[float | None], n: int) -> torch.Tensor:
+    values = list(values)
+    if len(values) != n:
+        raise ValueError(
+            f"The reward function '{rf.name}' returned {len(values)} rewards, but {n} were expected "
+            "(one per prompt-completion pair)."
+        )
+    return torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float32)
+
+
+def as_completions(prompts: list, texts: list[str]) -> list:
+    """Decoded completions in the form TRL hands to reward functions: message lists when the prompts
+    are conversational, plain strings otherwise."""
+    from hpcrl.compute.train.data import is_conversational
+
+    if prompts and is_conversational(prompts[0]):
+        return [[{"role": "assistant", "content": t}] for t in texts]
+    return list(texts)
+
+
+def completion_text(completion: str | list[dict]) -> str:
+    """The text of a completion in either form (the last message's content if conversational)."""
+    if isinstance(completion, str):
+        return completion
+    return completion[-1]["content"] if completion else ""
+
+
+# --------------------------------------------------------------------------------------------------
+# The demo task's rewards (see hpcrl.compute.train.data.demo_dataset)
+
+_LEADING_NUMBER = re.compile(r"\s*(\d+)")
+_SHORT_NUMBER = re.compile(r"\s*\d{1,2}\s*")
+
+
+def demo_correct(prompts: list, completions: list, answer: list[str], **kwargs) -> list[float]:
+    """1.0 if the completion starts with the right number. A wrong number of the right length gets
+    partial credit that grows as it gets closer (up to 0.5), so that a random policy already sees
+    reward differences inside a group; a run of digits ("1111") or no number at all gets 0.0."""
+    rewards = []
+    for completion, expected in zip(completions, answer, strict=True):
+        m = _LEADING_NUMBER.match(completion_text(completion))
+        want = int(expected)
+        if m is None:
+            rewards.append(0.0)
+        elif int(m.group(1)) == want:
+            rewards.append(1.0)
+        elif len(m.group(1)) == len(str(want)):
+            rewards.append(0.5 * max(0.0, 1.0 - abs(int(m.group(1)) - want) / 10))
+        else:
+            rewards.append(0.0)
+    return rewards
+
+
+def demo_format(prompts: list, completions: list, **kwargs) -> list[float]:
+    """1.0 if the completion is just a number of one or two digits (the model stopped right after the
+    answer), else 0.0."""
+    return [1.0 if _SHORT_NUMBER.fullmatch(completion_text(c)) else 0.0 for c in completions]
+
+
+# Reward specs of the demo task, for load_reward_functions.
+DEMO_REWARDS = (
+    {"func": "hpcrl.compute.train.rewards:demo_correct", "weight": 1.0},
+    {"func": "hpcrl.compute.train.rewards:demo_format", "weight": 0.5},
+)

@@ -1,0 +1,246 @@
+"""The recipe: what a user writes (YAML) to describe a GRPO run, as typed dataclasses.
+
+GRPO hyperparameters keep the names of TRL's GRPOConfig, so a TRL user's settings carry over.
+Machine facts do not belong here; they live in the site profile (a recipe may override them in
+its `site:` section).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+from hpcrl.job.errors import UserError
+
+# As hpcrl.compute.train.grpo.LOSS_TYPES (TRL 1.16); kept here because the login side never imports torch.
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+# A reward function or other import path: "package.module:function" or "package.module.function".
+IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?$")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    # A local Hugging Face directory, or a model made locally with no download (hpcrl.compute.models.tiny):
+    # "demo:<size>" (tiny/small/medium/base/large) is first warmed up on the demo task until it is
+    # right ~40% of the time, so that GRPO visibly improves it (~3 s for tiny, longer for bigger
+    # sizes); "demo:<size>:random" has random weights (GRPO does not learn the sums from there in a
+    # demo's time).
+    path: str = "demo:tiny"
+    tokenizer: str = ""            # "" = the model's directory
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    trust_remote_code: bool = False
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    # Local jsonl/parquet file or a datasets save_to_disk directory; "demo" = the built-in task.
+    path: str = "demo"
+    split: str = "train"
+    prompt_column: str = "prompt"
+    shuffle: bool = True
+
+
+@dataclass(frozen=True)
+class RewardSpec:
+    func: str
+    weight: float = 1.0
+
+    def validate(self, where: str) -> None:
+        if not IMPORT_PATH.match(self.func):
+            raise UserError(f"{where}.func: {self.func!r} is not an import path like \"package.module:function\"")
+
+
+def _default_rewards() -> tuple[RewardSpec, ...]:
+    # The demo task's rewards (hpcrl.compute.train.rewards.DEMO_REWARDS): the answer, and a short format.
+    return (RewardSpec("hpcrl.compute.train.rewards:demo_correct", 1.0), RewardSpec("hpcrl.compute.train.rewards:demo_format", 0.5))
+
+
+@dataclass(frozen=True)
+class GRPOConfig:
+    """Names and meaning as in trl.GRPOConfig (TRL 1.16).
+
+    The defaults are the demo's, tuned on the warmed-up "demo:tiny" model: its demo_correct reward
+    rises from ~0.6 to ~0.87 in 200 steps, about a minute and a half on two CPU cores. Set at least
+    learning_rate, per_device_train_batch_size and max_steps for a real model."""
+    learning_rate: float = 5e-4
+    per_device_train_batch_size: int = 128     # completions per trainer and step: 32 prompts x 4
+    gradient_accumulation_steps: int = 1
+    num_generations: int = 4
+    max_completion_length: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    beta: float = 0.0
+    epsilon: float = 0.2
+    epsilon_high: Optional[float] = None
+    num_iterations: int = 1
+    loss_type: str = "dapo"
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    mask_truncated_completions: bool = False
+    # Reweights each completion by pi_trainer / pi_sampler (the engine's numerics, and the lag of
+    # inference.overlap_generation). TRL turns it on by default; here it is off: it costs a forward
+    # pass a step, and in order on matching numerics it changes little (README: what it did on the demo).
+    vllm_importance_sampling_correction: bool = False
+    vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate",
+                                           "sequence_mask"] = "sequence_mask"
+    vllm_importance_sampling_clip_min: Optional[float] = None
+    vllm_importance_sampling_clip_max: Optional[float] = 3.0
+    max_steps: int = 200
+    warmup_ratio: float = 0.0
+    lr_scheduler_type: Literal["constant", "cosine", "linear", "constant_with_warmup"] = "constant"
+    max_grad_norm: float = 1.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    seed: int = 0
+    gradient_checkpointing: bool = False
+    # Mixed precision: "auto" = bf16 compute with fp32 reduce on GPU, fp32 on CPU.
+    bf16: Optional[bool] = None
+
+    def validate(self, where: str) -> None:
+        positive = ("learning_rate", "per_device_train_batch_size", "gradient_accumulation_steps",
+                    "num_generations", "max_completion_length", "temperature", "num_iterations",
+                    "max_steps")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise UserError(f"{where}.{name}: must be > 0, got {getattr(self, name)}")
+        if self.num_generations < 2:
+            raise UserError(f"{where}.num_generations: must be at least 2 (advantages are relative "
+                            f"within a group), got {self.num_generations}")
+        for name in ("beta", "epsilon", "weight_decay", "max_grad_norm", "top_k"):
+            if getattr(self, name) < 0:
+                raise UserError(f"{where}.{name}: must be >= 0, got {getattr(self, name)}")
+        if self.epsilon_high is not None and self.epsilon_high < 0:
+            raise UserError(f"{where}.epsilon_high: must be >= 0, got {self.epsilon_high}")
+        lo, hi = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        if lo is not None and lo < 0:
+            raise UserError(f"{where}.vllm_importance_sampling_clip_min: must be >= 0 or null, got {lo}")
+        if hi is not None and hi <= 0:
+            raise UserError(f"{where}.vllm_importance_sampling_clip_max: must be > 0 or null, got {hi}")
+        if lo is not None and hi is not None and lo >= hi:
+            raise UserError(f"{where}.vllm_importance_sampling_clip_min: must be below clip_max ({hi}), got {lo}")
+        if self.vllm_importance_sampling_mode.endswith("_truncate") and lo is None and hi is None:
+            raise UserError(f"{where}.vllm_importance_sampling_mode: {self.vllm_importance_sampling_mode} needs "
+                            f"vllm_importance_sampling_clip_min or _clip_max")
+        if not 0 < self.top_p <= 1:
+            raise UserError(f"{where}.top_p: must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.warmup_ratio < 1:
+            raise UserError(f"{where}.warmup_ratio: must be in [0, 1), got {self.warmup_ratio}")
+        if self.loss_type not in LOSS_TYPES:
+            from hpcrl.job.config import closest
+            raise UserError(f"{where}.loss_type: {self.loss_type!r} is not one of "
+                            f"{', '.join(LOSS_TYPES)}{closest(self.loss_type, LOSS_TYPES)}")
+
+
+@dataclass(frozen=True)
+class InferenceConfig:
+    engine: Literal["auto", "vllm", "transformers"] = "auto"
+    gpus: int = 1                   # GPUs per node for the server (2 = tensor parallel)
+    gpu_memory_utilization: float = 0.85
+    max_model_len: int = 1024
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    enforce_eager: bool = True
+    engine_args: dict[str, Any] = field(default_factory=dict)   # passed to the engine as is
+    sync_every: int = 1             # optimizer steps between weight syncs
+    # Sample the next generation while the trainers train on this one (the server's GPU would
+    # otherwise idle through training): completions are then one generation behind the policy.
+    # grpo.vllm_importance_sampling_correction reweights for the lag (README: what it did on the demo).
+    overlap_generation: bool = False
+    sync_bucket_mb: int = 256       # gather/send granularity: bounds the sender's extra memory
+    start_timeout_s: float = 600.0  # how long trainers wait for the server to come up
+    request_timeout_s: float = 600.0
+
+    def validate(self, where: str) -> None:
+        if self.gpus < 1:
+            raise UserError(f"{where}.gpus: must be at least 1, got {self.gpus}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise UserError(f"{where}.gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
+        for name in ("max_model_len", "sync_every", "sync_bucket_mb"):
+            if getattr(self, name) < 1:
+                raise UserError(f"{where}.{name}: must be at least 1, got {getattr(self, name)}")
+        for name in ("start_timeout_s", "request_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise UserError(f"{where}.{name}: must be > 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    # "auto" picks HSDP (shard inside a node, replicate across nodes) when the model with its
+    # optimizer state fits one node's trainers, else full sharding.
+    mesh: Literal["auto", "fsdp", "hsdp"] = "auto"
+    reference_offload: bool = False     # keep the reference model on CPU (explicit, never by accident)
+    activation_checkpointing: bool = False
+    threads: int = 0                    # torch threads per trainer; 0 = its pinned cores
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 0                  # optimizer steps between checkpoints; 0 = only on signal/end
+    keep: int = 2
+    dir: str = ""                   # "" = <run_dir>/checkpoints
+
+    def validate(self, where: str) -> None:
+        if self.every < 0:
+            raise UserError(f"{where}.every: must be >= 0, got {self.every}")
+        if self.keep < 1:
+            raise UserError(f"{where}.keep: must be at least 1, got {self.keep}")
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    tensorboard: bool = False
+    wandb: bool = False             # offline mode: compute nodes rarely reach the internet
+    log_completions: int = 0        # completions printed per step
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    # Every wait on a peer has a bound: how long ranks wait for each other to appear, and how
+    # long a collective may take before the job is declared broken.
+    rendezvous_timeout_s: float = 120.0
+    collective_timeout_s: float = 600.0
+    # Silence before a live peer counts as gone (a frozen node). Deaths are seen at once (a closed
+    # socket); long, since a collective or an import may hold a busy rank's GIL for a minute.
+    peer_failure_timeout_s: float = 300.0
+
+    def validate(self, where: str) -> None:
+        for name in ("rendezvous_timeout_s", "collective_timeout_s", "peer_failure_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise UserError(f"{where}.{name}: must be > 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class Resources:
+    """Slurm resources; flags (-N, -t, -A, -p, -q, -J) override these."""
+    nodes: int = 1
+    time: str = "00:30:00"
+    account: str = ""
+    partition: str = ""
+    qos: str = ""
+    # Extra options, rendered quoted: e.g. ["--mail-type=END"], ["--exclusive"].
+    sbatch_options: tuple[str, ...] = ()
+    srun_options: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str = "hpcrl-demo"
+    # "train" runs GRPO; "probe" makes every task print the placement row it takes and exit.
+    mode: Literal["train", "probe"] = "train"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rewards: tuple[RewardSpec, ...] = field(default_factory=_default_rewards)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    resources: Resources = field(default_factory=Resources)
+    # Overrides of the site profile's fields, merged over it (see hpcrl.job.site).
+    site: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self, where: str) -> None:
+        if not self.rewards:
+            raise UserError("rewards: at least one reward function is required")

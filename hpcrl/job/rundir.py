@@ -1,0 +1,94 @@
+"""The run directory: job.json (the spec), job.sbatch (the script), then what the job writes
+(metrics.jsonl, heartbeat, checkpoints/, slurm-<id>.out). Created whole or not at all."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from hpcrl.job.errors import UserError
+
+SPEC_FILE = "job.json"
+
+SCRIPT_FILE = "job.sbatch"
+METRICS_FILE = "metrics.jsonl"
+HEARTBEAT_FILE = "heartbeat.json"
+# Written by trainer rank 0 when a run has done all its steps: the script then does not requeue.
+FINISHED_MARKER = ".finished"
+# The first fatal line of the job's tasks (hpcrl.compute.launch.outcome), for `hpcrl status`.
+FAILURE_FILE = "failure.txt"
+
+
+def create(run_dir: str | os.PathLike, spec_json: str, script: str | None) -> Path:
+    """Write the run directory atomically: a hidden sibling is filled, then renamed into place."""
+    run_dir = Path(run_dir)
+    try:
+        run_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{run_dir.name}.", dir=run_dir.parent))
+    except OSError as e:
+        raise UserError(f"--run-dir: cannot create {run_dir}: {e.strerror}") from None
+    try:
+        (tmp / SPEC_FILE).write_text(spec_json + "\n")
+        if script is not None:
+            (tmp / SCRIPT_FILE).write_text(script)
+            (tmp / SCRIPT_FILE).chmod(0o755)
+        os.rename(tmp, run_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return run_dir
+
+
+def write_file_atomic(path: Path, text: str, mode: int = 0o644) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def check_output_path(path: str) -> Path:
+    """`-o FILE` is checked before anything is written, so a bad path leaves nothing behind."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise UserError(f"--output: {path} is a directory")
+    if not p.parent.is_dir():
+        raise UserError(f"--output: directory {p.parent} does not exist")
+    if not os.access(p.parent, os.W_OK):
+        raise UserError(f"--output: directory {p.parent} is not writable")
+    return p
+
+
+def read_failure(run_dir: str | os.PathLike) -> str | None:
+    """Why the job's last attempt failed (hpcrl.compute.launch.outcome wrote it), as one line without its
+    time stamp: "rank 7 (node 1, server) was killed by SIGKILL ..."; None if nothing failed."""
+    try:
+        text = (Path(run_dir) / FAILURE_FILE).read_text(errors="replace").strip()
+    except OSError:
+        return None
+    if not text:
+        return None
+    line = text.splitlines()[0].split(" ", 1)[-1]
+    return line.removeprefix("hpcrl: ").removesuffix("; exiting")
+
+
+def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
+    """Every complete line of ``metrics.jsonl`` (a torn last line is skipped)."""
+    out = []
+    try:
+        with open(Path(run_dir) / METRICS_FILE) as f:
+            for line in f:
+                try:
+                    out.append(json.loads(line))
+                except ValueError:
+                    continue
+    except FileNotFoundError:
+        pass
+    return out

@@ -1,0 +1,143 @@
+"""A site profile as data: everything machine-specific, as typed dataclasses, validated when
+built. Finding and merging the TOML files is the login side's (hpcrl.login.profiles); the compute
+side gets the resolved Site inside the job spec."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from hpcrl.job.errors import UserError
+
+# A value that ends up on an #SBATCH line or as a bare word in the script must be one token.
+SAFE_WORD = re.compile(r"^[A-Za-z0-9_.+:=,@%/\-]+$")
+
+
+@dataclass(frozen=True)
+class WalltimeBin:
+    """Jobs of up to `max_nodes` nodes may run at most `max_time` (a Slurm time string)."""
+    max_nodes: int
+    max_time: str
+
+
+@dataclass(frozen=True)
+class Partition:
+    max_nodes: Optional[int] = None
+    max_time: Optional[str] = None
+    walltime_bins: tuple[WalltimeBin, ...] = ()
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class Qos:
+    max_time: Optional[str] = None
+    max_nodes: Optional[int] = None
+    max_running_jobs: Optional[int] = None
+    allows_dependencies: bool = True
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class Node:
+    """One compute node as a job sees it. GPU ids are physical ids (as the site numbers them)."""
+    gpus: int = 1
+    cores: int = 1
+    # Physical GPU id -> the CPU cores closest to it (its NUMA/L3 region), as a range list "1-7,9".
+    gpu_cores: dict[str, str] = field(default_factory=dict)
+    # Groups of GPUs that share the fastest link (the two GCDs of one MI250X, an NVLink island);
+    # the trainer sharing a group with the server's GPU sends it the weights.
+    gpu_links: tuple[tuple[int, ...], ...] = ()
+    memory_gb: float = 0.0
+    gpu_memory_gb: float = 0.0
+    # srun -c per task; 0 = cores / tasks per node. (Frontier: 7, after -S 8 core specialization.)
+    cpus_per_task: int = 0
+    # Interface for the trainers' rendezvous address ("" = the hostname's address).
+    rendezvous_interface: str = ""
+
+    def validate(self, where: str) -> None:
+        if self.gpus < 1:
+            raise UserError(f"{where}.gpus: must be at least 1, got {self.gpus}")
+        for gpu, cores in self.gpu_cores.items():
+            if not gpu.isdigit() or not 0 <= int(gpu) < self.gpus:
+                raise UserError(f"{where}.gpu_cores: GPU id {gpu!r} is not in 0..{self.gpus - 1} "
+                                f"(node.gpus is {self.gpus}: give gpu_cores for exactly those GPUs)")
+            parse_cpu_list(cores, f"{where}.gpu_cores.{gpu}")
+        for group in self.gpu_links:
+            for gpu in group:
+                if not 0 <= gpu < self.gpus:
+                    raise UserError(f"{where}.gpu_links: GPU id {gpu} is not in 0..{self.gpus - 1}")
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Copy a packed Python environment (conda-pack tarball) to node-local storage before the run:
+    importing Python from a shared file system at scale takes minutes (frontier.md)."""
+    python_env: str = ""           # path of env.tar.gz on the shared file system ("" = no staging)
+    dest: str = "/mnt/bb/$USER/hpcrl-env"
+
+
+@dataclass(frozen=True)
+class Site:
+    name: str
+    description: str = ""
+    scheduler: Literal["slurm", "none"] = "slurm"
+    launcher: Literal["srun", "mpiexec"] = "srun"
+    # Which visibility variable pins a task to its GPU(s).
+    gpu_vendor: Literal["nvidia", "amd", "none"] = "nvidia"
+    # The torch device trainers compute on ("cpu" where the GPUs are fake or absent).
+    device: Literal["cuda", "cpu"] = "cuda"
+    fake_gpus: bool = False
+    account_required: bool = False
+    partition: str = ""            # default partition ("" = the cluster's default)
+    qos: str = ""
+    partitions: dict[str, Partition] = field(default_factory=dict)
+    qos_limits: dict[str, Qos] = field(default_factory=dict)
+    node: Node = field(default_factory=Node)
+    # Extra #SBATCH options, one per entry (e.g. "--constraint=nvme").
+    sbatch_options: tuple[str, ...] = ()
+    # How the script asks for GPUs; "" asks for none ({gpus} = GPUs per node).
+    gpu_request: str = "--gpus-per-node={gpus}"
+    # Signal sent before the time limit so trainers checkpoint; not USR1, which NCCL/RCCL catch.
+    signal: str = "USR2@300"
+    srun_options: tuple[str, ...] = ()
+    modules: tuple[str, ...] = ()
+    # Shell lines run before the job (module system set-up, conda activate). Site files only.
+    setup: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+    env_single_node: dict[str, str] = field(default_factory=dict)
+    env_multi_node: dict[str, str] = field(default_factory=dict)
+    # The interpreter that runs `python -m hpcrl.compute.launch`; "auto" = the one running hpcrl now.
+    python: str = "auto"
+    stage: Stage = field(default_factory=Stage)
+    runs_dir: str = "runs"
+    extends: str = ""
+
+    def validate(self, where: str) -> None:
+        for name in (self.partition, self.qos):
+            if name and not SAFE_WORD.match(name):
+                raise UserError(f"{where}: partition/qos {name!r} has characters Slurm names cannot have")
+        if self.scheduler == "none" and self.launcher == "srun":
+            raise UserError(f"{where}.launcher: a site without a scheduler needs launcher = \"mpiexec\"")
+        for key in (*self.env, *self.env_single_node, *self.env_multi_node):
+            if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", key):
+                raise UserError(f"{where}.env: {key!r} is not a valid environment variable name")
+
+    def gpu_cores(self, gpu: int) -> tuple[int, ...]:
+        text = self.node.gpu_cores.get(str(gpu))
+        return parse_cpu_list(text, "node.gpu_cores") if text else ()
+
+
+def parse_cpu_list(text: str, where: str) -> tuple[int, ...]:
+    """ "0-3,8" -> (0, 1, 2, 3, 8)."""
+    out: list[int] = []
+    for part in str(text).split(","):
+        part = part.strip()
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+        if not m:
+            raise UserError(f"{where}: {text!r} is not a CPU list like \"1-7,9\"")
+        lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
+        if hi < lo:
+            raise UserError(f"{where}: range {part!r} runs backwards")
+        out.extend(range(lo, hi + 1))
+    return tuple(out)

@@ -1,0 +1,58 @@
+"""The job spec: recipe + site + flags, validated and frozen. The ONLY thing the compute side reads.
+
+Data flows one way: recipe.yaml (+ key=value) -> Recipe; site name (+ overrides) -> Site;
+both + resources -> JobSpec (hpcrl.login.compose) -> <run_dir>/job.json -> the tasks (JobSpec.load).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpcrl.job.config import build, to_dict
+from hpcrl.job.errors import UserError
+from hpcrl.job.placement import Plan, make_plan
+from hpcrl.job.recipe import Recipe
+from hpcrl.job.rundir import SPEC_FILE
+from hpcrl.job.site import Site
+
+SPEC_VERSION = 1
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    version: int
+    hpcrl_version: str
+    created_at: float
+    run_dir: str
+    site: Site
+    recipe: Recipe
+    time_s: int
+    python: str             # the interpreter the tasks run
+
+    @property
+    def name(self) -> str:
+        return self.recipe.name
+
+    @property
+    def nodes(self) -> int:
+        return self.recipe.resources.nodes
+
+    def plan(self) -> Plan:
+        return make_plan(self.site, self.nodes, self.recipe.inference.gpus)
+
+    def to_json(self) -> str:
+        return json.dumps(to_dict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "JobSpec":
+        return build(cls, json.loads(text), "job.json")
+
+    @classmethod
+    def load(cls, run_dir: str | Path) -> "JobSpec":
+        path = Path(run_dir) / SPEC_FILE
+        try:
+            return cls.from_json(path.read_text())
+        except FileNotFoundError:
+            raise UserError(f"run_dir: no {SPEC_FILE} in {run_dir}") from None

@@ -1,0 +1,114 @@
+"""The `hpcrl` command. Login-side: imports nothing heavy at module level, never torch/vllm/mpi4py.
+
+Every user mistake ends as one line on stderr and exit status 2, with nothing written or submitted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from hpcrl.job.errors import UserError
+
+EXIT_USER = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage mistake is one line (not usage + error) and exit status 2."""
+
+    def error(self, message: str):
+        command = self.prog.split(" ", 1)[1] if " " in self.prog else ""     # "hpcrl submit" -> "submit"
+        raise UserError(f"{command}: {message}" if command else message)
+
+
+def _add_job_args(p: argparse.ArgumentParser, site_default: str | None) -> None:
+    p.add_argument("recipe", nargs="?", help="recipe YAML (default: the built-in demo)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="override recipe fields, e.g. grpo.beta=0.04")
+    p.add_argument("--site", "-s", default=site_default, help="site profile (see `hpcrl sites`)")
+    p.add_argument("-N", "--nodes", type=int, help="number of nodes")
+    p.add_argument("-t", "--time", help="time limit (Slurm format, e.g. 01:30:00)")
+    p.add_argument("-A", "--account", help="project account")
+    p.add_argument("-p", "--partition", help="partition")
+    p.add_argument("-q", "--qos", help="quality of service")
+    p.add_argument("-J", "--job-name", dest="name", help="job name")
+    p.add_argument("--run-dir", help="run directory (default: <site runs_dir>/<name>-<time>)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="hpcrl", description="GRPO fine-tuning of LLMs on Slurm supercomputers.")
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    p = sub.add_parser("run", help="run a recipe on this machine (no Slurm): the embedded default")
+    _add_job_args(p, "local")
+    p.add_argument("--dry-run", action="store_true", help="print the launch command and stop")
+
+    for name, text in (("render", "write the run directory and a standalone sbatch script"),
+                       ("submit", "render, submit with sbatch, and register the job")):
+        p = sub.add_parser(name, help=text)
+        _add_job_args(p, None)
+        p.add_argument("-o", "--output", help="also write the script to this file")
+        if name == "submit":
+            p.add_argument("--dry-run", action="store_true", help="print the script; write and submit nothing")
+            p.add_argument("--resume", metavar="RUN_DIR",
+                           help="submit an existing run directory again; it continues from its last checkpoint")
+
+    p = sub.add_parser("plan", help="the placement a job gets: one row per task")
+    p.add_argument("--site", "-s", required=True)
+    p.add_argument("-N", "--nodes", type=int, default=1)
+    p.add_argument("--server-gpus", type=int, default=1, help="GPUs per node for the inference server")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("status", help="registered jobs, or one job in detail")
+    p.add_argument("job_id", nargs="?")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("-n", "--limit", type=int, default=50, help="show at most this many jobs")
+
+    p = sub.add_parser("logs", help="print (or follow) a job's log")
+    p.add_argument("job_id")
+    p.add_argument("-f", "--follow", action="store_true")
+
+    p = sub.add_parser("cancel", help="cancel a job")
+    p.add_argument("job_id")
+
+    p = sub.add_parser("plot", help="plot a run's metrics (reward, KL, lengths, step time) to a PNG")
+    p.add_argument("target", metavar="JOBID_OR_RUN_DIR", help="a registered job id, or a run directory")
+    p.add_argument("-o", "--output", help="the PNG to write (default: <run_dir>/metrics.png)")
+
+    p = sub.add_parser("sites", help="list site profiles, or show one resolved")
+    p.add_argument("name", nargs="?")
+
+    return parser
+
+
+def _version() -> str:
+    from hpcrl import __version__
+    return f"hpcrl {__version__}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args, extra = parser.parse_known_args(argv)
+        if extra:
+            # argparse takes positionals in one run: in `recipe.yaml -N 2 grpo.beta=0` the
+            # override after the option is left over; it is still an override.
+            if hasattr(args, "overrides") and not any(x.startswith("-") for x in extra):
+                args.overrides.extend(extra)
+            else:
+                parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        if args.command is None:
+            parser.print_help()
+            return 0
+        from hpcrl.login import commands
+        return getattr(commands, f"cmd_{args.command}")(args) or 0
+    except UserError as e:
+        print(f"hpcrl: error: {e}", file=sys.stderr)
+        return EXIT_USER
+    except OSError as e:
+        # A file system or tool problem, not a bug: say which file, no traceback.
+        print(f"hpcrl: error: {e.strerror or e}: {e.filename or ''}".rstrip(": "), file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("hpcrl: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,336 @@
+"""`hpcrl run`: the same compute-side entry as a Slurm job, started by mpiexec on this machine.
+
+The PyPI `mpich` runtime gives machines without a system MPI an `mpiexec` next to the
+interpreter, which is looked at first; then PATH. Output is streamed and kept in
+<run_dir>/run.log; the exit status is mpiexec's.
+
+When a rank fails, mpiexec (hydra) kills the others at once; the failing rank has named itself
+by then (hpcrl.compute.launch.supervisor), which hydra's banner would not. Every rank also bounds its
+waits for what no launcher sees, a rank that never arrives or hangs: the supervisor bounds the
+rendezvous, hpcrl.compute.launch.watchdog every wait after it.
+As a last resort, ranks still running some time after one of them announced a fatal exit are
+stopped, and so are all of them on Ctrl-C.
+
+A training run shows a progress bar over optimizer steps (fed by <run_dir>/metrics.jsonl; only
+when stdout and stderr are both terminals) under the job's own lines, and ends with a summary:
+steps done, wall time, reward at the start and at the end, where the metrics and the plot are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+from hpcrl.job.errors import UserError
+from hpcrl.job.rundir import METRICS_FILE
+
+LOG_FILE = "run.log"
+STOP_GRACE_S = 10.0          # after Ctrl-C / SIGTERM: how long ranks get to exit before SIGKILL
+AFTER_FAILURE_GRACE_S = 15.0  # beyond peer_failure_timeout_s, after a rank announced a fatal exit
+# Every fatal message of hpcrl.compute.launch ends so (watchdog.die, the supervisor, main).
+_FATAL_LINE = re.compile(r"^hpcrl: .*; exiting\s*$")
+
+
+def find_mpiexec() -> str:
+    # sys.executable unresolved: in a venv it is <venv>/bin/python, beside the mpich wheel's mpiexec.
+    beside = Path(sys.executable).parent / "mpiexec"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which("mpiexec") or shutil.which("mpirun")
+    if found:
+        return found
+    raise UserError(f"no mpiexec next to {sys.executable} or on PATH: `hpcrl run` needs an MPI runtime "
+                    f"(pip install mpich, or load your site's MPI module)")
+
+
+def mpi_flavor(mpiexec: str) -> str:
+    try:
+        text = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    if "HYDRA" in text:
+        return "hydra"
+    if "Open MPI" in text or "OpenRTE" in text:
+        return "openmpi"
+    return "unknown"
+
+
+def launch_command(mpiexec: str, flavor: str, python: str, world_size: int, run_dir: str) -> list[str]:
+    flags: list[str] = []
+    if flavor == "openmpi":
+        # hpcrl pins each rank itself; Open MPI's own core binding would leave it no cores to pin.
+        flags = ["--bind-to", "none", "--oversubscribe"] + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
+    return [mpiexec, "-n", str(world_size), *flags, python, "-u", "-m", "hpcrl.compute.launch", run_dir]
+
+
+def run(args) -> int:
+    from hpcrl.job import rundir
+    from hpcrl.login import compose
+
+    spec = compose.from_args(args)
+    site = spec.site
+    if site.launcher != "mpiexec":
+        raise UserError(f"--site: {site.name} starts its tasks with srun; `hpcrl run` runs on this machine "
+                        f"without Slurm (use `hpcrl submit --site {site.name}`)")
+    plan = spec.plan()
+    mpiexec = find_mpiexec()
+    cmd = launch_command(mpiexec, mpi_flavor(mpiexec), spec.python, plan.world_size, spec.run_dir)
+    if args.dry_run:
+        print(shlex.join(cmd))
+        return 0
+    env = dict(os.environ)
+    site_env = {**site.env, **(site.env_single_node if spec.nodes == 1 else site.env_multi_node)}
+    env.update({k: os.path.expandvars(v) for k, v in site_env.items()})
+    env.update(HPCRL_RUN_DIR=spec.run_dir, HPCRL_LAUNCH_ID=f"local-{uuid.uuid4().hex[:12]}", PYTHONUNBUFFERED="1")
+    if spec.nodes > 1:
+        env["HPCRL_TASKS_PER_FAKE_NODE"] = str(plan.tasks_per_node)   # -N 2 on one machine
+    run_dir = rundir.create(spec.run_dir, spec.to_json(), None)
+    print(f"hpcrl: run directory {run_dir}; {plan.world_size} tasks ({plan.num_trainers} trainer(s), "
+          f"{plan.nodes} server(s))", file=sys.stderr, flush=True)
+    grace = spec.recipe.launch.peer_failure_timeout_s + AFTER_FAILURE_GRACE_S
+    if spec.recipe.mode != "train":
+        return supervise(cmd, env, run_dir / LOG_FILE, grace)
+    progress = Progress(run_dir, spec.recipe.grpo.max_steps)
+    t0 = time.monotonic()
+    try:
+        code = supervise(cmd, env, run_dir / LOG_FILE, grace, progress)
+    finally:
+        progress.close()
+    print_summary(run_dir, spec.recipe.grpo.max_steps, time.monotonic() - t0, code)
+    return code
+
+
+class Progress:
+    """A tqdm bar over optimizer steps, fed by tailing <run_dir>/metrics.jsonl (:meth:`poll`).
+
+    Shown only when stdout and stderr are both terminals (else it would splice into piped or
+    logged output): then a stream's lines are written inside :meth:`writing`, which lifts the
+    bar off the screen and puts it back under them. Without tqdm there is no bar, nothing else changes.
+    """
+
+    def __init__(self, run_dir: Path, total: int, file=None) -> None:
+        self.path = Path(run_dir) / METRICS_FILE
+        self.total = total
+        self.bar = None
+        self._offset = 0
+        self._partial = b""
+        self._size = -1
+        self._seen_step = False
+        file = file or sys.stderr
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            return
+        shown = _isatty(sys.stdout) and _isatty(file)
+        if shown:
+            self.bar = tqdm(total=total, file=file, unit="step", desc="training", dynamic_ncols=True,
+                            mininterval=0.5, smoothing=0.1,
+                            bar_format="{desc} {n_fmt}/{total_fmt} |{bar}| {elapsed}<{remaining}{postfix}")
+            self.bar.set_postfix_str("starting: model and inference engine", refresh=True)
+
+    def writing(self):
+        """Context for writing a line of the job's output."""
+        bar = self.bar
+        return bar.external_write_mode(file=bar.fp) if bar is not None else contextlib.nullcontext()
+
+    def poll(self) -> None:
+        """Read the lines metrics.jsonl got since the last call; move the bar to the last step."""
+        if self.bar is None:
+            return
+        try:
+            self._poll()
+        except Exception:                        # a progress bar must never end a run: drop it
+            bar, self.bar = self.bar, None
+            with contextlib.suppress(Exception):
+                bar.close()
+
+    def _poll(self) -> None:
+        try:
+            size = self.path.stat().st_size
+        except OSError:
+            return
+        if size == self._size:
+            return
+        if size < self._offset:                  # rewritten (a resume drops the steps past its checkpoint)
+            self._offset, self._partial = 0, b""
+        self._size = size
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                chunk = f.read()
+        except OSError:
+            return
+        self._offset += len(chunk)
+        *lines, self._partial = (self._partial + chunk).split(b"\n")
+        last = None
+        for line in lines:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+                last = rec
+        if last is None:
+            return
+        step = min(last["step"], self.total)
+        step_s = last.get("time_step_s")
+        if not self._seen_step and isinstance(step_s, (int, float)) and step > self.bar.n:
+            # The ETA from the steps' own time, not from the engine's start-up before the first one.
+            self.bar.last_print_t = max(self.bar.start_t, self.bar._time() - step_s * (step - self.bar.n))
+        self._seen_step = True
+        bits = []
+        if isinstance(last.get("reward"), (int, float)):
+            bits.append(f"reward {last['reward']:.3f}")
+        if isinstance(step_s, (int, float)):
+            bits.append(f"step {step_s:.1f}s")
+        self.bar.set_postfix_str("  ".join(bits), refresh=False)
+        if step > self.bar.n:
+            self.bar.update(step - self.bar.n)
+        else:
+            self.bar.n = step
+        self.bar.refresh()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.poll()
+            self.bar.close()
+            self.bar = None
+
+
+def _isatty(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def _duration(seconds: float) -> str:
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60:02d} s"
+    return f"{s // 3600} h {s % 3600 // 60:02d} min"
+
+
+def _mean_over(steps: list[dict]) -> tuple[float | None, str]:
+    vals = [r["reward"] for r in steps if isinstance(r.get("reward"), (int, float))]
+    first, last = steps[0]["step"], steps[-1]["step"]
+    where = f"step {first}" if first == last else f"mean of steps {first}-{last}"
+    return (sum(vals) / len(vals) if vals else None), where
+
+
+def print_summary(run_dir: Path, max_steps: int, wall_s: float, code: int, file=None) -> None:
+    """What the run did, after mpiexec is gone; the plot too when it ended well."""
+    from hpcrl.login import plot
+
+    file = file or sys.stdout
+    steps = plot.load_steps(run_dir)
+    if not steps and code != 0:
+        return                                   # it failed before a step: its error says it all
+    done = steps[-1]["step"] if steps else 0
+    ending = "" if code == 0 else (" (interrupted)" if code == 130 else f" (exit code {code})")
+    lines = [f"hpcrl: {'finished' if code == 0 and done >= max_steps else 'stopped'}: step {done} of {max_steps} "
+             f"in {_duration(wall_s)}{ending}"]
+    if steps:
+        k = max(1, min(10, len(steps) // 5))
+        start, start_where = _mean_over(steps[:k])
+        end, end_where = _mean_over(steps[-k:])
+        fmt = lambda v: "-" if v is None else f"{v:.3f}"          # noqa: E731
+        lines.append(f"  reward    {fmt(start)} at the start ({start_where}) -> "
+                     f"{fmt(end)} at the end ({end_where})")
+    lines.append(f"  metrics   {run_dir / METRICS_FILE}")
+    if code == 0 and steps:
+        try:
+            lines.append(f"  plot      {plot.write_plot(run_dir)}")
+        except ImportError:
+            lines.append("  plot      not written: matplotlib is not installed (pip install matplotlib)")
+        except Exception as e:                   # a plot must never turn a good run into a failure
+            lines.append(f"  plot      not written: {type(e).__name__}: {e}")
+    elif steps:
+        lines.append(f"  plot      hpcrl plot {shlex.quote(str(run_dir))}")
+    lines.append(f"  log       {run_dir / LOG_FILE}")
+    print("\n".join(lines), file=file, flush=True)
+
+
+def supervise(cmd: list[str], env: dict, log_path: Path, after_failure_s: float,
+              progress: Progress | None = None) -> int:
+    """Run `cmd` in its own session, tee its output, and bound every way of ending it."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    failed_at: list[float] = []
+    lock = threading.Lock()
+    with open(log_path, "ab") as log:
+        def pump(src, dst) -> None:
+            for line in iter(src.readline, b""):
+                with lock, (progress.writing() if progress is not None else contextlib.nullcontext()):
+                    dst.buffer.write(line)
+                    dst.flush()
+                    log.write(line)
+                    log.flush()
+                if not failed_at and _FATAL_LINE.match(line.decode(errors="replace")):
+                    failed_at.append(time.monotonic())
+
+        pumps = [threading.Thread(target=pump, args=(proc.stdout, sys.stdout), daemon=True),
+                 threading.Thread(target=pump, args=(proc.stderr, sys.stderr), daemon=True)]
+        for t in pumps:
+            t.start()
+        stop = threading.Event()
+        old = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)
+               if signal.getsignal(sig) is not signal.SIG_IGN}
+        try:
+            while proc.poll() is None:
+                if progress is not None:
+                    progress.poll()
+                if stop.is_set():
+                    if progress is not None:
+                        progress.close()
+                    print("hpcrl: interrupted; stopping the ranks", file=sys.stderr, flush=True)
+                    _stop(proc)
+                    return 130
+                if failed_at and time.monotonic() - failed_at[0] > after_failure_s:
+                    if progress is not None:
+                        progress.close()
+                    print(f"hpcrl: ranks still running {after_failure_s:.0f} s after a fatal error; stopping them",
+                          file=sys.stderr, flush=True)
+                    _stop(proc)
+                    break
+                stop.wait(0.2)
+        finally:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+            kill_group(proc.pid)            # leftovers (engine processes) of a finished launch
+            for t in pumps:
+                t.join(2.0)
+    code = proc.wait()
+    return code if code >= 0 else 128 - code
+
+
+def kill_group(pgid: int) -> None:
+    """SIGKILL mpiexec's whole session (the ranks and whatever they started); one already gone is fine."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGINT to mpiexec (it forwards it), then SIGKILL to the whole session after a bound."""
+    try:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        pass
+    kill_group(proc.pid)
+    proc.wait()

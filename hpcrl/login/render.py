@@ -1,0 +1,69 @@
+"""JobSpec -> sbatch script text (jinja2). `hpcrl render` and `hpcrl submit` both use this one function."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+from pathlib import Path
+
+import jinja2
+
+from hpcrl import __version__
+
+from hpcrl.job import rundir
+from hpcrl.job.slurm_time import format_walltime
+from hpcrl.job.spec import JobSpec
+
+# An environment value that only references plain variables ($USER, ${HOME}) is rendered in
+# double quotes so they expand; anything else is single-quoted and stays literal, so `$(...)`,
+# backticks and quotes from a user never run.
+_EXPANDABLE = re.compile(r'^(?:[^$`"\\\n]|\$[A-Za-z_][A-Za-z0-9_]*|\$\{[A-Za-z_][A-Za-z0-9_]*\})*$')
+
+
+def env_quote(value: str) -> str:
+    value = str(value)
+    if "$" in value and _EXPANDABLE.match(value):
+        return f'"{value}"'
+    return shlex.quote(value)
+
+
+def _bytecode_cache() -> jinja2.BytecodeCache | None:
+    """Compiling the template is a third of `hpcrl render` on a login node; jinja2 keeps the result
+    (keyed by the template's checksum) in the user's cache directory. None where it cannot write."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    directory = os.path.join(base, "hpcrl", "jinja2")
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError:
+        return None
+    return jinja2.FileSystemBytecodeCache(directory) if os.access(directory, os.W_OK) else None
+
+
+def _environment() -> jinja2.Environment:
+    loader = jinja2.FileSystemLoader(str(Path(__file__).parent.parent / "templates"))
+    env = jinja2.Environment(loader=loader, undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
+                             autoescape=False, bytecode_cache=_bytecode_cache())
+    env.filters["q"] = lambda v: shlex.quote(str(v))
+    env.filters["envq"] = env_quote
+    return env
+
+
+def job_env(spec: JobSpec) -> dict[str, str]:
+    site = spec.site
+    env = dict(site.env)
+    env.update(site.env_single_node if spec.nodes == 1 else site.env_multi_node)
+    return env
+
+
+def render_sbatch(spec: JobSpec) -> str:
+    site, plan = spec.site, spec.plan()
+    signal_name, _, lead = site.signal.partition("@")
+    cpus = site.node.cpus_per_task or (site.node.cores // plan.tasks_per_node if site.node.cores else 1)
+    return _environment().get_template("sbatch.sh.j2").render(
+        spec=spec, site=site, plan=plan, res=spec.recipe.resources, env=job_env(spec),
+        walltime=format_walltime(spec.time_s), cpus_per_task=max(1, cpus),
+        gpu_request=site.gpu_request.format(gpus=site.node.gpus) if site.gpu_request else "",
+        signal_name=signal_name or "USR2", signal_lead=lead or "0", hpcrl_version=__version__,
+        finished_marker=rundir.FINISHED_MARKER, failure_file=rundir.FAILURE_FILE,
+    )

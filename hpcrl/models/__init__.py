@@ -1,1 +1,0 @@
-"""Locally built models (no hub downloads): see :mod:`hpcrl.models.tiny`."""
