@@ -1,0 +1,18 @@
+"""What runs on a login node: the `hpcrl` command and everything behind it.
+
+Never imports hpcrl.compute, torch, vllm or mpi4py (a login node answers in a blink, and has none
+of them); reads and writes the job description of hpcrl.job. `hpcrl run` is the one command that
+starts the compute side, as a separate mpiexec process.
+
+cli.py         argparse, and the one place where errors become exit codes
+compose.py     recipe file + key=value + flags + site -> JobSpec (every check a login node can make)
+profiles.py    finding site profiles: shipped, $HPCRL_SITES_PATH, ~/.config/hpcrl/sites, `extends`
+commands/      one module per subcommand
+render.py      JobSpec -> the standalone sbatch script (templates/sbatch.sh.j2)
+slurm.py       the only module that runs Slurm commands
+registry.py    the SQLite job registry behind `hpcrl status`
+status.py      registry + Slurm + run directory -> what a person sees
+api.py         the same submit path for notebooks (a submitit job handle)
+plot.py        metrics.jsonl -> one PNG
+local.py       `hpcrl run`: the mpiexec supervisor on this machine
+"""
