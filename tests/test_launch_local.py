@@ -299,14 +299,14 @@ def test_two_fake_nodes_get_an_hsdp_mesh(tmp_path):
 @needs_mpi
 def test_slurm_variables_alone_place_the_same_tasks(tmp_path):
     """The SLURM_* fallback (no MPI at all), with the variables srun would set, under mpiexec."""
-    run_dir = _make_run_dir(tmp_path, "site.node.gpus=2", nodes=2)
+    run_dir = _make_run_dir(tmp_path, "site.node.gpus=2", "launch.rendezvous=slurm", nodes=2)
     args = []
     for rank in range(4):
         node, local = divmod(rank, 2)
         args += ["-n", "1", "-env", "SLURM_PROCID", str(rank), "-env", "SLURM_NODEID", str(node),
                  "-env", "SLURM_LOCALID", str(local), "-env", "SLURMD_NODENAME", f"fake{node}",
                  PY, "-m", "hpcrl.compute.launch", str(run_dir), ":"]
-    env = {"HPCRL_RENDEZVOUS": "slurm", "SLURM_JOB_ID": str(os.getpid()), "SLURM_STEP_ID": uuid.uuid4().hex[:6],
+    env = {"SLURM_JOB_ID": str(os.getpid()), "SLURM_STEP_ID": uuid.uuid4().hex[:6],
            "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_STEP_NUM_NODES": "2"}
     proc, _ = _mpiexec(run_dir, 4, env=env, args=args[:-1])
     assert proc.returncode == 0, proc.stderr

@@ -175,7 +175,7 @@ def test_uneven_tasks_per_node_are_read():
 
 
 def test_forced_slurm_source_never_touches_mpi():
-    ident, world, node_comm, note = rendezvous.discover({**SLURM_ENV, "HPCRL_RENDEZVOUS": "slurm"})
+    ident, world, node_comm, note = rendezvous.discover(SLURM_ENV, "slurm")
     assert (ident.rank, world, node_comm) == (5, None, None) and "slurm" in note
 
 
@@ -212,5 +212,4 @@ def test_cyclic_layout_is_refused_with_the_fix():
 
 
 def test_fake_nodes_on_one_machine_are_told_apart():
-    env = {"HPCRL_TASKS_PER_FAKE_NODE": "4", "PMI_RANK": "6"}
-    assert rendezvous.node_name(env).endswith("-fake1")
+    assert rendezvous.node_name({"PMI_RANK": "6"}, tasks_per_fake_node=4).endswith("-fake1")

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from hpcrl.job.rundir import HEARTBEAT_FILE, METRICS_FILE
+from hpcrl.job.rundir import HEARTBEAT_FILE, METRICS_FILE, TENSORBOARD_DIR
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +182,7 @@ class MetricsWriter:
                 log.warning("logging.tensorboard: the tensorboard package is not installed; not logging to TensorBoard")
             else:
                 from torch.utils.tensorboard import SummaryWriter
-                self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=self._purge_step)
+                self._tb = SummaryWriter(str(self.run_dir / TENSORBOARD_DIR), purge_step=self._purge_step)
         if self._want_wandb:
             if importlib.util.find_spec("wandb") is None:
                 log.warning("logging.wandb: the wandb package is not installed; not logging to W&B")

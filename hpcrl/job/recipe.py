@@ -203,6 +203,9 @@ class LaunchConfig:
     # Silence before a live peer counts as gone (a frozen node). Deaths are seen at once (a closed
     # socket); long, since a collective or an import may hold a busy rank's GIL for a minute.
     peer_failure_timeout_s: float = 300.0
+    # Where a task learns its rank: "auto" = MPI, else the SLURM_* variables when MPI is missing or
+    # sees a world of one (srun's --mpi plugin does not match the MPI); "mpi" or "slurm" forces one.
+    rendezvous: Literal["auto", "mpi", "slurm"] = "auto"
 
     def validate(self, where: str) -> None:
         for name in ("rendezvous_timeout_s", "collective_timeout_s", "peer_failure_timeout_s"):

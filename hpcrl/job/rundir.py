@@ -1,5 +1,6 @@
-"""The run directory: job.json (the spec), job.sbatch (the script), then what the job writes
-(metrics.jsonl, heartbeat, checkpoints/, slurm-<id>.out). Created whole or not at all."""
+"""The run directory, and every name inside it: job.json (the spec) and job.sbatch (the script),
+written whole or not at all by the login side; then what the job writes. Both sides take the names
+from here (the sbatch template gets them from render.py)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,36 @@ from pathlib import Path
 from hpcrl.job.errors import UserError
 
 SPEC_FILE = "job.json"
-
 SCRIPT_FILE = "job.sbatch"
+# Slurm's output file; %j is the job id (the script's #SBATCH --output).
+SLURM_OUTPUT = "slurm-%j.out"
+# `hpcrl run`'s copy of everything its ranks print.
+LOCAL_LOG_FILE = "run.log"
 METRICS_FILE = "metrics.jsonl"
 HEARTBEAT_FILE = "heartbeat.json"
+PLOT_FILE = "metrics.png"
+TENSORBOARD_DIR = "tensorboard"
+# Training checkpoints, unless recipe checkpoint.dir says elsewhere.
+CHECKPOINTS_DIR = "checkpoints"
+# One health file per node's server (node-<n>.json), read by the trainers into the heartbeat.
+SERVERS_DIR = ".servers"
+# Per-launch meeting files, removed once every task has met; then who is who in the latest launch.
+LAUNCH_DIR = ".launch"
+RANKS_FILE = "ranks.json"
 # Written by trainer rank 0 when a run has done all its steps: the script then does not requeue.
 FINISHED_MARKER = ".finished"
+# Left by the script's signal trap: the trainers checkpoint, then the script requeues the job.
+REQUEUE_MARKER = ".requeue-requested"
 # The first fatal line of the job's tasks (hpcrl.compute.launch.outcome), for `hpcrl status`.
 FAILURE_FILE = "failure.txt"
+
+
+def server_health_file(run_dir: str | os.PathLike, node: int) -> Path:
+    return Path(run_dir) / SERVERS_DIR / f"node-{node}.json"
+
+
+def slurm_output(run_dir: str | os.PathLike, job_id: str) -> Path:
+    return Path(run_dir) / SLURM_OUTPUT.replace("%j", str(job_id))
 
 
 def create(run_dir: str | os.PathLike, spec_json: str, script: str | None) -> Path:

@@ -33,9 +33,8 @@ import uuid
 from pathlib import Path
 
 from hpcrl.job.errors import UserError
-from hpcrl.job.rundir import METRICS_FILE
+from hpcrl.job.rundir import LOCAL_LOG_FILE, METRICS_FILE
 
-LOG_FILE = "run.log"
 STOP_GRACE_S = 10.0          # after Ctrl-C / SIGTERM: how long ranks get to exit before SIGKILL
 AFTER_FAILURE_GRACE_S = 15.0  # beyond peer_failure_timeout_s, after a rank announced a fatal exit
 # Every fatal message of hpcrl.compute.launch ends so (watchdog.die, the supervisor, main).
@@ -93,18 +92,16 @@ def run(args) -> int:
     site_env = {**site.env, **(site.env_single_node if spec.nodes == 1 else site.env_multi_node)}
     env.update({k: os.path.expandvars(v) for k, v in site_env.items()})
     env.update(HPCRL_RUN_DIR=spec.run_dir, HPCRL_LAUNCH_ID=f"local-{uuid.uuid4().hex[:12]}", PYTHONUNBUFFERED="1")
-    if spec.nodes > 1:
-        env["HPCRL_TASKS_PER_FAKE_NODE"] = str(plan.tasks_per_node)   # -N 2 on one machine
     run_dir = rundir.create(spec.run_dir, spec.to_json(), None)
     print(f"hpcrl: run directory {run_dir}; {plan.world_size} tasks ({plan.num_trainers} trainer(s), "
           f"{plan.nodes} server(s))", file=sys.stderr, flush=True)
     grace = spec.recipe.launch.peer_failure_timeout_s + AFTER_FAILURE_GRACE_S
     if spec.recipe.mode != "train":
-        return supervise(cmd, env, run_dir / LOG_FILE, grace)
+        return supervise(cmd, env, run_dir / LOCAL_LOG_FILE, grace)
     progress = Progress(run_dir, spec.recipe.grpo.max_steps)
     t0 = time.monotonic()
     try:
-        code = supervise(cmd, env, run_dir / LOG_FILE, grace, progress)
+        code = supervise(cmd, env, run_dir / LOCAL_LOG_FILE, grace, progress)
     finally:
         progress.close()
     print_summary(run_dir, spec.recipe.grpo.max_steps, time.monotonic() - t0, code)
@@ -260,7 +257,7 @@ def print_summary(run_dir: Path, max_steps: int, wall_s: float, code: int, file=
             lines.append(f"  plot      not written: {type(e).__name__}: {e}")
     elif steps:
         lines.append(f"  plot      hpcrl plot {shlex.quote(str(run_dir))}")
-    lines.append(f"  log       {run_dir / LOG_FILE}")
+    lines.append(f"  log       {run_dir / LOCAL_LOG_FILE}")
     print("\n".join(lines), file=file, flush=True)
 
 

@@ -18,11 +18,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 from hpcrl.job.errors import UserError
-from hpcrl.job.rundir import METRICS_FILE, read_metrics
+from hpcrl.job.rundir import METRICS_FILE, PLOT_FILE, read_metrics
 
 __all__ = ["PLOT_FILE", "resolve_run_dir", "load_steps", "write_plot", "smooth", "window_for"]
 
-PLOT_FILE = "metrics.png"
 SMOOTH_FROM = 30          # from this many steps on: faint raw points + a smoothed line
 BARS_UP_TO = 60           # the step-time split as bars up to this many steps, as areas beyond
 

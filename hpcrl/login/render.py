@@ -65,5 +65,5 @@ def render_sbatch(spec: JobSpec) -> str:
         walltime=format_walltime(spec.time_s), cpus_per_task=max(1, cpus),
         gpu_request=site.gpu_request.format(gpus=site.node.gpus) if site.gpu_request else "",
         signal_name=signal_name or "USR2", signal_lead=lead or "0", hpcrl_version=__version__,
-        finished_marker=rundir.FINISHED_MARKER, failure_file=rundir.FAILURE_FILE,
+        rundir=rundir,
     )

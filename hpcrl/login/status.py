@@ -15,7 +15,7 @@ from pathlib import Path
 from hpcrl.login import slurm
 from hpcrl.job.errors import UserError
 from hpcrl.login.registry import Registry
-from hpcrl.job.rundir import HEARTBEAT_FILE, METRICS_FILE, read_failure
+from hpcrl.job.rundir import HEARTBEAT_FILE, METRICS_FILE, read_failure, slurm_output
 
 # A requeued job leaves these states; until then a final state is final and needs no new query.
 FINAL_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
@@ -166,7 +166,7 @@ def log_path(record, state: dict) -> Path | None:
     """The job's Slurm output file: what Slurm says, else the newest slurm-<id>.out in the run dir."""
     if state.get("std_out") and Path(state["std_out"]).is_file():
         return Path(state["std_out"])
-    candidate = Path(record.run_dir) / f"slurm-{record.job_id}.out"
+    candidate = slurm_output(record.run_dir, record.job_id)
     return candidate if candidate.is_file() else None
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from hpcrl.compute.inference.types import Sampling
 from hpcrl.compute.launch.channel import PeerClosed
+from hpcrl.job import rundir
 
 BATCH_WINDOW_S = 0.05      # after the first request, wait this long for the other trainers'
 HEALTH_EVERY_S = 5.0
@@ -85,7 +86,7 @@ class Server:
         self.done: set[int] = set()
         self.requests = 0
         self.last_health = 0.0
-        self.health_file = Path(ctx.run_dir) / ".servers" / f"node-{ctx.task.node}.json"
+        self.health_file = rundir.server_health_file(ctx.run_dir, ctx.task.node)
         self.health_file.parent.mkdir(exist_ok=True)
 
     # -------------------------------------------------------------- health for `hpcrl status`

@@ -8,7 +8,9 @@
   slow-steps               the (trainer) rank sleeps STEP_DELAY_S at the start of every step, so
                            that a run's work outlasts a short time limit whatever the machine
 
-Without the variable this module does nothing.
+Without the variable this module does nothing. It is the one compute-side knob outside the job
+spec, on purpose: a test injects a different fault into each launch (srun step) of one run
+directory, and no recipe a user writes should be able to carry a fault.
 """
 
 from __future__ import annotations

@@ -93,7 +93,7 @@ def setup(spec: JobSpec, run_dir: Path, supervisor: Supervisor, book: ArrivalBoo
     if hint is not None:
         book.mark(hint)
     supervisor.stage("in MPI_Init, which waits for every task")
-    identity, world, node_comm, note = rendezvous.discover(env)
+    identity, world, node_comm, note = rendezvous.discover(env, launch.rendezvous, rendezvous.tasks_per_fake_node(spec))
     if hint != identity.rank:
         book.mark(identity.rank)
     problem, pinned = rendezvous.placement_problem(identity, plan), None

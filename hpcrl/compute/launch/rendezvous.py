@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from hpcrl.job.placement import Plan
+from hpcrl.job.rundir import LAUNCH_DIR, RANKS_FILE
 from hpcrl.job.site import Site
+from hpcrl.job.spec import JobSpec
 
-LAUNCH_DIR = ".launch"          # per-launch meeting files, removed once everyone has met
-RANKS_FILE = "ranks.json"       # who is who in the latest launch: rank, node, role, host, pid
 
 
 class LaunchError(RuntimeError):
@@ -51,12 +51,18 @@ class Identity:
 
 
 # ---------------------------------------------------------------------------- environment
-def node_name(environ: Mapping[str, str]) -> str:
-    fake = environ.get("HPCRL_TASKS_PER_FAKE_NODE", "")   # `hpcrl run -N 2`: nodes on one machine
+def node_name(environ: Mapping[str, str], tasks_per_fake_node: int = 0) -> str:
+    """The launcher's name for this task's node. `hpcrl run -N 2` fakes nodes on one machine: each
+    block of `tasks_per_fake_node` ranks is a node of its own."""
     rank = rank_hint(environ)
-    if fake.isdigit() and int(fake) > 0 and rank is not None:
-        return f"{socket.gethostname()}-fake{rank // int(fake)}"
+    if tasks_per_fake_node > 0 and rank is not None:
+        return f"{socket.gethostname()}-fake{rank // tasks_per_fake_node}"
     return environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def tasks_per_fake_node(spec: JobSpec) -> int:
+    """Without a scheduler, several nodes are blocks of ranks on this one machine (0: real nodes)."""
+    return spec.plan().tasks_per_node if spec.site.scheduler == "none" and spec.nodes > 1 else 0
 
 
 def rank_hint(environ: Mapping[str, str]) -> int | None:
@@ -90,7 +96,7 @@ def _expand_tasks_per_node(text: str) -> list[int]:
 
 
 # ---------------------------------------------------------------------------- identity
-def slurm_identity(environ: Mapping[str, str]) -> Identity:
+def slurm_identity(environ: Mapping[str, str], tasks_per_fake_node: int = 0) -> Identity:
     def get(*names: str) -> str:
         for name in names:
             if environ.get(name):
@@ -104,17 +110,17 @@ def slurm_identity(environ: Mapping[str, str]) -> Identity:
                     node=node, local_rank=int(get("SLURM_LOCALID")),
                     local_size=per_node[node] if node < len(per_node) else 0,
                     nodes=int(get("SLURM_STEP_NUM_NODES", "SLURM_NNODES")),
-                    host=socket.gethostname(), node_name=node_name(environ), source="slurm")
+                    host=socket.gethostname(), node_name=node_name(environ, tasks_per_fake_node), source="slurm")
 
 
-def mpi_identity(environ: Mapping[str, str]):
+def mpi_identity(environ: Mapping[str, str], tasks_per_fake_node: int = 0):
     """(Identity, COMM_WORLD, node communicator). The node is the shared-memory split, split
     again by node name, because fake nodes on one host share memory."""
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD
     shared = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.rank)
-    name = node_name(environ)
+    name = node_name(environ, tasks_per_fake_node)
     names = sorted(set(shared.allgather(name)))
     node_comm = shared.Split(names.index(name), key=world.rank)
     shared.Free()
@@ -126,31 +132,29 @@ def mpi_identity(environ: Mapping[str, str]):
     return identity, world, node_comm
 
 
-def discover(environ: Mapping[str, str]):
+def discover(environ: Mapping[str, str], mode: str = "auto", tasks_per_fake_node: int = 0):
     """(Identity, COMM_WORLD or None, node communicator or None, note on the choice or "").
-    HPCRL_RENDEZVOUS=mpi|slurm forces a source (auto by default)."""
-    mode = environ.get("HPCRL_RENDEZVOUS", "auto")
+    `mode` is recipe launch.rendezvous: "mpi" or "slurm" forces a source."""
     in_slurm = bool(environ.get("SLURM_PROCID")) and bool(environ.get("SLURM_STEP_ID"))
-    if mode not in ("auto", "mpi", "slurm"):
-        raise LaunchError(f"HPCRL_RENDEZVOUS={mode!r}: use auto, mpi or slurm")
+    fake = tasks_per_fake_node
     if mode == "slurm":
-        return slurm_identity(environ), None, None, "HPCRL_RENDEZVOUS=slurm"
+        return slurm_identity(environ, fake), None, None, "launch.rendezvous=slurm"
     try:
         import mpi4py  # noqa: F401  (import errors are reported below)
         from mpi4py import MPI  # noqa: F401  (MPI_Init happens here)
     except Exception as e:      # no mpi4py, or no MPI library for it
         why = f"mpi4py is unusable ({type(e).__name__}: {e})"
         if mode == "mpi":
-            raise LaunchError(f"HPCRL_RENDEZVOUS=mpi but {why}") from None
+            raise LaunchError(f"launch.rendezvous=mpi but {why}") from None
         if not in_slurm:
             raise LaunchError(f"cannot tell this task's rank: {why} and this is not a Slurm step (no "
                               f"SLURM_PROCID); start it with `hpcrl run` or srun, or install mpi4py and "
                               f"an MPI runtime (pip install mpi4py mpich)") from None
-        return slurm_identity(environ), None, None, f"{why}: roles from SLURM_* variables"
-    identity, world, node_comm = mpi_identity(environ)
+        return slurm_identity(environ, fake), None, None, f"{why}: roles from SLURM_* variables"
+    identity, world, node_comm = mpi_identity(environ, fake)
     slurm_tasks = int(environ.get("SLURM_STEP_NUM_TASKS") or environ.get("SLURM_NTASKS") or 0) if in_slurm else 0
     if identity.size == 1 and slurm_tasks > 1 and mode == "auto":
-        return slurm_identity(environ), None, None, (
+        return slurm_identity(environ, fake), None, None, (
             f"MPI sees a world of 1 but Slurm started {slurm_tasks} tasks (srun's --mpi plugin does not "
             f"match this MPI: pmi2 for MPICH, pmix for Open MPI): roles from SLURM_* variables")
     return identity, world, node_comm, ""

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from hpcrl.compute.inference.types import Completion, Generator, PendingGeneration, Sampling, check_version
 from hpcrl.compute.launch import faults
 from hpcrl.compute.launch.stop import STOP
+from hpcrl.job import rundir
 from hpcrl.job.rundir import FINISHED_MARKER
 from hpcrl.compute.train import checkpoint as ckpt
 from hpcrl.compute.train import data as data_mod
@@ -153,7 +154,7 @@ class Trainer:
         self.last_sync_stats: dict = {}
         self.overlap = self.r.inference.overlap_generation
         self.next: Requested | None = None      # asked for ahead of its turn (overlap_generation)
-        self.ckpt_dir = Path(self.r.checkpoint.dir or setup.run_dir / "checkpoints")
+        self.ckpt_dir = Path(self.r.checkpoint.dir or setup.run_dir / rundir.CHECKPOINTS_DIR)
         self.flag = STOP
 
     # ------------------------------------------------------------------ checkpoints
@@ -484,7 +485,7 @@ def _server_health(run_dir) -> dict:
     import json
 
     out = {}
-    for path in (Path(run_dir) / ".servers").glob("node-*.json"):
+    for path in (Path(run_dir) / rundir.SERVERS_DIR).glob("node-*.json"):
         try:
             data = json.loads(path.read_text())
             out[str(data["node"])] = data
