@@ -1,4 +1,4 @@
-"""Rendering: every Slurm site renders valid bash; the frontier script holds the facts of frontier.md;
+"""Rendering: every Slurm site renders valid bash; the frontier script holds the OLCF user guide's facts;
 user sites and overrides; values from users are quoted."""
 
 from __future__ import annotations

@@ -67,7 +67,8 @@ def node_cores(site: Site) -> int:
 def _split_cores(n_tasks: int, n_cores: int) -> list[tuple[int, ...]]:
     """Cores per local rank when the site maps no cores to GPUs: an even split; on a machine with
     fewer cores than tasks the server (last) keeps one core to itself and trainers share the rest,
-    because generation and training fighting for one core is the slowest layout (machine.md)."""
+    because generation and training fighting for one core's threads is the slowest layout (on the
+    2-core dev VM a training step of the demo took 10x longer with both roles on both cores)."""
     if n_cores >= n_tasks:
         return [tuple(range(i * n_cores // n_tasks, (i + 1) * n_cores // n_tasks)) for i in range(n_tasks)]
     if n_cores == 1:

