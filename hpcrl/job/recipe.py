@@ -241,7 +241,7 @@ class Recipe:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     resources: Resources = field(default_factory=Resources)
-    # Overrides of the site profile's fields, merged over it (see hpcrl.job.site).
+    # Overrides of the site profile's fields, merged over it (hpcrl.login.profiles.load).
     site: dict[str, Any] = field(default_factory=dict)
 
     def validate(self, where: str) -> None:
