@@ -191,7 +191,7 @@ def test_summary_of_a_failed_run_names_where_things_are_and_draws_nothing(tmp_pa
     out = io.StringIO()
     local_run.print_summary(run_dir, 50, 125.0, 1, file=out)
     text = out.getvalue()
-    assert text.splitlines()[0] == "hpcrl: stopped: step 20 of 50 in 2 min 05 s (exit code 1)"
+    assert text.splitlines()[0] == "hpcrl: stopped: step 20 of 50 in 00:02:05 (exit code 1)"
     assert "(mean of steps 1-4)" in text and "(mean of steps 17-20)" in text
     assert f"plot      hpcrl plot {run_dir}" in text and not (run_dir / "metrics.png").exists()
     out = io.StringIO()

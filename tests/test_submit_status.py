@@ -124,6 +124,28 @@ def test_logs_and_unknown_job(testbed, hpcrl):
     assert r.returncode == 2 and "not in the registry" in r.stderr
 
 
+def test_resume_renders_the_script_again_from_job_json(testbed, hpcrl):
+    """A run directory written before the compute entry point moved names `python -m hpcrl.launch`
+    in its job.sbatch, a module that is gone: --resume renders the script again from job.json, so
+    the resumed job starts the current entry point (and runs)."""
+    r = hpcrl("render", "--site", "testbed", "mode=probe")
+    assert r.returncode == 0, r.stderr
+    run_dir = Path(r.stdout.splitlines()[0].split(":", 1)[1].strip())
+    script = run_dir / "job.sbatch"
+    old = script.read_text().replace("-m hpcrl.compute.launch", "-m hpcrl.launch")
+    assert "-m hpcrl.launch " in old
+    script.write_text(old)
+    r = hpcrl("submit", "--resume", str(run_dir))
+    assert r.returncode == 0, r.stderr
+    job_id = r.stdout.strip()
+    submitted.append(job_id)
+    text = script.read_text()
+    assert "-m hpcrl.compute.launch " in text and "-m hpcrl.launch" not in text
+    assert script.stat().st_mode & 0o777 == 0o755
+    info = _wait_state(hpcrl, job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"})
+    assert info["state"] == "COMPLETED" and info["exit_code"] == 0, info
+
+
 def test_concurrent_submits_register_every_job(testbed, hpcrl):
     import concurrent.futures as cf
     with cf.ThreadPoolExecutor(4) as pool:

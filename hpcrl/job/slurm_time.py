@@ -38,8 +38,10 @@ def parse_walltime(text: str, where: str = "time") -> int:
     raise UserError(f"{where}: {text!r} is not a Slurm time; use {TIME_FORMS_HELP}")
 
 
-def format_walltime(seconds: int) -> str:
-    days, rest = divmod(int(seconds), 86400)
+def format_walltime(seconds: float) -> str:
+    """Seconds -> HH:MM:SS, or D-HH:MM:SS from a day on: how Slurm writes a duration, and the one
+    shape every duration hpcrl prints takes (--time, `hpcrl status`, `hpcrl run`'s summary)."""
+    days, rest = divmod(round(seconds), 86400)
     hms = f"{rest // 3600:02d}:{rest % 3600 // 60:02d}:{rest % 60:02d}"
     return f"{days}-{hms}" if days else hms
 

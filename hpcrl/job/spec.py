@@ -42,6 +42,13 @@ class JobSpec:
     def plan(self) -> Plan:
         return make_plan(self.site, self.nodes, self.recipe.inference.gpus)
 
+    def environment(self) -> dict[str, str]:
+        """The site's variables for this job: env, with env_single_node or env_multi_node over it.
+        Unexpanded, so that each launcher expands them its own way: the sbatch script in the job's
+        shell (hpcrl.login.render quotes them), `hpcrl run` in-process (hpcrl.login.local)."""
+        site = self.site
+        return {**site.env, **(site.env_single_node if self.nodes == 1 else site.env_multi_node)}
+
     def to_json(self) -> str:
         return json.dumps(to_dict(self), indent=2, sort_keys=True)
 

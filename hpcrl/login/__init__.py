@@ -7,11 +7,13 @@ starts the compute side, as a separate mpiexec process.
 cli.py         argparse, and the one place where errors become exit codes
 compose.py     recipe file + key=value + flags + site -> JobSpec (every check a login node can make)
 profiles.py    finding site profiles: shipped, $HPCRL_SITES_PATH, ~/.config/hpcrl/sites, `extends`
-commands/      one module per subcommand
+commands/      one module per subcommand (run, render, submit, plan, sites, status, logs, cancel,
+               plot), each a main(args); cli.py imports only the one given
 render.py      JobSpec -> the standalone sbatch script (templates/sbatch.sh.j2)
-slurm.py       the only module that runs Slurm commands
+slurm.py       the only module that runs Slurm commands; the one list of finished job states
 registry.py    the SQLite job registry behind `hpcrl status`
-status.py      registry + Slurm + run directory -> what a person sees
+status.py      registry + Slurm + run directory -> what a person sees (shared by status, logs, cancel)
+table.py       the one table printer
 api.py         the same submit path for notebooks (a submitit job handle)
 plot.py        metrics.jsonl -> one PNG
 local.py       `hpcrl run`: the mpiexec supervisor on this machine

@@ -9,20 +9,21 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from hpcrl.job import rundir
-
-from hpcrl.login import slurm
-from hpcrl.login.render import render_sbatch
 from hpcrl.job.spec import JobSpec
+from hpcrl.login import slurm
 from hpcrl.login.compose import compose, resource_flags
+from hpcrl.login.render import render_sbatch
 
 
-def submit_spec(spec: JobSpec) -> tuple[str, Path]:
+def submit_spec(spec: JobSpec, script: str | None = None) -> tuple[str, Path]:
     """Write the run directory, sbatch its script, register the job. On a Slurm error nothing stays
-    behind (the run directory is removed) and the SlurmError propagates."""
+    behind (the run directory is removed) and the SlurmError propagates. `script`: the text
+    render_sbatch(spec) already gave the caller (`hpcrl submit` shows or copies it too)."""
     from hpcrl.login.registry import Registry
 
     registry = Registry()
-    script = render_sbatch(spec)
+    if script is None:
+        script = render_sbatch(spec)
     run_dir = rundir.create(spec.run_dir, spec.to_json(), script)
     try:
         job_id = slurm.submit(run_dir / rundir.SCRIPT_FILE, cwd=run_dir)
@@ -34,8 +35,12 @@ def submit_spec(spec: JobSpec) -> tuple[str, Path]:
 
 
 def resubmit(run_dir: str, bad_args: Sequence[str] = ()) -> tuple[str, Path]:
-    """Submit a run directory's script again (a run that failed, was cancelled or ran out of time):
-    the same job spec, continued from its latest checkpoint."""
+    """Submit a run directory again (a run that failed, was cancelled or ran out of time): the same
+    job spec, continued from its latest checkpoint.
+
+    The script is rendered again from job.json and replaces job.sbatch: the spec is what the run
+    keeps, the script only says how this hpcrl starts it (an older one may name an entry point
+    that is gone, such as `python -m hpcrl.launch`)."""
     from hpcrl.job.errors import UserError
     from hpcrl.login.registry import Registry
 
@@ -48,6 +53,7 @@ def resubmit(run_dir: str, bad_args: Sequence[str] = ()) -> tuple[str, Path]:
         raise UserError(f"--resume: {path} has no {rundir.SCRIPT_FILE} (was it made by `hpcrl run`?)")
     if (path / rundir.FINISHED_MARKER).exists():
         raise UserError(f"--resume: {path} already finished its {spec.recipe.grpo.max_steps} steps")
+    rundir.write_file_atomic(script, render_sbatch(spec), 0o755)
     job_id = slurm.submit(script, cwd=path)
     Registry().add(job_id, spec.name, spec.site.name, str(path), str(script))
     return job_id, path

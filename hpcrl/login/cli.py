@@ -1,11 +1,14 @@
 """The `hpcrl` command. Login-side: imports nothing heavy at module level, never torch/vllm/mpi4py.
 
 Every user mistake ends as one line on stderr and exit status 2, with nothing written or submitted.
+main() is the one place where errors become exit statuses; each command's module
+(hpcrl.login.commands.<name>) is imported only when that command runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 from hpcrl.job.errors import UserError
@@ -100,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command is None:
             parser.print_help()
             return 0
-        from hpcrl.login import commands
-        return getattr(commands, f"cmd_{args.command}")(args) or 0
+        command = importlib.import_module(f"hpcrl.login.commands.{args.command}")
+        return command.main(args) or 0
     except UserError as e:
         print(f"hpcrl: error: {e}", file=sys.stderr)
         return EXIT_USER
@@ -112,3 +115,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("hpcrl: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        # A SlurmError can only come from a command that imported slurm; looking it up in
+        # sys.modules keeps `hpcrl --help` from importing it.
+        slurm = sys.modules.get("hpcrl.login.slurm")
+        if slurm is None or not isinstance(e, slurm.SlurmError):
+            raise
+        # Slurm not answering is the site's trouble (1); Slurm refusing the job is the user's (2).
+        text = "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
+        print(f"hpcrl: error: {text}", file=sys.stderr)
+        return 1 if isinstance(e, slurm.SlurmUnavailable) else EXIT_USER

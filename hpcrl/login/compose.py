@@ -165,6 +165,16 @@ def from_args(args) -> JobSpec:
     return compose(recipe, args.site, overrides, flags, args.run_dir)
 
 
+def for_slurm(args) -> JobSpec:
+    """`hpcrl render`'s and `hpcrl submit`'s arguments -> JobSpec, for a site with Slurm only."""
+    if not args.site:
+        raise UserError(f"{args.command}: --site is required (see `hpcrl sites`)")
+    spec = from_args(args)
+    if spec.site.scheduler != "slurm":
+        raise UserError(f"--site: {spec.site.name} has no Slurm; use `hpcrl run` for it")
+    return spec
+
+
 def compose(recipe_path: str | None, site_name: str, assignments: list[str] = (),
             flags: dict[str, Any] | None = None, run_dir: str | None = None) -> JobSpec:
     """Recipe file + key=value + flags + site -> a validated JobSpec (nothing is written)."""

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from hpcrl.job.errors import UserError
 from hpcrl.job.rundir import LOCAL_LOG_FILE, METRICS_FILE
+from hpcrl.job.slurm_time import format_walltime
 
 STOP_GRACE_S = 10.0          # after Ctrl-C / SIGTERM: how long ranks get to exit before SIGKILL
 AFTER_FAILURE_GRACE_S = 15.0  # beyond peer_failure_timeout_s, after a rank announced a fatal exit
@@ -89,8 +90,9 @@ def run(args) -> int:
         print(shlex.join(cmd))
         return 0
     env = dict(os.environ)
-    site_env = {**site.env, **(site.env_single_node if spec.nodes == 1 else site.env_multi_node)}
-    env.update({k: os.path.expandvars(v) for k, v in site_env.items()})
+    # The site's variables, as the sbatch script exports them; no shell runs between here and the
+    # ranks, so $HOME and the like in them are expanded here.
+    env.update({k: os.path.expandvars(v) for k, v in spec.environment().items()})
     env.update(HPCRL_RUN_DIR=spec.run_dir, HPCRL_LAUNCH_ID=f"local-{uuid.uuid4().hex[:12]}", PYTHONUNBUFFERED="1")
     run_dir = rundir.create(spec.run_dir, spec.to_json(), None)
     print(f"hpcrl: run directory {run_dir}; {plan.world_size} tasks ({plan.num_trainers} trainer(s), "
@@ -212,15 +214,6 @@ def _isatty(stream) -> bool:
         return False
 
 
-def _duration(seconds: float) -> str:
-    s = int(round(seconds))
-    if s < 60:
-        return f"{s} s"
-    if s < 3600:
-        return f"{s // 60} min {s % 60:02d} s"
-    return f"{s // 3600} h {s % 3600 // 60:02d} min"
-
-
 def _mean_over(steps: list[dict]) -> tuple[float | None, str]:
     vals = [r["reward"] for r in steps if isinstance(r.get("reward"), (int, float))]
     first, last = steps[0]["step"], steps[-1]["step"]
@@ -239,7 +232,7 @@ def print_summary(run_dir: Path, max_steps: int, wall_s: float, code: int, file=
     done = steps[-1]["step"] if steps else 0
     ending = "" if code == 0 else (" (interrupted)" if code == 130 else f" (exit code {code})")
     lines = [f"hpcrl: {'finished' if code == 0 and done >= max_steps else 'stopped'}: step {done} of {max_steps} "
-             f"in {_duration(wall_s)}{ending}"]
+             f"in {format_walltime(wall_s)}{ending}"]
     if steps:
         k = max(1, min(10, len(steps) // 5))
         start, start_where = _mean_over(steps[:k])

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from hpcrl.job.errors import UserError
-from hpcrl.job.rundir import METRICS_FILE, PLOT_FILE, read_metrics
+from hpcrl.job.rundir import METRICS_FILE, PLOT_FILE, check_output_path, read_metrics
 
 __all__ = ["PLOT_FILE", "resolve_run_dir", "load_steps", "write_plot", "smooth", "window_for"]
 
@@ -126,17 +126,14 @@ def smooth(values: list[float], window: int) -> list[float]:
 def write_plot(run_dir: str | Path, output: Optional[str | Path] = None) -> Path:
     """Write the PNG (default ``<run_dir>/metrics.png``); returns its path.
 
-    Raises UserError when there are no metrics yet, ImportError when matplotlib is missing.
+    Raises UserError when there are no metrics yet or `output` cannot be written (checked before
+    drawing), ImportError when matplotlib is missing.
     """
     run_dir = Path(run_dir)
     steps = load_steps(run_dir)
     if not steps:
         raise UserError(f"{run_dir}: no metrics yet (no step in {run_dir / METRICS_FILE})")
-    out = Path(output).expanduser() if output else run_dir / PLOT_FILE
-    if out.is_dir():
-        raise UserError(f"--output: {out} is a directory")
-    if not out.parent.is_dir():
-        raise UserError(f"--output: directory {out.parent} does not exist")
+    out = check_output_path(str(output)) if output else run_dir / PLOT_FILE
 
     import matplotlib
     matplotlib.use("Agg", force=True)

@@ -49,19 +49,12 @@ def _environment() -> jinja2.Environment:
     return env
 
 
-def job_env(spec: JobSpec) -> dict[str, str]:
-    site = spec.site
-    env = dict(site.env)
-    env.update(site.env_single_node if spec.nodes == 1 else site.env_multi_node)
-    return env
-
-
 def render_sbatch(spec: JobSpec) -> str:
     site, plan = spec.site, spec.plan()
     signal_name, _, lead = site.signal.partition("@")
     cpus = site.node.cpus_per_task or (site.node.cores // plan.tasks_per_node if site.node.cores else 1)
     return _environment().get_template("sbatch.sh.j2").render(
-        spec=spec, site=site, plan=plan, res=spec.recipe.resources, env=job_env(spec),
+        spec=spec, site=site, plan=plan, res=spec.recipe.resources, env=spec.environment(),
         walltime=format_walltime(spec.time_s), cpus_per_task=max(1, cpus),
         gpu_request=site.gpu_request.format(gpus=site.node.gpus) if site.gpu_request else "",
         signal_name=signal_name or "USR2", signal_lead=lead or "0", hpcrl_version=__version__,

@@ -26,14 +26,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-__all__ = ["SlurmError", "SlurmUnavailable", "JobInfo", "submit", "query", "cancel", "ping", "requeue",
-           "hold", "release", "parse_squeue_json", "parse_sacct_json", "parse_squeue_text",
-           "parse_sacct_text", "parse_slurm_time"]
+__all__ = ["SlurmError", "SlurmUnavailable", "JobInfo", "FINISHED_STATES", "submit", "query", "cancel", "ping",
+           "parse_squeue_json", "parse_sacct_json", "parse_squeue_text", "parse_sacct_text", "parse_slurm_time"]
 
 DEFAULT_TIMEOUT = 10.0
 PING_TIMEOUT = 5.0
 
-# States after which a job never runs again (without an explicit requeue).
+# States after which a job never runs again (without an explicit requeue): the one list every
+# login module asks (JobInfo.finished). A requeued job leaves them; until then a job in one of them
+# needs no new query (`hpcrl status` shows the state the registry recorded).
 FINISHED_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
                              "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "REVOKED"})
 
@@ -178,18 +179,6 @@ def submit(script_path: Path, cwd: Path, extra_args: Iterable[str] = ()) -> str:
 def cancel(job_id: str) -> None:
     """scancel; cancelling a job that already ended is not an error (scancel says nothing)."""
     _run(["scancel", str(job_id)])
-
-
-def requeue(job_id: str) -> None:
-    _run(["scontrol", "requeue", str(job_id)])
-
-
-def hold(job_id: str) -> None:
-    _run(["scontrol", "hold", str(job_id)])
-
-
-def release(job_id: str) -> None:
-    _run(["scontrol", "release", str(job_id)])
 
 
 # ------------------------------------------------------------------------------------- query

@@ -1,0 +1,93 @@
+"""`hpcrl status`: every registered job in one table, or one job in detail.
+
+Imports only the registry, slurm and the run-directory names (benchmarked by scripts/bench_cli.py
+against a bare Python start and one squeue).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from hpcrl.job.slurm_time import format_walltime
+from hpcrl.login.registry import Registry
+from hpcrl.login.status import find_record, job_row, log_path, progress, refresh
+from hpcrl.login.table import print_table
+
+
+def main(args) -> int:
+    registry = Registry()
+    if args.job_id:
+        return _one(registry, args)
+    records = registry.list(limit=args.limit)
+    states, warning = refresh(registry, records)
+    rows = [job_row(r, states[r.job_id]) for r in records]
+    if warning:
+        print(warning, file=sys.stderr)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    if not rows:
+        print("no jobs registered (submit one with `hpcrl submit`)")
+        return 0
+    # REASON last: a failure's explanation is a sentence and would push every column after it.
+    header = ("JOBID", "NAME", "SITE", "STATE", "TIME/LIMIT", "NODES", "RESTARTS",
+              "STEP", "REWARD", "TOK/S", "SYNC_S", "REASON")
+    print_table(header, [
+        (r["job_id"], r["name"], r["site"], r["state"] + ("" if r["exit_code"] in (None, 0) else f"({r['exit_code']})"),
+         f"{_fmt(r['elapsed_s'], format_walltime)}/{_fmt(r['time_limit_s'], format_walltime)}",
+         _fmt(r["nodes"], "d"), str(r["restarts"]), _fmt(r["step"], "d"), _fmt(r["reward"], ".3f"),
+         _fmt(r["tokens_per_s"], ".0f"), _fmt(r["sync_s"], ".3f"), r["reason"]) for r in rows])
+    return 0
+
+
+def _fmt(value, how) -> str:
+    """"-" where Slurm or the metrics have no value yet; how: a format spec, or a formatter."""
+    if value is None:
+        return "-"
+    return how(value) if callable(how) else format(value, how)
+
+
+def _tail(path: Path, lines: int) -> list[str]:
+    with path.open("rb") as f:
+        f.seek(0, os.SEEK_END)
+        f.seek(max(0, f.tell() - 64 * 1024))
+        return f.read().decode(errors="replace").splitlines()[-lines:]
+
+
+def _one(registry: Registry, args) -> int:
+    record = find_record(registry, args.job_id)
+    states, warning = refresh(registry, [record])
+    state = states[record.job_id]
+    row = job_row(record, state)
+    p = progress(record.run_dir)
+    log = log_path(record, state)
+    detail = {**row, "slurm": state, "heartbeat": p["heartbeat"], "metrics": p["metrics"],
+              "log": str(log) if log else None, "log_tail": _tail(log, 20) if log else []}
+    if warning:
+        print(warning, file=sys.stderr)
+    if args.json:
+        print(json.dumps(detail, indent=2))
+        return 0
+    print(f"job {row['job_id']}  {row['name']}  on {row['site']}")
+    exit_text = "" if row["exit_code"] is None else f"  exit code {row['exit_code']}"
+    print(f"  state      {row['state']}{exit_text}")
+    if row["reason"]:
+        print(f"  why        {row['reason']}")
+    print(f"  time       {_fmt(row['elapsed_s'], format_walltime)} of {_fmt(row['time_limit_s'], format_walltime)}"
+          f"   nodes {_fmt(row['nodes'], 'd')} {state.get('node_list', '')}   restarts {row['restarts']}")
+    print(f"  run dir    {row['run_dir']}")
+    if p["metrics"]:
+        m = p["metrics"]
+        print(f"  progress   step {m.get('step')}  reward {_fmt(m.get('reward'), '.3f')}  "
+              f"tokens/s {_fmt(m.get('tokens_per_s'), '.0f')}  last sync {_fmt(m.get('sync_s'), '.3f')} s")
+    for node, health in sorted((p["heartbeat"].get("servers") or {}).items()):
+        print(f"  server     node {node}: {health.get('state', '?')}" +
+              (f" (weights v{health['weight_version']})" if "weight_version" in health else ""))
+    if log:
+        print(f"  log        {log}")
+        for line in detail["log_tail"]:
+            print(f"    {line}")
+    return 0
