@@ -57,6 +57,11 @@ CASES = [
     ("unknown-flag", None, [*TESTBED, "--nodez", "2"], "unrecognized arguments"),
     ("output-dir-missing", None, [*TESTBED, "-o", "/nonexistent/dir/job.sh"], "--output: directory"),
     ("local-site-submit", None, ["--site", "local"], "has no Slurm"),
+    # Frontier's compute nodes cannot write User/Project Home.
+    ("run-dir-readonly", None, [*FRONTIER, "--run-dir", "/ccs/home/someone/runs/x"],
+     "--run-dir: /ccs/home/someone/runs/x is under /ccs/home, which frontier's compute nodes cannot write"),
+    ("checkpoint-dir-readonly", None, [*FRONTIER, "checkpoint.dir=/ccs/proj/abc123/ckpt"],
+     "checkpoint.dir: /ccs/proj/abc123/ckpt is under /ccs/proj"),
     # Injection attempts in every user-controlled field that lands on an #SBATCH line.
     ("inject-name-subshell", None, [*TESTBED, "-J", "x$(touch /tmp/hpcrl-pwned)"], "name:"),
     ("inject-name-backtick", None, [*TESTBED, "-J", "x`touch /tmp/hpcrl-pwned`"], "name:"),

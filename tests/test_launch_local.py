@@ -261,6 +261,8 @@ def check_rows_against_plan(rows, spec, source="mpi"):
             (task.rank, task.node, task.local_rank, task.role, task.sender)
         assert seen["affinity"] == list(task.cores) and seen["source"] == source
         assert seen["gpu_env"] == ({var: ",".join(map(str, task.gpus))} if var else {})
+        if task.role == "trainer":          # gloo binds to the interface that reaches trainer rank 0
+            assert seen["gloo_socket_ifname"] in {name for _, name in socket.if_nameindex()}, seen
         assert all(check["ok"] for check in row["checks"].values()), row["checks"]
         if task.role == "server":
             assert row["checks"]["channel"]["served"] == [t.rank for t in plan.node_tasks(task.node)[:-1]]

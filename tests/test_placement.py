@@ -16,7 +16,7 @@ from hpcrl.login.cli import main as cli_main
 from hpcrl.compute.launch import pinning, rendezvous
 from hpcrl.compute.launch.pinning import PinningError
 from hpcrl.compute.launch.rendezvous import Identity
-from hpcrl.job.placement import make_plan
+from hpcrl.job.placement import format_cores, make_plan
 
 # OLCF Frontier user guide: hardware threads -> GCD. -S 8 reserves the first core of each region.
 FRONTIER_REGION = {4: range(0, 8), 5: range(8, 16), 2: range(16, 24), 3: range(24, 32),
@@ -133,22 +133,34 @@ def test_launcher_binding_one_gpu_per_task_is_refused_clearly():
 def test_cpu_set_intersects_with_what_the_task_may_use():
     site = profiles.load("cuda")
     task = make_plan(site, 1).task(1)                          # cores 12-23
-    cores, dropped = pinning.cpu_set(site, task, allowed=set(range(16, 96)), existing=set(range(96)))
-    assert cores == tuple(range(16, 24)) and dropped == tuple(range(12, 16))
+    cores, dropped, warning = pinning.cpu_set(site, task, allowed=set(range(16, 96)), existing=set(range(96)),
+                                              tasks_per_node=8)
+    assert cores == tuple(range(16, 24)) and dropped == tuple(range(12, 16)) and warning == ""
 
 
 def test_cpu_set_fails_clearly_on_a_core_the_node_lacks():
     site = profiles.load("frontier")
     task = make_plan(site, 1).task(0)                          # GCD 0: cores 49-55
     with pytest.raises(PinningError, match=r"core\(s\) 49-55, which this node does not have \(it has 0-1\)"):
-        pinning.cpu_set(site, task, allowed={0, 1}, existing={0, 1})
+        pinning.cpu_set(site, task, allowed={0, 1}, existing={0, 1}, tasks_per_node=8)
 
 
-def test_cpu_set_fails_clearly_when_the_launcher_allows_none_of_them():
+def test_cpu_set_outside_the_jobs_cpuset_falls_back_to_an_even_share_with_a_warning():
+    """A non-exclusive job or an SMT node: Slurm's 96 CPUs are not the cores 0-95 the site maps.
+    Every task of the node gets its share of what the job holds, and says so once."""
     site = profiles.load("cuda")
-    task = make_plan(site, 1).task(2)
-    with pytest.raises(PinningError, match=r"may only run on 0-3 .*--cpu-bind=none"):
-        pinning.cpu_set(site, task, allowed={0, 1, 2, 3}, existing=set(range(96)))
+    plan = make_plan(site, 1)
+    allowed = set(range(0, 48)) | set(range(112, 160))          # 48 cores and their SMT siblings
+    shares = []
+    for rank in range(4, 8):                                     # GPUs 4-7: planned cores 48-95
+        cores, dropped, warning = pinning.cpu_set(site, plan.task(rank), allowed=allowed,
+                                                  existing=set(range(224)), tasks_per_node=8)
+        assert dropped == plan.task(rank).cores and cores and set(cores) <= allowed
+        assert f"rank {rank} is planned on core(s) {format_cores(plan.task(rank).cores)}" in warning
+        assert "pinned to" in warning and "--exclusive" in warning and "--cpu-bind" not in warning
+        shares.append(set(cores))
+    assert all(not (a & b) for i, a in enumerate(shares) for b in shares[i + 1:])    # disjoint shares
+    assert pinning.even_share([0, 1], 5, 8) == (1,)             # fewer cores than tasks: share one
 
 
 def test_local_site_gpu_slots_set_no_variable():
@@ -213,3 +225,8 @@ def test_cyclic_layout_is_refused_with_the_fix():
 
 def test_fake_nodes_on_one_machine_are_told_apart():
     assert rendezvous.node_name({"PMI_RANK": "6"}, tasks_per_fake_node=4).endswith("-fake1")
+
+
+def test_gloo_binds_to_the_sites_interface_or_the_one_that_reaches_rank_0():
+    assert rendezvous.gloo_interface(profiles.load("frontier"), "10.0.0.1") == "hsn0"
+    assert rendezvous.gloo_interface(profiles.load("testbed"), "127.0.0.1") == "lo"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -46,11 +47,32 @@ def test_frontier_script_holds_the_facts(hpcrl):
                  "craype-accel-amd-gfx90a",
                  'export LD_LIBRARY_PATH="$CRAY_LD_LIBRARY_PATH:$LD_LIBRARY_PATH"',
                  'export MIOPEN_USER_DB_PATH="/tmp/miopen-cache-$USER"', "export NCCL_SOCKET_IFNAME=hsn0,hsn1,hsn2,hsn3",
-                 "export FI_CXI_RDZV_PROTO=alt_read", "export HF_HOME=\"/mnt/bb/$USER/hf\"", "export HF_HUB_OFFLINE=1"):
+                 "export FI_CXI_RDZV_PROTO=alt_read", "export HF_HOME=\"/mnt/bb/$USER/hf\"", "export HF_HUB_OFFLINE=1",
+                 # Kernel caches off the read-only home: vLLM's ROCm attention compiles with Triton.
+                 'export TRITON_CACHE_DIR="/mnt/bb/$USER/triton"', 'export VLLM_CACHE_ROOT="/mnt/bb/$USER/vllm"',
+                 'export XDG_CACHE_HOME="/mnt/bb/$USER/cache"'):
         assert fact in one and fact in two, fact
     assert "export NCCL_NET=Socket" in one and "NCCL_NET=OFI" not in one      # the OFI plugin needs >1 node
     assert "export NCCL_NET=OFI" in two and "NCCL_NET=Socket" not in two
     assert "torchrun" not in one and "SIGUSR1" not in one                    # OLCF: no torchrun; RCCL eats USR1
+    # The interpreter hpcrl runs from, not the miniforge module's base python3.
+    assert f"HPCRL_PYTHON={sys.executable}" in one
+
+
+def test_cuda_asks_for_whole_nodes(hpcrl):
+    _, script = _render(hpcrl, "--site", "cuda", "-N", "2")
+    assert "#SBATCH --exclusive" in script and f"HPCRL_PYTHON={sys.executable}" in script
+
+
+def test_sites_says_which_interpreter_the_tasks_run(hpcrl):
+    r = hpcrl("sites", "frontier")
+    assert r.returncode == 0 and json.loads(r.stdout)["python"] == "auto"
+    assert f"tasks run: {sys.executable}" in r.stderr
+    staged = hpcrl.work.parent / "xdg3" / "hpcrl" / "sites"
+    staged.mkdir(parents=True)
+    (staged / "frontier.toml").write_text('[stage]\npython_env = "/lustre/orion/abc/env.tar.gz"\n')
+    r = hpcrl("sites", "frontier", env={"XDG_CONFIG_HOME": str(hpcrl.work.parent / "xdg3")})
+    assert "tasks run: /mnt/bb/$USER/hpcrl-env/bin/python, staged from /lustre/orion/abc/env.tar.gz" in r.stderr
 
 
 def test_frontier_stages_python_env_with_sbcast(hpcrl):

@@ -112,6 +112,9 @@ class Site:
     python: str = "auto"
     stage: Stage = field(default_factory=Stage)
     runs_dir: str = "runs"
+    # Directories compute nodes cannot write (Frontier mounts /ccs/home and /ccs/proj read-only
+    # there): a run or checkpoint directory under one is refused at render, before the queue.
+    readonly_on_compute: tuple[str, ...] = ()
     extends: str = ""
 
     def validate(self, where: str) -> None:

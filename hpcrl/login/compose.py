@@ -201,7 +201,22 @@ def compose(recipe_path: str | None, site_name: str, assignments: list[str] = ()
         raise UserError(f"--run-dir: {str(run_path)!r}: quotes, backslashes and % cannot appear in a run directory")
     if run_path.exists():
         raise UserError(f"--run-dir: {run_path} already exists")
+    _check_writable_on_compute(site, run_path, "--run-dir")
+    if recipe.checkpoint.dir:
+        _check_writable_on_compute(site, Path(recipe.checkpoint.dir).expanduser().absolute(), "checkpoint.dir")
     return JobSpec(SPEC_VERSION, __version__, time.time(), str(run_path), site, recipe, time_s, python)
+
+
+def _check_writable_on_compute(site: Site, path: Path, where: str) -> None:
+    """The job writes its run and checkpoint directories from the compute nodes. Symlinks are
+    followed: ~/runs linked to a scratch file system is fine."""
+    real = path.resolve()
+    for readonly in site.readonly_on_compute:
+        top = Path(readonly)
+        if real == top or top in real.parents:
+            raise UserError(f"{where}: {path} is under {readonly}, which {site.name}'s compute nodes cannot write; "
+                            f"put it on a scratch file system (--run-dir DIR, or runs_dir in your site file "
+                            f"~/.config/hpcrl/sites/{site.name}.toml)")
 
 
 def _check_reward_modules(recipe) -> None:

@@ -99,7 +99,7 @@ def setup(spec: JobSpec, run_dir: Path, supervisor: Supervisor, book: ArrivalBoo
     problem, pinned = rendezvous.placement_problem(identity, plan), None
     if problem is None:
         try:
-            pinned = pinning.resolve(site, plan.task(identity.rank), env)
+            pinned = pinning.resolve(site, plan.task(identity.rank), plan.tasks_per_node, env)
         except pinning.PinningError as e:
             problem = str(e)
     if world is not None:            # fail together now rather than one by one at the deadline
@@ -125,6 +125,8 @@ def setup(spec: JobSpec, run_dir: Path, supervisor: Supervisor, book: ArrivalBoo
     mark("rendezvous")
     if note and task.rank == 0:
         ctx.log(note)
+    if pinned.warning:
+        ctx.log(f"warning: {pinned.warning}")
     try:
         _connect_node_channel(ctx, info["secret"])
         mark("node_channel")

@@ -36,6 +36,7 @@ class Pinning:
     gpu_env_removed: tuple[str, ...] = ()
     cores: tuple[int, ...] = ()                              # the affinity applied
     dropped_cores: tuple[int, ...] = ()                      # planned, but not allowed to this task
+    warning: str = ""                                        # why the cores are not the planned ones
 
 
 def inherited_devices(site: Site, environ: Mapping[str, str]) -> list[str] | None:
@@ -76,8 +77,10 @@ def online_cores() -> set[int]:
         return set(range(os.cpu_count() or 1))
 
 
-def cpu_set(site: Site, task: Task, allowed: set[int], existing: set[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(cores to pin to, planned cores dropped because this task may not use them)."""
+def cpu_set(site: Site, task: Task, allowed: set[int], existing: set[int],
+            tasks_per_node: int) -> tuple[tuple[int, ...], tuple[int, ...], str]:
+    """(cores to pin to, planned cores dropped because this task may not use them, a warning when
+    the planned cores could not be used at all)."""
     planned = set(task.cores)
     absent = sorted(planned - existing)
     if absent:
@@ -86,18 +89,32 @@ def cpu_set(site: Site, task: Task, allowed: set[int], existing: set[int]) -> tu
             f"{format_cores(tuple(absent))}, which this node does not have (it has "
             f"{format_cores(tuple(sorted(existing)))}); fix node.gpu_cores / node.cores in the site profile")
     usable = tuple(sorted(planned & allowed))
-    if not usable:
-        raise PinningError(
-            f"rank {task.rank} is planned on core(s) {format_cores(task.cores)} but may only run on "
-            f"{format_cores(tuple(sorted(allowed)))} (the launcher's CPU binding); use srun --cpu-bind=none")
-    return usable, tuple(sorted(planned - allowed))
+    if usable:
+        return usable, tuple(sorted(planned - allowed)), ""
+    # The job's cpuset on this node misses the planned cores: a shared (non-exclusive) node, or SMT
+    # siblings counted as CPUs. Running beats aborting; the tasks of the node share what they got.
+    share = even_share(sorted(allowed), task.local_rank, tasks_per_node)
+    warning = (f"rank {task.rank} is planned on core(s) {format_cores(task.cores)}, but this job may only use "
+               f"{format_cores(tuple(sorted(allowed)))} on {site.name}'s node (a node shared with other jobs, "
+               f"or SMT siblings); pinned to {format_cores(share)}, an even share of those, instead. Ask for "
+               f"whole nodes (--exclusive) or fix node.gpu_cores in the site profile")
+    return share, tuple(sorted(planned)), warning
 
 
-def resolve(site: Site, task: Task, environ: Mapping[str, str] = os.environ) -> Pinning:
+def even_share(cores: list[int], local_rank: int, tasks_per_node: int) -> tuple[int, ...]:
+    """Local rank i's slice of `cores` split evenly over the node's tasks (one core, shared, when
+    there are fewer cores than tasks)."""
+    n = max(1, tasks_per_node)
+    if len(cores) < n:
+        return (cores[local_rank % len(cores)],)
+    return tuple(cores[local_rank * len(cores) // n:(local_rank + 1) * len(cores) // n])
+
+
+def resolve(site: Site, task: Task, tasks_per_node: int, environ: Mapping[str, str] = os.environ) -> Pinning:
     """What pinning `task` means on this node; PinningError if the node cannot give it."""
     set_vars, removed = gpu_environment(site, task, environ)
-    cores, dropped = cpu_set(site, task, set(os.sched_getaffinity(0)), online_cores())
-    return Pinning(set_vars, removed, cores, dropped)
+    cores, dropped, warning = cpu_set(site, task, set(os.sched_getaffinity(0)), online_cores(), tasks_per_node)
+    return Pinning(set_vars, removed, cores, dropped, warning)
 
 
 def apply_gpu_env(pinning: Pinning, environ: MutableMapping[str, str] = os.environ) -> None:

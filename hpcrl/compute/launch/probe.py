@@ -32,6 +32,7 @@ def observe(ctx: LaunchContext) -> dict:
         "slurm_procid": os.environ.get("SLURM_PROCID"),
         "gpu_env": {v: os.environ[v] for v in GPU_VARIABLES if v in os.environ},
         "affinity": sorted(os.sched_getaffinity(0)), "dropped_cores": list(ctx.pinning.dropped_cores),
+        "gloo_socket_ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
     }
     if ctx.mesh_choice is not None:
         out["mesh"] = {"kind": ctx.mesh_choice.kind, "shape": list(ctx.mesh_choice.shape),

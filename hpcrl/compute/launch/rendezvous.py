@@ -267,6 +267,25 @@ def rendezvous_host(site: Site, nodes: int) -> str:
     return addr or "127.0.0.1"
 
 
+def interface_toward(host: str) -> str | None:
+    """The name of the local interface that carries traffic to `host` (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((host, 9))
+            local = s.getsockname()[0]
+        except OSError:
+            return None
+    return next((name for _, name in socket.if_nameindex() if interface_ipv4(name) == local), None)
+
+
+def gloo_interface(site: Site, store_host: str) -> str | None:
+    """The interface gloo binds to. Left alone, gloo takes the hostname's address, which on many
+    clusters is the management network or loopback: cross-node gloo calls then fail or hang until
+    the collective timeout. The site's rendezvous interface (hsn0 on Frontier), else the one this
+    node reaches trainer rank 0's store through."""
+    return site.node.rendezvous_interface or interface_toward(store_host)
+
+
 # ---------------------------------------------------------------------------- bootstrap
 def new_secret() -> bytes:
     """The job's secret: authenticates the watchdog and the node channels, names the sockets."""
@@ -334,6 +353,10 @@ def init_trainer_group(site: Site, trainer_rank: int, num_trainers: int, store_a
         except (RuntimeError, TimeoutError) as e:
             raise LaunchError(f"trainer rank {trainer_rank} cannot reach trainer rank 0's store at "
                               f"{store_address[0]}:{store_address[1]}: {e}") from None
+    iface = gloo_interface(site, store_address[0])
+    if iface and not os.environ.get("GLOO_SOCKET_IFNAME"):      # a site's own setting wins
+        # Every gloo group of this process reads it when created: this one and checkpointing's.
+        os.environ["GLOO_SOCKET_IFNAME"] = iface
     kwargs = {}
     if site.device == "cuda":
         torch.cuda.set_device(0)                       # the one GPU pinning left visible

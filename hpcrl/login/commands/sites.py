@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 from hpcrl.job.config import to_dict
 from hpcrl.job.errors import UserError
@@ -12,7 +13,9 @@ from hpcrl.login.table import print_table
 
 def main(args) -> int:
     if args.name:
-        print(json.dumps(to_dict(profiles.load(args.name)), indent=2))
+        site = profiles.load(args.name)
+        print(json.dumps(to_dict(site), indent=2))
+        print(f"tasks run: {interpreter(site)}", file=sys.stderr)
         return 0
     rows = []
     for name in profiles.available():
@@ -23,3 +26,12 @@ def main(args) -> int:
             rows.append((name, "invalid", "", str(e)))
     print_table(("site", "scheduler", "gpus/node", "description"), rows)
     return 0
+
+
+def interpreter(site) -> str:
+    """Which Python the job's tasks start, in words: the commonest way a first job fails."""
+    if site.stage.python_env:
+        return f"{site.stage.dest}/bin/python, staged from {site.stage.python_env} (stage.python_env)"
+    if site.python == "auto":
+        return f"{sys.executable}, the interpreter hpcrl runs from now (python = \"auto\")"
+    return f"{site.python} as the job's shell finds it after its modules and setup lines (python = {site.python!r})"
