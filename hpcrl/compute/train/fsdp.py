@@ -28,6 +28,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from hpcrl.job.recipe import Recipe
+
 __all__ = [
     "mixed_precision_for",
     "decoder_layers",
@@ -234,21 +236,21 @@ def load_sharded_model(
     return model
 
 
-def load_policy_and_reference(model_dir: str, mesh: DeviceMesh, device: torch.device, cfg: Any
+def load_policy_and_reference(model_dir: str, mesh: DeviceMesh, device: torch.device, recipe: Recipe
                               ) -> tuple[nn.Module, Optional[nn.Module]]:
-    """The trainable policy and (when ``cfg.grpo.beta > 0``) the frozen reference model.
+    """The trainable policy and (when ``recipe.grpo.beta > 0``) the frozen reference model.
 
-    ``cfg``: the :class:`hpcrl.job.recipe.Recipe` (reads ``grpo.bf16``, ``grpo.beta``,
-    ``grpo.gradient_checkpointing``, ``trainer.activation_checkpointing``,
-    ``trainer.reference_offload``, ``model.trust_remote_code``).
+    Reads ``grpo.bf16``, ``grpo.beta``, ``grpo.gradient_checkpointing``,
+    ``trainer.activation_checkpointing``, ``trainer.reference_offload`` and
+    ``model.trust_remote_code`` of the recipe.
 
     Both are sharded the same way on the same mesh and device. The reference is in eval mode with
     ``requires_grad=False`` everywhere; it lives in host memory only with an explicit
     ``trainer.reference_offload`` (FSDP2 ``CPUOffloadPolicy``), never because of where it was loaded.
     """
     device = torch.device(device)
-    grpo, trainer = cfg.grpo, cfg.trainer
-    trust = bool(getattr(getattr(cfg, "model", None), "trust_remote_code", False))
+    grpo, trainer = recipe.grpo, recipe.trainer
+    trust = recipe.model.trust_remote_code
     param_dtype, reduce_dtype = mixed_precision_for(device.type, grpo.bf16)
     policy = load_sharded_model(
         model_dir, mesh, device, dtype=torch.float32, param_dtype=param_dtype, reduce_dtype=reduce_dtype,

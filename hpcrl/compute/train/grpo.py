@@ -6,8 +6,14 @@ tests/test_grpo_math.py can hold each piece against TRL's own code on identical 
 Conventions (TRL's):
   B sequences, T completion tokens (right padded), G generations per prompt, F reward functions.
   ``completion_mask`` is the loss mask: 1 for tokens that count (multiply a tool mask in before calling).
-  Rewards and advantages are computed on the *global* batch (all ranks gathered), because a group of G
-  completions may be spread over ranks; each rank then keeps its own slice.
+
+Advantages are computed on the batch they are given, which must hold whole groups of G. The trainer
+gives each rank its own completions: every trainer generates whole groups (a job spec is refused
+unless num_generations divides a trainer's completions per step), so group-relative advantages need
+no cross-rank gather, where TRL gathers the global batch and keeps each process's slice. Group means
+and stds come out the same either way, but ``scale_rewards="batch"`` does not: its std is over this
+trainer's batch (per_device_train_batch_size x gradient_accumulation_steps completions), TRL's over
+the global batch, so the two agree only with one trainer.
 
 Distributed normalisation: TRL scales each micro-batch's loss so that, after gradients are *averaged*
 over ranks (DDP, or FSDP's default reduce-scatter) and *summed* over gradient-accumulation steps, the
@@ -206,10 +212,11 @@ def combine_rewards(rewards_per_func: Tensor, weights: Sequence[float] | Tensor 
 def group_advantages(
     rewards: Tensor, num_generations: int, scale_rewards: str | bool = "group"
 ) -> tuple[Tensor, dict[str, float]]:
-    """Group-relative advantages of the global batch ``rewards[B]`` (NaN = unscorable row).
+    """Group-relative advantages of a batch ``rewards[B]`` of whole groups (NaN = unscorable row).
 
-    ``(r - mean(group)) / (std + 1e-4)`` where std is the group's ("group"), the whole batch's
-    ("batch") or no scaling at all ("none"). Returns the advantages and TRL's reward statistics.
+    ``(r - mean(group)) / (std + 1e-4)`` where std is the group's ("group"), that of all of
+    ``rewards`` ("batch") or no scaling at all ("none"). Returns the advantages and TRL's reward
+    statistics.
     """
     mode = _scale_mode(scale_rewards)
     g = num_generations

@@ -21,6 +21,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from hpcrl.job.recipe import GRPOConfig
+
 __all__ = [
     "no_decay",
     "param_groups",
@@ -59,7 +61,7 @@ def _fused_ok(params: list[torch.Tensor]) -> bool:
             and dtypes <= {torch.float32, torch.float16, torch.bfloat16, torch.float64})
 
 
-def build_optimizer(model: nn.Module, grpo: Any, *, implementation: str = "auto") -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, grpo: GRPOConfig, *, implementation: str = "auto") -> torch.optim.AdamW:
     """AdamW from a recipe's ``grpo`` section (learning_rate, adam_beta1/2, weight_decay).
 
     ``implementation``: "auto" (fused where supported, else foreach), "fused", "foreach" or "for".
@@ -84,7 +86,7 @@ def warmup_steps(max_steps: int, warmup_ratio: float) -> int:
     return math.ceil(max_steps * warmup_ratio)
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, grpo: Any) -> torch.optim.lr_scheduler.LRScheduler:
+def build_scheduler(optimizer: torch.optim.Optimizer, grpo: GRPOConfig) -> torch.optim.lr_scheduler.LRScheduler:
     """``transformers.get_scheduler(grpo.lr_scheduler_type, ...)`` over ``grpo.max_steps`` steps.
 
     Call ``scheduler.step()`` once after each ``optimizer.step()``; ``state_dict()`` is what the

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hpcrl.job.recipe import DataConfig
+
 DEMO_PREFIX = "demo:"
 RANDOM_SUFFIX = ":random"
 
@@ -31,7 +33,7 @@ def resolve_model(path: str, run_dir: str | Path, seed: int = 0) -> str:
     return path
 
 
-def load_dataset(data_cfg, seed: int = 0):
+def load_dataset(data_cfg: DataConfig, seed: int = 0):
     from hpcrl.compute.train import data
 
     if data_cfg.path == "demo":

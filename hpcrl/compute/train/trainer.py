@@ -21,7 +21,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,7 @@ from hpcrl.compute.inference.types import Completion, Generator, PendingGenerati
 from hpcrl.compute.launch import faults
 from hpcrl.compute.launch.stop import STOP
 from hpcrl.job import rundir
+from hpcrl.job.recipe import Recipe
 from hpcrl.job.rundir import FINISHED_MARKER
 from hpcrl.compute.train import checkpoint as ckpt
 from hpcrl.compute.train import data as data_mod
@@ -37,10 +38,13 @@ from hpcrl.compute.train import grpo
 from hpcrl.compute.train.optim import build_optimizer, build_scheduler, clip_grad_norm, current_lr
 from hpcrl.compute.train.rewards import RewardFunction, as_completions, load_reward_functions, score_completions
 
+if TYPE_CHECKING:
+    from hpcrl.compute.launch.context import LaunchContext
+
 
 @dataclass
 class TrainerSetup:
-    recipe: Any                      # hpcrl.job.recipe.Recipe
+    recipe: Recipe
     run_dir: Path
     device: torch.device
     policy: torch.nn.Module
@@ -82,6 +86,45 @@ class Requested:
     @classmethod
     def from_state(cls, state: dict | None) -> "Requested | None":
         return None if state is None else cls(state["batch"], state["version"], None, state["completions"])
+
+
+@dataclass(frozen=True)
+class Generation:
+    """A generation scored and ready to train on: what its num_iterations optimizer steps share.
+
+    The three counts (completion tokens, completions, truncated ones) are over all trainers, the
+    tensors this rank's. ``wait_s`` and ``logps_s`` are the time this process spent waiting for its
+    completions and computing its fixed log-probabilities; the first step on it reports them (a
+    generation restored from a checkpoint has them at 0 and its first step done).
+    """
+    tensors: dict[str, torch.Tensor]        # pack_batch's
+    advantages: torch.Tensor
+    old_logps: torch.Tensor | None          # the policy's before the first step (None: not needed)
+    ref_logps: torch.Tensor | None          # the reference model's (None: beta = 0)
+    completion_tokens: float                # the loss's num_items_in_batch
+    completions: float
+    truncated: float                        # completions cut at max_completion_length
+    reward_stats: dict[str, float]
+    lag: int                                # weight versions its completions are behind the policy
+    wait_s: float = 0.0
+    logps_s: float = 0.0
+
+    def state_dict(self, steps_done: int) -> dict:
+        """The checkpoint's form, tensors on the host, with the optimizer steps done on it."""
+        return _to_device(dict(tensors=self.tensors, advantages=self.advantages, old_logps=self.old_logps,
+                               ref_logps=self.ref_logps,
+                               gen_tokens=[self.completion_tokens, self.completions, self.truncated],
+                               rstats=self.reward_stats, done=steps_done, lag=self.lag), torch.device("cpu"))
+
+    @classmethod
+    def from_state(cls, state: dict | None, device: torch.device) -> "Generation | None":
+        if state is None:
+            return None
+        state = _to_device(state, device)
+        tokens, completions, truncated = state["gen_tokens"]
+        return cls(tensors=state["tensors"], advantages=state["advantages"], old_logps=state["old_logps"],
+                   ref_logps=state["ref_logps"], completion_tokens=tokens, completions=completions,
+                   truncated=truncated, reward_stats=state["rstats"], lag=state.get("lag", 0))
 
 
 def _any_true(flag: bool, group) -> bool:
@@ -133,29 +176,90 @@ def completion_logps(model, batch: dict, temperature: float, rows=slice(None)) -
 
 class Trainer:
     def __init__(self, setup: TrainerSetup, generator: Generator):
-        self.s = setup
-        self.r = setup.recipe
-        self.g = setup.recipe.grpo
+        self.setup = setup
+        self.recipe = setup.recipe
+        self.grpo = setup.recipe.grpo
         self.generator = generator
         self.rewards: list[RewardFunction] = load_reward_functions(
-            [{"func": r.func, "weight": r.weight} for r in self.r.rewards])
-        self.optimizer = build_optimizer(setup.policy, self.g)
-        self.scheduler = build_scheduler(self.optimizer, self.g)
-        per_rank = self.g.per_device_train_batch_size * self.g.gradient_accumulation_steps
-        self.prompts_per_rank = per_rank // self.g.num_generations
+            [{"func": r.func, "weight": r.weight} for r in self.recipe.rewards])
+        self.optimizer = build_optimizer(setup.policy, self.grpo)
+        self.scheduler = build_scheduler(self.optimizer, self.grpo)
+        per_rank = self.grpo.per_device_train_batch_size * self.grpo.gradient_accumulation_steps
+        self.prompts_per_rank = per_rank // self.grpo.num_generations
         self.sampler = data_mod.PromptSampler(setup.dataset, self.prompts_per_rank * setup.num_trainers,
-                                              seed=self.g.seed, shuffle=self.r.data.shuffle,
+                                              seed=self.grpo.seed, shuffle=self.recipe.data.shuffle,
                                               rank=setup.trainer_rank, world_size=setup.num_trainers)
         self.step = 0
         self.weight_version = 0        # the version generation serves; bumped by every push
-        # The generation being trained on (num_iterations > 1): its inputs and how many of its
-        # optimizer steps are done. A checkpoint taken in its middle keeps it, so a resume finishes it.
-        self.generation: dict | None = None
+        # The generation being trained on (num_iterations > 1) and how many of its optimizer steps
+        # are done. A checkpoint taken in its middle keeps both, so a resume finishes it.
+        self.generation: Generation | None = None
+        self.generation_steps_done = 0
         self.last_sync_stats: dict = {}
-        self.overlap = self.r.inference.overlap_generation
+        self.overlap = self.recipe.inference.overlap_generation
         self.next: Requested | None = None      # asked for ahead of its turn (overlap_generation)
-        self.ckpt_dir = Path(self.r.checkpoint.dir or setup.run_dir / rundir.CHECKPOINTS_DIR)
+        self.ckpt_dir = Path(self.recipe.checkpoint.dir or setup.run_dir / rundir.CHECKPOINTS_DIR)
         self.flag = STOP
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> str:
+        """Train to max_steps; returns "finished" or "stopped" (a signal asked for a checkpoint)."""
+        self._start()
+        while self.step < self.grpo.max_steps:
+            if self._stop_requested():
+                self.save()
+                return "stopped"
+            faults.at_step()
+            started = time.perf_counter()
+            if self.generation is None:         # else: resumed in the middle of one
+                self.generation = self._next_generation()
+            self._train_on(self.generation, started)
+        self.save()         # the end state, for `hpcrl submit --resume` with more steps
+        return "finished"
+
+    def _start(self) -> None:
+        """Resume from the latest checkpoint, if there is one, and then give generation its weights."""
+        resumed = self.resume()
+        self.weight_version = self.step
+        if resumed:
+            self._push(self.step)        # the server starts from the model directory's weights
+
+    def _stop_requested(self) -> bool:
+        # Agreed on by all trainers, so that every rank checkpoints the same step.
+        return _any_true(self.flag.raised, self.setup.group)
+
+    def _train_on(self, generation: Generation, started: float) -> None:
+        """The optimizer steps still due on `generation`: num_iterations in all, fewer where
+        max_steps comes first. `started`: when the first of them began (generating counts in it)."""
+        mu = self.grpo.num_iterations
+        self._heartbeat("training")
+        self._ask_ahead(mu - self.generation_steps_done)       # (a resume in the middle of a generation)
+        for it in range(self.generation_steps_done, mu):
+            if self.step >= self.grpo.max_steps:
+                break
+            # A checkpointed generation has at least one step done, so only a generation made in
+            # this process has a first step, which carries the time spent making it.
+            first = it == 0
+            t0 = time.perf_counter()
+            losses = self._optimizer_step(generation)
+            self.step += 1
+            self.generation_steps_done = it + 1
+            train_s = time.perf_counter() - t0 + (generation.logps_s if first else 0.0)
+            sync_s = 0.0
+            if it == mu - 1:
+                self.generation, self.generation_steps_done = None, 0     # spent: the next loop generates
+                if self._sync_due():
+                    sync_s = self._sync_weights()
+            metrics = self._step_metrics(generation, losses, first=first, train_s=train_s, sync_s=sync_s,
+                                         started=started)
+            started = time.perf_counter()
+            if self.setup.on_metrics:
+                self.setup.on_metrics(self.step, metrics)
+            self._checkpoint_if_due()
+
+    def _heartbeat(self, phase: str) -> None:
+        if self.setup.on_heartbeat:
+            self.setup.on_heartbeat(self.step, phase)
 
     # ------------------------------------------------------------------ checkpoints
     def resume_step_hint(self) -> int | None:
@@ -167,40 +271,49 @@ class Trainer:
         latest = ckpt.latest_checkpoint(self.ckpt_dir)
         if latest is None:
             return False
-        extra = ckpt.load(latest, self.s.policy, self.optimizer, self.scheduler,
-                          timeout_s=self.s.collective_timeout_s)
+        extra = ckpt.load(latest, self.setup.policy, self.optimizer, self.scheduler,
+                          timeout_s=self.setup.collective_timeout_s)
         self.step = int(extra["step"])
         self.sampler.load_state_dict(extra["sampler"])
-        self.generation = _to_device(extra.get("generation"), self.s.device)
+        state = extra.get("generation")
+        self.generation = Generation.from_state(state, self.setup.device)
+        self.generation_steps_done = 0 if state is None else int(state["done"])
         self.next = Requested.from_state(extra.get("next"))
-        self.s.log(f"resumed from {latest} at step {self.step}")
+        self.setup.log(f"resumed from {latest} at step {self.step}")
         return True
 
     def save(self) -> Path:
         t0 = time.perf_counter()
         if self.next is not None:
             self.next.take()        # a checkpoint keeps completions, never a request in flight
-        path = ckpt.save(self.ckpt_dir, self.step, self.s.policy, self.optimizer, self.scheduler,
+        generation = None if self.generation is None else self.generation.state_dict(self.generation_steps_done)
+        path = ckpt.save(self.ckpt_dir, self.step, self.setup.policy, self.optimizer, self.scheduler,
                          extra={"sampler": self.sampler.state_dict(),
-                                "generation": _to_device(self.generation, torch.device("cpu")),
+                                "generation": generation,
                                 # A generation asked for ahead is kept whole: the sampler is past
                                 # its prompts, and a resume trains on exactly these completions.
                                 "next": None if self.next is None else self.next.state_dict()},
-                         keep=self.r.checkpoint.keep,
-                         timeout_s=self.s.collective_timeout_s)
-        if self.s.trainer_rank == 0:
-            self.s.log(f"checkpoint {path.name} written in {time.perf_counter() - t0:.1f} s")
+                         keep=self.recipe.checkpoint.keep,
+                         timeout_s=self.setup.collective_timeout_s)
+        if self.setup.trainer_rank == 0:
+            self.setup.log(f"checkpoint {path.name} written in {time.perf_counter() - t0:.1f} s")
         return path
+
+    def _checkpoint_if_due(self) -> None:
+        # The last step is saved by run() itself, whatever checkpoint.every says.
+        every = self.recipe.checkpoint.every
+        if every and self.step % every == 0 and self.step < self.grpo.max_steps:
+            self.save()
 
     # ------------------------------------------------------------------ one generation
     def _request(self, first_step: int) -> Requested:
         """Ask for the generation that training starts on at optimizer step `first_step`."""
         idx = next(self.sampler)
-        batch = data_mod.make_batch(self.s.dataset, idx, self.s.tokenizer)
+        batch = data_mod.make_batch(self.setup.dataset, idx, self.setup.tokenizer)
         # A seed per (step, rank): generation is reproducible, so a resumed run repeats itself.
-        sampling = Sampling(n=self.g.num_generations, max_tokens=self.g.max_completion_length,
-                            temperature=self.g.temperature, top_p=self.g.top_p, top_k=self.g.top_k,
-                            seed=self.g.seed * 100_003 + first_step * 1_009 + self.s.trainer_rank)
+        sampling = Sampling(n=self.grpo.num_generations, max_tokens=self.grpo.max_completion_length,
+                            temperature=self.grpo.temperature, top_p=self.grpo.top_p, top_k=self.grpo.top_k,
+                            seed=self.grpo.seed * 100_003 + first_step * 1_009 + self.setup.trainer_rank)
         t0 = time.perf_counter()
         pending = self.generator.submit(batch.prompt_ids, sampling)
         return Requested(batch, self.weight_version, pending, wait_s=time.perf_counter() - t0)
@@ -208,19 +321,57 @@ class Trainer:
     def _ask_ahead(self, steps_left_in_generation: int) -> None:
         """Overlap: ask for the next generation now, if the run will train on it."""
         next_first_step = self.step + steps_left_in_generation
-        if self.overlap and self.next is None and next_first_step < self.g.max_steps:
+        if self.overlap and self.next is None and next_first_step < self.grpo.max_steps:
             self.next = self._request(next_first_step)
 
-    def _score(self, batch, completions) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    def _next_generation(self) -> Generation:
+        """The generation due now (asked for ahead, or asked for here), scored and ready to train on;
+        the one after it is asked for as soon as this one's completions are in hand."""
+        setup = self.setup
+        self._heartbeat("generating")
+        requested = self.next or self._request(self.step)
+        self.next = None
+        completions = requested.take()
+        self._ask_ahead(self.grpo.num_iterations)
+        batch = requested.batch.repeat(self.grpo.num_generations)
+        lag = self.weight_version - requested.version
+        advantages, reward_stats = self._score(batch, completions)
+        tensors = pack_batch(batch.prompt_ids, completions, _pad_id(setup.tokenizer), setup.device)
+        advantages = advantages.to(setup.device)
+        local_tokens = tensors["completion_mask"].sum().item()
+        tokens, count, truncated = _global_sum([local_tokens, len(completions),
+                                                sum(c.truncated for c in completions)], setup.group)
+        t0 = time.perf_counter()
+        old_logps, ref_logps = self._old_and_ref_logps(tensors)
+        return Generation(tensors=tensors, advantages=advantages, old_logps=old_logps, ref_logps=ref_logps,
+                          completion_tokens=tokens, completions=count, truncated=truncated,
+                          reward_stats=reward_stats, lag=lag, wait_s=requested.wait_s,
+                          logps_s=time.perf_counter() - t0)
+
+    @torch.no_grad()
+    def _old_and_ref_logps(self, tensors: dict) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The log-probabilities that stay fixed while a generation is trained on: the policy's
+        before its first step (the ratio's denominator; on-policy with one iteration and no sampling
+        correction, the ratio is 1 and they are not needed) and the reference model's (the KL's)."""
+        setup, temperature = self.setup, self.grpo.temperature
+        old_logps = None
+        if self.grpo.num_iterations > 1 or self.grpo.vllm_importance_sampling_correction:
+            setup.policy.eval()
+            old_logps = completion_logps(setup.policy, tensors, temperature)
+        ref_logps = completion_logps(setup.reference, tensors, temperature) if setup.reference is not None else None
+        return old_logps, ref_logps
+
+    def _score(self, batch, completions) -> tuple[torch.Tensor, dict]:
+        """This rank's advantages, and the reward statistics over all trainers."""
         texts = [c.text for c in completions]
         per_func = score_completions(
             self.rewards, batch.prompts, as_completions(batch.prompts, texts),
             [list(c.token_ids) for c in completions], batch.columns)
         # Whole groups live on one rank (spec validation), so advantages are local.
-        advantages, local = grpo.compute_advantages(per_func, self.g.num_generations,
-                                                    [rf.weight for rf in self.rewards], self.g.scale_rewards)
+        advantages, local = grpo.compute_advantages(per_func, self.grpo.num_generations,
+                                                    [rf.weight for rf in self.rewards], self.grpo.scale_rewards)
         stats = self._reward_stats(per_func, local["frac_reward_zero_std"])
-        return per_func, advantages, stats
+        return advantages, stats
 
     def _reward_stats(self, per_func: torch.Tensor, frac_zero_std: float) -> dict:
         """Mean/std over all trainers' completions, overall and per reward function, and the share
@@ -233,7 +384,7 @@ class Trainer:
             ok = ~torch.isnan(c)
             sums += [c[ok].sum().item(), (c[ok] ** 2).sum().item(), ok.sum().item()]
         sums += [frac_zero_std, 1.0]        # every rank scores as many completions: average over ranks
-        sums = _global_sum(sums, self.s.group)
+        sums = _global_sum(sums, self.setup.group)
         out = {}
         names = ["reward"] + [f"rewards/{rf.name}" for rf in self.rewards]
         for k, name in enumerate(names):
@@ -246,146 +397,93 @@ class Trainer:
         return out
 
     # ------------------------------------------------------------------ one optimizer step
-    def _train_step(self, batch: dict, advantages: torch.Tensor, old_logps, ref_logps, tokens_global) -> dict:
-        g = self.g
-        model = self.s.policy
+    def _optimizer_step(self, generation: Generation) -> dict:
+        """Forward and backward over the generation in micro-batches, then one optimizer step;
+        returns the step's loss metrics, reduced over all trainers."""
+        cfg = self.grpo
+        model = self.setup.policy
+        batch, advantages = generation.tensors, generation.advantages
+        old_logps, ref_logps = generation.old_logps, generation.ref_logps
         model.train()
         rows = batch["input_ids"].shape[0]
-        micro = g.per_device_train_batch_size
+        micro = cfg.per_device_train_batch_size
         metrics: dict[str, grpo.Metric] = {}
         loss_sum = 0.0
         for start in range(0, rows, micro):
             sl = slice(start, start + micro)
-            logps = completion_logps(model, batch, g.temperature, sl)
+            logps = completion_logps(model, batch, cfg.temperature, sl)
             weights = None
-            if g.vllm_importance_sampling_correction:
+            if cfg.vllm_importance_sampling_correction:
                 weights, is_metrics = grpo.sampling_importance_ratio(
                     old_logps[sl] if old_logps is not None else logps.detach(), batch["sampling_logps"][sl],
-                    batch["completion_mask"][sl], mode=g.vllm_importance_sampling_mode,
-                    clip_min=g.vllm_importance_sampling_clip_min, clip_max=g.vllm_importance_sampling_clip_max)
+                    batch["completion_mask"][sl], mode=cfg.vllm_importance_sampling_mode,
+                    clip_min=cfg.vllm_importance_sampling_clip_min, clip_max=cfg.vllm_importance_sampling_clip_max)
                 _merge(metrics, is_metrics)
             loss, m = grpo.grpo_loss(
                 logps, None if old_logps is None else old_logps[sl],
                 None if ref_logps is None else ref_logps[sl], advantages[sl], batch["completion_mask"][sl],
-                loss_type=g.loss_type, beta=g.beta, epsilon_low=g.epsilon, epsilon_high=g.epsilon_high,
-                max_completion_length=g.max_completion_length, num_items_in_batch=tokens_global,
-                num_processes=self.s.num_trainers, gradient_accumulation_steps=g.gradient_accumulation_steps,
+                loss_type=cfg.loss_type, beta=cfg.beta, epsilon_low=cfg.epsilon, epsilon_high=cfg.epsilon_high,
+                max_completion_length=cfg.max_completion_length, num_items_in_batch=generation.completion_tokens,
+                num_processes=self.setup.num_trainers, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
                 importance_weights=weights)
             loss.backward()
             loss_sum += loss.item()
             _merge(metrics, m)
-        grad_norm = clip_grad_norm(model.parameters(), g.max_grad_norm)
+        grad_norm = clip_grad_norm(model.parameters(), cfg.max_grad_norm)
         if math.isfinite(grad_norm):
             self.optimizer.step()
         else:
-            self.s.log(f"step {self.step + 1}: non-finite gradient norm {grad_norm}; step skipped")
+            self.setup.log(f"step {self.step + 1}: non-finite gradient norm {grad_norm}; step skipped")
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        out = grpo.reduce_metrics(metrics, self.s.group)
-        loss_t = _global_sum([loss_sum], self.s.group)[0]
+        out = grpo.reduce_metrics(metrics, self.setup.group)
+        loss_t = _global_sum([loss_sum], self.setup.group)[0]
         out.update(loss=loss_t, grad_norm=grad_norm)
         return out
 
-    # ------------------------------------------------------------------ the loop
-    def run(self) -> str:
-        """Train to max_steps; returns "finished" or "stopped" (a signal asked for a checkpoint)."""
-        g, s = self.g, self.s
-        mu = g.num_iterations
-        resumed = self.resume()
-        self.weight_version = self.step
-        if resumed:
-            self._push(self.step)        # the server starts from the model directory's weights
-        while self.step < g.max_steps:
-            if _any_true(self.flag.raised, s.group):
-                self.save()
-                return "stopped"
-            faults.at_step()
-            t_step = time.perf_counter()
-            t_gen = t_logps = 0.0
-            fresh = self.generation is None     # else: resumed in the middle of a generation
-            if fresh:
-                if s.on_heartbeat:
-                    s.on_heartbeat(self.step, "generating")
-                requested = self.next or self._request(self.step)
-                self.next = None
-                completions = requested.take()
-                self._ask_ahead(mu)
-                batch = requested.batch.repeat(self.g.num_generations)
-                t_gen, lag = requested.wait_s, self.weight_version - requested.version
-                per_func, advantages, rstats = self._score(batch, completions)
-                tensors = pack_batch(batch.prompt_ids, completions, _pad_id(s.tokenizer), s.device)
-                advantages = advantages.to(s.device)
-                local_tokens = tensors["completion_mask"].sum().item()
-                gen_tokens = _global_sum([local_tokens, len(completions),
-                                          sum(c.truncated for c in completions)], s.group)
-                t_logps0 = time.perf_counter()
-                with torch.no_grad():
-                    old_logps = None
-                    if mu > 1 or g.vllm_importance_sampling_correction:
-                        s.policy.eval()
-                        old_logps = completion_logps(s.policy, tensors, g.temperature)
-                    ref_logps = completion_logps(s.reference, tensors, g.temperature) if s.reference is not None else None
-                t_logps = time.perf_counter() - t_logps0      # counted as training time of the first step
-                self.generation = dict(tensors=tensors, advantages=advantages, old_logps=old_logps,
-                                       ref_logps=ref_logps, gen_tokens=gen_tokens, rstats=rstats, done=0,
-                                       lag=lag)
-            gen = self.generation
-            tensors, advantages, old_logps, ref_logps = gen["tensors"], gen["advantages"], gen["old_logps"], gen["ref_logps"]
-            gen_tokens, rstats = gen["gen_tokens"], gen["rstats"]
-            tokens_global = gen_tokens[0]
-            if s.on_heartbeat:
-                s.on_heartbeat(self.step, "training")
-            start = gen["done"]
-            self._ask_ahead(mu - start)         # (a resume in the middle of a generation)
-            for it in range(start, mu):
-                if self.step >= g.max_steps:
-                    break
-                first = fresh and it == start
-                t_train0 = time.perf_counter()
-                m = self._train_step(tensors, advantages, old_logps, ref_logps, tokens_global)
-                self.step += 1
-                gen["done"] = it + 1
-                t_train = time.perf_counter() - t_train0 + (t_logps if first else 0.0)
-                t_sync = 0.0
-                last_of_generation = it == mu - 1 or self.step >= g.max_steps
-                if it == mu - 1:
-                    self.generation = None      # spent: the next loop generates
-                if last_of_generation and self.step < g.max_steps and (self.step // mu) % self.r.inference.sync_every == 0:
-                    if self.next is not None:
-                        self.next.take()    # the server finishes it before it takes weights
-                    t_sync = self._push(self.step)
-                metrics = {
-                    "step": self.step, "time": time.time(), **rstats, **m,
-                    "advantage_mean": advantages.mean().item(), "advantage_std": advantages.std().item(),
-                    "completion_len_mean": tokens_global / max(1, gen_tokens[1]),
-                    "truncated_frac": gen_tokens[2] / max(1, gen_tokens[1]),
-                    "learning_rate": current_lr(self.optimizer), "weight_version": self.weight_version,
-                    # How many weight versions the completions trained on are behind the policy.
-                    "off_policy_lag": gen.get("lag", 0),
-                    "time_generation_s": t_gen if first else 0.0, "time_train_s": t_train,
-                    "time_sync_s": t_sync, "sync_s": t_sync if t_sync else None,
-                }
-                if t_sync:
-                    # The job's gather traffic for this sync: under HSDP nothing crosses a node.
-                    metrics.update({f"sync_{k}": v for k, v in self.last_sync_stats.items()})
-                step_time = time.perf_counter() - t_step
-                metrics["time_step_s"] = step_time
-                metrics["time_wait_s"] = max(0.0, step_time - metrics["time_generation_s"] - t_train - t_sync)
-                metrics["tokens_per_s"] = tokens_global / step_time if first else None
-                t_step = time.perf_counter()
-                if s.on_metrics:
-                    s.on_metrics(self.step, metrics)
-                every = self.r.checkpoint.every
-                if every and self.step % every == 0 and self.step < g.max_steps:
-                    self.save()
-        self.save()         # the end state, for `hpcrl submit --resume` with more steps
-        return "finished"
+    def _step_metrics(self, generation: Generation, losses: dict, *, first: bool, train_s: float,
+                      sync_s: float, started: float) -> dict:
+        """The step's metrics. The first step on a generation carries the time spent making it.
+        time_step_s runs from the previous step's metrics (from the start of the generation for its
+        first step), so time_wait_s holds what no phase accounts for: scoring, packing, reporting,
+        checkpoints."""
+        gen = generation
+        metrics = {
+            "step": self.step, "time": time.time(), **gen.reward_stats, **losses,
+            "advantage_mean": gen.advantages.mean().item(), "advantage_std": gen.advantages.std().item(),
+            "completion_len_mean": gen.completion_tokens / max(1, gen.completions),
+            "truncated_frac": gen.truncated / max(1, gen.completions),
+            "learning_rate": current_lr(self.optimizer), "weight_version": self.weight_version,
+            # How many weight versions the completions trained on are behind the policy.
+            "off_policy_lag": gen.lag,
+            "time_generation_s": gen.wait_s if first else 0.0, "time_train_s": train_s,
+            "time_sync_s": sync_s, "sync_s": sync_s if sync_s else None,
+        }
+        if sync_s:
+            # The job's gather traffic for this sync: under HSDP nothing crosses a node.
+            metrics.update({f"sync_{k}": v for k, v in self.last_sync_stats.items()})
+        step_s = time.perf_counter() - started
+        metrics["time_step_s"] = step_s
+        metrics["time_wait_s"] = max(0.0, step_s - metrics["time_generation_s"] - train_s - sync_s)
+        metrics["tokens_per_s"] = gen.completion_tokens / step_s if first else None
+        return metrics
+
+    # ------------------------------------------------------------------ weights to generation
+    def _sync_due(self) -> bool:
+        """After a generation is spent: every inference.sync_every generations, unless training is over."""
+        return (self.step < self.grpo.max_steps
+                and (self.step // self.grpo.num_iterations) % self.recipe.inference.sync_every == 0)
+
+    def _sync_weights(self) -> float:
+        """Push the policy to generation; returns the seconds the push took."""
+        if self.next is not None:
+            self.next.take()    # the server finishes it before it takes weights
+        return self._push(self.step)
 
     def _push(self, version: int) -> float:
         t0 = time.perf_counter()
-        if self.s.on_heartbeat:
-            self.s.on_heartbeat(self.step, "syncing")
-        stats = self.generator.push_weights(self.s.policy, version) or {}
+        self._heartbeat("syncing")
+        stats = self.generator.push_weights(self.setup.policy, version) or {}
         self.weight_version = version
         self.last_sync_stats = stats
         return time.perf_counter() - t0
@@ -420,7 +518,7 @@ def _pad_id(tokenizer) -> int:
 
 
 # ---------------------------------------------------------------------- the trainer role
-def run_trainer(ctx) -> int:
+def run_trainer(ctx: LaunchContext) -> int:
     """The trainer role's entry (hpcrl.compute.launch): build everything from the job spec, then train."""
     from transformers import AutoTokenizer
 
@@ -472,7 +570,7 @@ def run_trainer(ctx) -> int:
     return 0
 
 
-def _print_step(ctx, step: int, m: dict) -> None:
+def _print_step(ctx: LaunchContext, step: int, m: dict) -> None:
     def f(key, fmt):
         v = m.get(key)
         return "-" if v is None else format(v, fmt)
