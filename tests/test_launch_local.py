@@ -23,7 +23,7 @@ import pytest
 from hpcrl.job import rundir
 from hpcrl.compute.launch import wire
 from hpcrl.compute.launch.channel import NodeChannel, NodeServerChannel, PeerClosed, socket_name
-from hpcrl.compute.launch.mesh import choose_mesh, count_parameters
+from hpcrl.job.fit import choose_mesh, count_parameters
 from hpcrl.compute.launch.watchdog import Hub, Peer, Watchdog
 from hpcrl.job.spec import JobSpec
 from hpcrl.login.compose import compose
@@ -189,7 +189,9 @@ def test_small_broadcasts_travel_through_the_hub(verdicts):
 
 
 def _spec(tmp_path, *overrides, nodes=1, site="local") -> JobSpec:
-    return compose(None, site, list(overrides), {"resources.nodes": nodes}, str(tmp_path / f"r-{uuid.uuid4().hex[:6]}"))
+    # Mesh choices for models no demo batch fits: the fit check is tests/test_fit.py's.
+    return compose(None, site, list(overrides), {"resources.nodes": nodes}, str(tmp_path / f"r-{uuid.uuid4().hex[:6]}"),
+                   check_fit=False)
 
 
 def test_mesh_choice(tmp_path):

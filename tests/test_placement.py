@@ -98,6 +98,8 @@ def test_hpcrl_plan_json_is_the_plan(site, nodes, capsys):
     assert cli_main(["plan", "--site", site, "-N", str(nodes), "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
     plan = make_plan(profiles.load(site), nodes)
+    # Each row is the task's plus its memory estimate (none for the demo model, built in the job).
+    assert all(row.pop("est_memory_gb") is None for row in shown["tasks"])
     assert shown["tasks"] == [json.loads(json.dumps(t.to_dict())) for t in plan.tasks]
     assert shown["senders"] == {str(n): plan.sender_of(n).rank for n in range(nodes)}
 

@@ -56,10 +56,16 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--resume", metavar="RUN_DIR",
                            help="submit an existing run directory again; it continues from its last checkpoint")
 
-    p = sub.add_parser("plan", help="the placement a job gets: one row per task")
-    p.add_argument("--site", "-s", required=True)
-    p.add_argument("-N", "--nodes", type=int, default=1)
-    p.add_argument("--server-gpus", type=int, default=1, help="GPUs per node for the inference server")
+    p = sub.add_parser("plan", help="the placement a job gets, one row per task, and whether it fits in memory")
+    p.add_argument("recipe", nargs="?", help="recipe YAML (default: the built-in demo)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="override recipe fields, e.g. grpo.beta=0.04")
+    p.add_argument("--site", "-s", help="site profile (see `hpcrl sites`)")
+    p.add_argument("-N", "--nodes", type=int, help="number of nodes")
+    p.add_argument("-t", "--time", help="time limit (checked against the partition's limits)")
+    p.add_argument("-A", "--account", help="project account")
+    p.add_argument("-p", "--partition", help="partition")
+    p.add_argument("-q", "--qos", help="quality of service")
+    p.add_argument("--server-gpus", type=int, help="GPUs per node for the inference server (= inference.gpus)")
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("status", help="registered jobs, or one job in detail")

@@ -1,7 +1,8 @@
 """recipe file + key=value + flags + site -> a validated JobSpec. Nothing is written here.
 
 Every check a login node can make happens here, before a job waits in a queue; a mistake is a
-UserError naming the field.
+UserError naming the field. That includes memory: a job whose estimate (hpcrl.job.fit) does not fit
+its GPUs is refused with the fix.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 from hpcrl import __version__
 from hpcrl.job.config import build, closest, set_dotted
 from hpcrl.job.errors import UserError
-from hpcrl.job.placement import make_plan
+from hpcrl.job.placement import Plan, make_plan
 from hpcrl.job.recipe import Recipe
 from hpcrl.job.site import Site
 from hpcrl.job.slurm_time import parse_walltime
@@ -76,7 +77,7 @@ def _check_text(value: str, where: str) -> None:
         raise UserError(f"{where}: control characters (newline, tab, ...) are not allowed")
 
 
-def _validate_resources(site: Site, recipe: Recipe) -> int:
+def _validate_resources(site: Site, recipe: Recipe, need_account: bool = True) -> int:
     res = recipe.resources
     if res.nodes < 1:
         raise UserError(f"nodes: must be at least 1, got {res.nodes}")
@@ -92,7 +93,7 @@ def _validate_resources(site: Site, recipe: Recipe) -> int:
     time_s = parse_walltime(res.time)
     if site.scheduler == "none":
         return time_s
-    if site.account_required and not res.account:
+    if need_account and site.account_required and not res.account:
         raise UserError(f"account: site {site.name} requires a project account (-A PROJECT_ID)")
     if site.partitions and res.partition and res.partition not in site.partitions:
         raise UserError(f"partition: {res.partition!r} is not a partition of {site.name}"
@@ -165,6 +166,19 @@ def from_args(args) -> JobSpec:
     return compose(recipe, args.site, overrides, flags, args.run_dir)
 
 
+def for_plan(args) -> JobSpec:
+    """`hpcrl plan`'s arguments -> the JobSpec render would make, less what only a submission
+    needs: no run directory (none is named, checked or written) and no account. The memory
+    estimate is shown by plan, not refused here."""
+    if not args.site:
+        raise UserError("plan: --site is required (see `hpcrl sites`)")
+    recipe, overrides = split_recipe_and_overrides(args.recipe, args.overrides)
+    if args.server_gpus is not None:
+        overrides.append(f"inference.gpus={args.server_gpus}")      # the flag wins, like -N
+    flags = resource_flags(args.nodes, args.time, args.account, args.partition, args.qos)
+    return compose(recipe, args.site, overrides, flags, for_plan=True)
+
+
 def for_slurm(args) -> JobSpec:
     """`hpcrl render`'s and `hpcrl submit`'s arguments -> JobSpec, for a site with Slurm only."""
     if not args.site:
@@ -176,8 +190,12 @@ def for_slurm(args) -> JobSpec:
 
 
 def compose(recipe_path: str | None, site_name: str, assignments: list[str] = (),
-            flags: dict[str, Any] | None = None, run_dir: str | None = None) -> JobSpec:
-    """Recipe file + key=value + flags + site -> a validated JobSpec (nothing is written)."""
+            flags: dict[str, Any] | None = None, run_dir: str | None = None, *,
+            check_fit: bool = True, for_plan: bool = False) -> JobSpec:
+    """Recipe file + key=value + flags + site -> a validated JobSpec (nothing is written).
+
+    `check_fit`: refuse a job whose memory estimate is over its GPUs' (unknown sizes never are).
+    `for_plan`: `hpcrl plan`'s spec: no account needed, no run directory (run_dir is ""), no refusal."""
     data = apply_overrides(read_recipe(recipe_path), list(assignments))
     for key, value in (flags or {}).items():
         if value is not None:
@@ -188,12 +206,14 @@ def compose(recipe_path: str | None, site_name: str, assignments: list[str] = ()
     res = recipe.resources
     recipe = replace(recipe, resources=replace(res, partition=res.partition or site.partition,
                                                qos=res.qos or site.qos))
-    time_s = _validate_resources(site, recipe)
+    time_s = _validate_resources(site, recipe, need_account=not for_plan)
     _validate_batch(recipe)
-    make_plan(site, recipe.resources.nodes, recipe.inference.gpus)   # server GPUs vs GPUs per node
+    plan = make_plan(site, recipe.resources.nodes, recipe.inference.gpus)   # server GPUs vs GPUs per node
     python = sys.executable if site.python == "auto" else site.python
     if python == sys.executable:
         _check_reward_modules(recipe)
+    if for_plan:
+        return JobSpec(SPEC_VERSION, __version__, time.time(), "", site, recipe, time_s, python)
     run_path = Path(run_dir) if run_dir else default_run_dir(site, recipe.name)
     run_path = run_path.expanduser().absolute()
     _check_text(str(run_path), "--run-dir")
@@ -204,7 +224,23 @@ def compose(recipe_path: str | None, site_name: str, assignments: list[str] = ()
     _check_writable_on_compute(site, run_path, "--run-dir")
     if recipe.checkpoint.dir:
         _check_writable_on_compute(site, Path(recipe.checkpoint.dir).expanduser().absolute(), "checkpoint.dir")
-    return JobSpec(SPEC_VERSION, __version__, time.time(), str(run_path), site, recipe, time_s, python)
+    spec = JobSpec(SPEC_VERSION, __version__, time.time(), str(run_path), site, recipe, time_s, python)
+    if check_fit:
+        _check_fit(spec, plan)
+    return spec
+
+
+def _check_fit(spec: JobSpec, plan: Plan) -> None:
+    """A job that cannot fit its GPUs fails here, not after hours in the queue and minutes of
+    loading. Only a known estimate against a known memory refuses: the demo models (built in the
+    job), a model directory this machine cannot read and a site without memory sizes never do."""
+    if spec.recipe.mode != "train":
+        return              # a probe loads no model
+    from hpcrl.job.fit import estimate      # here: `hpcrl status` and `--help` never load it
+
+    refusal = estimate(spec, plan).refusal(spec.site.name)
+    if refusal:
+        raise UserError(refusal)
 
 
 def _check_writable_on_compute(site: Site, path: Path, where: str) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Union
 
 from hpcrl.compute.launch.channel import NodeChannel, NodeServerChannel
-from hpcrl.compute.launch.mesh import MeshChoice
+from hpcrl.job.fit import MeshChoice
 from hpcrl.compute.launch.pinning import Pinning
 from hpcrl.compute.launch.rendezvous import Identity
 from hpcrl.compute.launch.watchdog import Hub, Watchdog

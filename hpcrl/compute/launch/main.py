@@ -23,7 +23,8 @@ from hpcrl.job.errors import UserError
 from hpcrl.compute.launch import faults, outcome, pinning, rendezvous
 from hpcrl.compute.launch.channel import NodeChannel, NodeServerChannel
 from hpcrl.compute.launch.context import LaunchContext, write_line
-from hpcrl.compute.launch.mesh import build_mesh, choose_mesh
+from hpcrl.compute.launch.mesh import build_mesh
+from hpcrl.job.fit import choose_mesh
 from hpcrl.compute.launch.rendezvous import ArrivalBook, LaunchError
 from hpcrl.compute.launch.stop import STOP
 from hpcrl.compute.launch.supervisor import Supervisor

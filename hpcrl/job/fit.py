@@ -1,0 +1,725 @@
+"""Will it fit? Memory per GPU for a job, estimated from the model's config.json before submitting,
+and the trainers' mesh that the estimate (and the launch) assumes.
+
+Standard library only: `hpcrl plan` and the checks of `hpcrl render`/`submit` run it on a login
+node, and the launch (hpcrl.compute.launch) makes its mesh choice with the same code, so the plan a
+user reads is the mesh that runs.
+
+Sizes are in GiB (2**30 bytes), the unit a vendor's "64 GB" GCD or "80 GB" GPU is counted in and
+the one the site files' `gpu_memory_gb` means; they are printed as "GB" like the site fields.
+
+Trainer, per GPU (FSDP2 with the mixed precision of hpcrl.compute.train.fsdp):
+  training state   16 B/param (fp32 master weights, fp32 gradients, two fp32 Adam moments) / shard
+  reference        params x compute dtype / shard, when grpo.beta > 0 and not trainer.reference_offload
+  gathered layers  two decoder layers unsharded in the compute dtype (the one computing and the one
+                   prefetched) + one layer's unsharded fp32 gradients (reduce dtype), + the root group
+                   (embeddings, final norm, LM head) unsharded in the compute dtype with the head's
+                   gradient, which the root keeps from the head's backward to the end of the backward
+  activations      one micro-batch: per_device_train_batch_size x max_model_len tokens (see
+                   layer_activation_bytes); with activation checkpointing each layer's input plus one
+                   layer's activations, recomputed in its backward
+  logits           micro-batch x (max_completion_length + 1) x vocabulary in the compute dtype, twice
+                   (the logits and their gradient)
+  log-prob chunk   4 fp32 [logprob_chunk_tokens x vocabulary] temporaries (upcast, tempered, exp of the
+                   logsumexp, and its gradient)
+  overhead         2 GiB on a GPU (CUDA/HIP context, NCCL/RCCL buffers, allocator fragmentation),
+                   0.5 GiB for a CPU task
+Shard: every trainer of the job for FSDP, one node's trainers for HSDP (choose_mesh).
+
+Server, per GPU of its tensor-parallel group (inference.gpus GPUs):
+  weights      params x serving dtype / tp (dtype "auto" = the checkpoint's; vLLM serves a float32
+               checkpoint in bfloat16 on GPUs, float32 on CPU as hpcrl.compute.inference asks)
+  KV cache     one sequence of max_model_len tokens (vLLM will not start with less):
+               2 x layers x kv heads per rank x head_dim x dtype bytes per token
+  activations  vLLM's profiling forward: max_num_batched_tokens x (3 hidden + 3 intermediate / tp)
+               x dtype bytes, + max_num_seqs x vocabulary x 8 (fp32 logits and probabilities);
+               vLLM's defaults: 16384 tokens and 1024 sequences on GPUs of 70 GiB or more,
+               8192 and 256 below (inference.engine_args may set either)
+  overhead     1.5 GiB (context, NCCL, BLAS workspaces), + 0.5 GiB for CUDA graphs without
+               enforce_eager
+  against      inference.gpu_memory_utilization x the GPU's memory (vLLM's budget), the whole GPU for
+               the transformers engine (which keeps the KV cache and the sampling scores of the node's
+               whole batch at once, and counts them)
+What is left of the budget is the KV cache for the batch: the verdict says how many of the node's
+sequences it holds at once (fewer only means generation runs in waves).
+
+Capacity per task: site.node.gpu_memory_gb on GPU sites; node.memory_gb / tasks per node on CPU
+sites. No config.json (the locally built "demo:*" models, a path only the compute nodes see, a hub
+id), a mixture-of-experts config, or an unknown memory size: no estimate, no verdict, no refusal.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from hpcrl.job.placement import Plan, make_plan
+from hpcrl.job.spec import JobSpec
+
+GIB = 2 ** 30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+# Bytes per parameter of training state: fp32 master weights, fp32 gradients, two fp32 Adam
+# moments (mixed precision keeps all of these in fp32).
+TRAIN_BYTES_PER_PARAM = 16
+REFERENCE_BYTES_PER_PARAM = 2      # a bf16 reference model when grpo.beta > 0
+# The fallback mesh rule where the model's shape is unknown (safetensors only, or demo sizes):
+# the share of device memory the training state may take; activations and FSDP's gathered layers
+# need the rest.
+STATE_MEMORY_SHARE = 0.6
+# "demo:<size>" models are built locally and are all small: assume ~100M parameters.
+DEMO_PARAMS = 100_000_000
+
+GATHERED_LAYERS = 2                # the layer computing and the one FSDP prefetches
+LOGITS_COPIES = 2                  # the logits and their gradient
+LOGPROB_FP32_COPIES = 4            # upcast, tempered, exp inside logsumexp, gradient
+TRAINER_OVERHEAD_GPU = 2 * GIB
+TRAINER_OVERHEAD_CPU = GIB // 2
+SERVER_OVERHEAD = 3 * GIB // 2
+SERVER_CUDA_GRAPHS = GIB // 2
+# vLLM's defaults for the offline LLM class, by the GPU's memory (arg_utils' _set_default_args).
+VLLM_LARGE_GPU_GIB = 70
+VLLM_BATCHED_TOKENS = (8192, 16384)
+VLLM_MAX_SEQS = (256, 1024)
+# The largest gpu_memory_utilization a fix suggests: vLLM needs some room outside its budget.
+MAX_SUGGESTED_UTILIZATION = 0.95
+
+
+# ---------------------------------------------------------------------------------------- model
+@dataclass(frozen=True)
+class ModelShape:
+    """What the estimate needs of a decoder-only transformer (Llama/Qwen/Mistral layout)."""
+    hidden_size: int
+    num_layers: int
+    vocab_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    tie_word_embeddings: bool
+    dtype: str                     # the checkpoint's: "bfloat16", "float16" or "float32"
+    params: int                    # exact from safetensors headers where present, else from the shape
+
+    @classmethod
+    def from_config(cls, cfg: dict, params: int | None = None) -> "ModelShape":
+        """From a Hugging Face config.json mapping (a multimodal model's `text_config` is its
+        language model). KeyError or TypeError when it is not a decoder-only transformer's."""
+        text = cfg.get("text_config") or cfg
+        h = int(text["hidden_size"])
+        heads = int(text.get("num_attention_heads", 1))
+        dtype = str(text.get("torch_dtype") or text.get("dtype") or cfg.get("torch_dtype")
+                    or cfg.get("dtype") or "float32").removeprefix("torch.")
+        tie = text.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
+        shape = cls(hidden_size=h, num_layers=int(text["num_hidden_layers"]), vocab_size=int(text["vocab_size"]),
+                    intermediate_size=int(text.get("intermediate_size") or 4 * h), num_heads=heads,
+                    num_kv_heads=int(text.get("num_key_value_heads") or heads),
+                    head_dim=int(text.get("head_dim") or h // heads), tie_word_embeddings=bool(tie),
+                    dtype=dtype if dtype in DTYPE_BYTES else "float32", params=0)
+        return replace(shape, params=params or shape.params_from_shape())
+
+    @property
+    def layer_params(self) -> int:
+        h, d = self.hidden_size, self.head_dim
+        attn = h * self.num_heads * d * 2 + h * self.num_kv_heads * d * 2
+        return attn + 3 * h * self.intermediate_size + 2 * h
+
+    @property
+    def root_params(self) -> int:
+        """Embeddings, final norm and LM head: the root FSDP group."""
+        return self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2) + self.hidden_size
+
+    def params_from_shape(self) -> int:
+        return self.root_params + self.num_layers * self.layer_params
+
+
+# Config keys of mixture-of-experts models: their parameters and activations are not a dense layer's.
+_MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def model_shape(model_path: str) -> tuple[ModelShape | None, str]:
+    """(shape, "") from <model_path>/config.json, or (None, why there is none)."""
+    if model_path.startswith("demo:"):
+        return None, f"{model_path} is built in the job (no config.json)"
+    root = Path(model_path)
+    try:
+        cfg = json.loads((root / "config.json").read_text())
+    except FileNotFoundError:
+        return None, f"no config.json in {model_path} on this machine"
+    except (OSError, ValueError) as e:
+        return None, f"cannot read {model_path}/config.json ({e.__class__.__name__})"
+    if not isinstance(cfg, dict):
+        return None, f"{model_path}/config.json is not a mapping"
+    text = cfg.get("text_config") or cfg
+    if any((text.get(k) or 0) > 1 for k in _MOE_KEYS if isinstance(text.get(k, 0), int)):
+        return None, f"{model_path} is a mixture-of-experts model, which the estimate does not model"
+    try:
+        return ModelShape.from_config(cfg, count_parameters(model_path)), ""
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return None, (f"{model_path}/config.json is not a decoder-only transformer's "
+                      f"(hidden_size, num_hidden_layers, vocab_size)")
+
+
+def count_parameters(model_path: str) -> int | None:
+    """Parameters of a local model: exact from safetensors headers, else estimated from
+    config.json; None when neither can be read."""
+    if model_path.startswith("demo:"):
+        return DEMO_PARAMS
+    root = Path(model_path)
+    if not root.is_dir():
+        return None
+    files = sorted(root.glob("*.safetensors"))
+    if files:
+        try:
+            return sum(_safetensors_params(f) for f in files)
+        except (OSError, ValueError, KeyError):
+            pass
+    try:
+        return _params_from_config(json.loads((root / "config.json").read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _safetensors_params(path: Path) -> int:
+    with path.open("rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    return sum(math.prod(t["shape"]) for name, t in header.items() if name != "__metadata__")
+
+
+def _params_from_config(cfg: dict) -> int:
+    """Decoder-only transformer (Llama/Qwen/Mistral layout): embeddings, attention, gated MLP."""
+    cfg = cfg.get("text_config", cfg)
+    h, layers, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    inter = cfg.get("intermediate_size", 4 * h)
+    heads = cfg.get("num_attention_heads", 1)
+    head_dim = cfg.get("head_dim") or h // heads
+    kv = cfg.get("num_key_value_heads", heads)
+    attn = h * heads * head_dim * 2 + h * kv * head_dim * 2
+    per_layer = attn + 3 * h * inter + 2 * h
+    embed = vocab * h * (1 if cfg.get("tie_word_embeddings", False) else 2)
+    return embed + layers * per_layer + h
+
+
+# -------------------------------------------------------------------------------- the formulas
+def layer_activation_bytes(shape: ModelShape, compute_bytes: int) -> int:
+    """Bytes one decoder layer keeps for its backward, per token.
+
+    Counted on Hugging Face's Llama/Qwen2 layer under autograd:
+      2 RMSNorms   each keeps its input upcast to fp32 (4 B) and its normalised output in the
+                   compute dtype (the q/k/v and gate/up projections keep that same tensor)
+      attention    q, k and v after rotary, the attention output, and o_proj's contiguous input;
+                   k and v repeated to every query head (HF's SDPA path repeats them whenever a
+                   padding mask is passed, which the trainer always does); SDPA's flash/efficient
+                   kernels keep no s x s scores, only a fp32 logsumexp per head
+      MLP          gate, SiLU(gate), up and their product (down_proj's input)
+    Residual adds and the rotary multiplications by cos/sin keep nothing of this size."""
+    c, h, d = compute_bytes, shape.hidden_size, shape.head_dim
+    norms = 2 * (4 + c) * h
+    attention = c * 5 * shape.num_heads * d + 4 * shape.num_heads
+    mlp = 4 * c * shape.intermediate_size
+    return norms + attention + mlp
+
+
+def trainer_parts(shape: ModelShape, *, micro_batch: int, seq_len: int, completion_len: int, shard: int = 1,
+                  compute_dtype: str = "bfloat16", reference: bool = False, checkpointing: bool = False,
+                  logprob_chunk_tokens: int = 1024, params: int | None = None,
+                  overhead_bytes: int = TRAINER_OVERHEAD_GPU) -> dict[str, int]:
+    """One trainer's peak memory in bytes, by part, for a training step in the given setting: the
+    formula `hpcrl plan` and the render checks use, callable by a benchmark that measures the same
+    step (pass overhead_bytes=0 to compare with torch's own allocation counters, which see no
+    context or fragmentation). `params` overrides the shape's count (a model's exact numel)."""
+    c = DTYPE_BYTES[compute_dtype]
+    n = params if params is not None else shape.params
+    h, v = shape.hidden_size, shape.vocab_size
+    tokens = micro_batch * seq_len
+    final_norm = (4 + c) * h                      # the final norm before the LM head, every position
+    per_layer = layer_activation_bytes(shape, c)
+    if checkpointing:
+        activations = tokens * (shape.num_layers * c * h + per_layer + final_norm)
+    else:
+        activations = tokens * (shape.num_layers * per_layer + final_norm)
+    chunk = min(logprob_chunk_tokens, micro_batch * completion_len)
+    return {
+        "training_state": math.ceil(n * TRAIN_BYTES_PER_PARAM / shard),
+        "reference": math.ceil(n * c / shard) if reference else 0,
+        "gathered_layers": (GATHERED_LAYERS * shape.layer_params * c + shape.layer_params * 4
+                            + shape.root_params * c + v * h * c),
+        "activations": activations,
+        "logits": LOGITS_COPIES * micro_batch * (completion_len + 1) * v * c,
+        "logprob_chunk": LOGPROB_FP32_COPIES * chunk * v * 4,
+        "overhead": overhead_bytes,
+    }
+
+
+def kv_bytes_per_token(shape: ModelShape, tp: int, kv_bytes: int) -> int:
+    # Tensor parallelism splits the KV heads; with more ranks than KV heads vLLM replicates them.
+    heads = max(1, math.ceil(shape.num_kv_heads / tp))
+    return 2 * shape.num_layers * heads * shape.head_dim * kv_bytes
+
+
+def server_parts(shape: ModelShape, *, tp: int = 1, serve_dtype: str = "bfloat16", max_model_len: int = 1024,
+                 kv_dtype_bytes: int | None = None, batched_tokens: int = VLLM_BATCHED_TOKENS[0],
+                 max_seqs: int = VLLM_MAX_SEQS[0], cuda_graphs: bool = False) -> dict[str, int]:
+    """A vLLM server rank's memory in bytes, by part, before the KV cache for the batch."""
+    s = DTYPE_BYTES[serve_dtype]
+    kv = kv_bytes_per_token(shape, tp, kv_dtype_bytes or s)
+    act = (batched_tokens * (3 * shape.hidden_size + 3 * shape.intermediate_size // tp) * s
+           + max_seqs * shape.vocab_size * 8)
+    return {
+        "weights": math.ceil(shape.params * s / tp),
+        "kv_cache": max_model_len * kv,
+        "activations": act,
+        "overhead": SERVER_OVERHEAD + (SERVER_CUDA_GRAPHS if cuda_graphs else 0),
+    }
+
+
+# ---------------------------------------------------------------------------------------- mesh
+@dataclass(frozen=True)
+class MeshChoice:
+    kind: str                          # "fsdp" or "hsdp"
+    shape: tuple[int, ...]             # (trainers,) or (nodes, trainers per node)
+    dim_names: tuple[str, ...]
+    reason: str
+    params: int | None = None
+
+    def describe(self) -> str:
+        dims = " x ".join(f"{n}={s}" for n, s in zip(self.dim_names, self.shape))
+        return f"mesh {self.kind} ({dims}): {self.reason}"
+
+    @property
+    def shard(self) -> int:
+        """How many trainers share one copy of the model's state."""
+        return self.shape[-1]
+
+
+def choose_mesh(spec: JobSpec, plan: Plan) -> MeshChoice:
+    """FSDP over every trainer, or HSDP (shard inside a node, replicate across nodes).
+
+    HSDP keeps the all-gathers of a weight sync inside the node, where the node's sender hands the
+    weights to its server: no weight bytes cross the interconnect for a sync. `auto` picks it only
+    where one node's trainers hold the whole training step (the estimate below, when the model's
+    config.json and the GPU's memory are known; else the training state alone within 60% of the
+    node's memory); otherwise the model is sharded over every trainer of the job."""
+    shape, _ = model_shape(spec.recipe.model.path)
+    params = shape.params if shape else count_parameters(spec.recipe.model.path)
+    return _choose_mesh(spec, plan, shape, params)
+
+
+def _choose_mesh(spec: JobSpec, plan: Plan, shape: ModelShape | None, params: int | None) -> MeshChoice:
+    nodes, per_node = plan.nodes, plan.trainers_per_node
+
+    def fsdp(reason: str) -> MeshChoice:
+        return MeshChoice("fsdp", (plan.num_trainers,), ("shard",), reason, params)
+
+    def hsdp(reason: str) -> MeshChoice:
+        return MeshChoice("hsdp", (nodes, per_node), ("replicate", "shard"), reason, params)
+
+    wanted = spec.recipe.trainer.mesh
+    if wanted == "fsdp":
+        return fsdp("set in the recipe (trainer.mesh)")
+    if wanted == "hsdp":
+        return hsdp("set in the recipe (trainer.mesh)")
+    if nodes == 1:
+        return fsdp("one node: sharding over its trainers is HSDP already")
+    capacity = task_capacity(spec, plan)
+    if shape is not None and capacity:
+        need = sum(_trainer_parts(spec, shape, per_node).values())
+        facts = (f"~{_fmt(need)} GB per {device_word(spec)} with the state sharded over one node's "
+                 f"{per_node} trainers, of {_fmt(capacity)} GB")
+        if need <= capacity:
+            return hsdp(f"{facts}: shard inside each node, replicate across nodes")
+        return fsdp(f"{facts}: too much, shard over all {plan.num_trainers} trainers")
+    if params is None:
+        return fsdp(f"the size of {spec.recipe.model.path} is unknown: shard over all trainers to be safe")
+    if not capacity:
+        return hsdp("the site gives no memory size; assuming the model fits one node")
+    per_param = TRAIN_BYTES_PER_PARAM + (REFERENCE_BYTES_PER_PARAM if spec.recipe.grpo.beta > 0 else 0)
+    need_gb = params * per_param / 1e9
+    have_gb = per_node * capacity / GIB * STATE_MEMORY_SHARE
+    facts = (f"{params / 1e9:.2f}B parameters need ~{need_gb:.0f} GB of training state; one node's "
+             f"{per_node} trainers have ~{have_gb:.0f} GB for it")
+    if need_gb <= have_gb:
+        return hsdp(f"{facts}: shard inside each node, replicate across nodes")
+    return fsdp(f"{facts}: too little, shard over all {plan.num_trainers} trainers")
+
+
+# ------------------------------------------------------------------------------- a job's fit
+def device_word(spec: JobSpec) -> str:
+    """What one task's memory is called: a GCD (an MI250X is two), a GPU, or a CPU task's share."""
+    if spec.site.device != "cuda":
+        return "task"
+    return "GCD" if spec.site.gpu_vendor == "amd" else "GPU"
+
+
+def task_capacity(spec: JobSpec, plan: Plan) -> int | None:
+    """Bytes one task may use: its GPU's memory, or on a CPU site its share of the node's memory."""
+    node = spec.site.node
+    if spec.site.device == "cuda":
+        gb = node.gpu_memory_gb
+    else:
+        gb = node.memory_gb / plan.tasks_per_node
+    return int(gb * GIB) if gb > 0 else None
+
+
+def compute_dtype(spec: JobSpec) -> str:
+    # As hpcrl.compute.train.fsdp.mixed_precision_for: bf16 on an accelerator unless grpo.bf16 is
+    # false; on CPU only when grpo.bf16 is true.
+    bf16 = spec.recipe.grpo.bf16
+    if bf16 is None:
+        bf16 = spec.site.device != "cpu"
+    return "bfloat16" if bf16 else "float32"
+
+
+def _trainer_parts(spec: JobSpec, shape: ModelShape, shard: int) -> dict[str, int]:
+    r = spec.recipe
+    on_gpu = spec.site.device == "cuda"
+    return trainer_parts(
+        shape, micro_batch=r.grpo.per_device_train_batch_size,
+        # The padded micro-batch is as wide as its longest prompt plus its longest completion;
+        # the engine takes prompts up to max_model_len - max_completion_length, so a full-width
+        # batch comes as soon as one long prompt gets a full-length completion. The estimate holds
+        # for that batch: a step that runs out of memory hours in is what it is here to prevent.
+        seq_len=r.inference.max_model_len, completion_len=r.grpo.max_completion_length, shard=shard,
+        compute_dtype=compute_dtype(spec),
+        # An offloaded reference lives in host memory; on a CPU site that is the same memory.
+        reference=r.grpo.beta > 0 and not (r.trainer.reference_offload and on_gpu),
+        checkpointing=bool(r.trainer.activation_checkpointing or r.grpo.gradient_checkpointing),
+        logprob_chunk_tokens=r.trainer.logprob_chunk_tokens,
+        overhead_bytes=TRAINER_OVERHEAD_GPU if on_gpu else TRAINER_OVERHEAD_CPU)
+
+
+def serve_dtype(spec: JobSpec, shape: ModelShape) -> str:
+    inf = spec.recipe.inference
+    if inf.dtype != "auto":
+        return inf.dtype
+    if inf.engine == "transformers":
+        return shape.dtype          # from_pretrained(dtype="auto") keeps the checkpoint's
+    if spec.site.device != "cuda":
+        return "float32"            # hpcrl.compute.inference.vllm_engine asks vLLM-CPU for float32
+    if shape.dtype == "float32":
+        return "bfloat16"           # vLLM serves a float32 checkpoint in half precision on GPUs
+    return shape.dtype
+
+
+def _vllm_defaults(spec: JobSpec) -> tuple[int, int]:
+    large = spec.site.device == "cuda" and spec.site.node.gpu_memory_gb >= VLLM_LARGE_GPU_GIB
+    args = spec.recipe.inference.engine_args
+    tokens = args.get("max_num_batched_tokens") or VLLM_BATCHED_TOKENS[large]
+    seqs = args.get("max_num_seqs") or VLLM_MAX_SEQS[large]
+    try:
+        return int(tokens), int(seqs)
+    except (TypeError, ValueError):
+        return VLLM_BATCHED_TOKENS[large], VLLM_MAX_SEQS[large]
+
+
+def _sequences_per_step(spec: JobSpec, plan: Plan) -> int:
+    g = spec.recipe.grpo
+    return plan.trainers_per_node * g.per_device_train_batch_size * g.gradient_accumulation_steps
+
+
+def _server(spec: JobSpec, plan: Plan, shape: ModelShape) -> tuple[dict[str, int], int | None, dict]:
+    """(parts, capacity, facts) of one server rank."""
+    inf, g = spec.recipe.inference, spec.recipe.grpo
+    dtype = serve_dtype(spec, shape)
+    tokens, seqs = _vllm_defaults(spec)
+    kv_dtype = str(inf.engine_args.get("kv_cache_dtype", "auto"))
+    kv_bytes = 1 if kv_dtype.startswith("fp8") else DTYPE_BYTES[dtype]
+    parts = server_parts(shape, tp=inf.gpus, serve_dtype=dtype, max_model_len=inf.max_model_len,
+                         kv_dtype_bytes=kv_bytes, batched_tokens=tokens, max_seqs=seqs,
+                         cuda_graphs=not inf.enforce_eager and spec.site.device == "cuda")
+    capacity = task_capacity(spec, plan)
+    batch = _sequences_per_step(spec, plan)
+    per_seq = inf.max_model_len * kv_bytes_per_token(shape, inf.gpus, kv_bytes)
+    facts = {"dtype": dtype, "tensor_parallel": inf.gpus, "utilization": inf.gpu_memory_utilization,
+             "sequences_per_step": batch, "kv_bytes_per_sequence": per_seq}
+    if inf.engine == "transformers":
+        # HF generate holds the KV cache and every step's sampling scores (fp32 over the
+        # vocabulary) of the node's whole batch; its one-token forward steps are small beside them.
+        del parts["activations"]
+        parts["kv_cache"] = batch * per_seq
+        parts["scores"] = batch * g.max_completion_length * shape.vocab_size * 4
+        parts["overhead"] = parts.pop("overhead")
+        facts["budget"] = "the whole GPU (transformers engine)"
+    elif spec.site.device == "cuda" and capacity:
+        capacity = int(capacity * inf.gpu_memory_utilization)
+        facts["budget"] = f"gpu_memory_utilization {inf.gpu_memory_utilization:g}"
+    if capacity and inf.engine != "transformers":
+        room = capacity - sum(parts.values()) + parts["kv_cache"]
+        facts["kv_sequences_at_once"] = max(0, min(seqs, room // per_seq)) if per_seq else None
+    return parts, capacity, facts
+
+
+@dataclass(frozen=True)
+class RoleFit:
+    """One role's estimate per GPU (bytes), its parts, the memory it has, and what would fix it."""
+    role: str                              # "trainers" or "server"
+    device: str                            # "GPU", "GCD" or "task"
+    est_bytes: int | None = None
+    capacity_bytes: int | None = None
+    parts: dict[str, int] = field(default_factory=dict)
+    facts: dict = field(default_factory=dict)
+    unknown: str = ""                      # why there is no estimate or no verdict
+    fixes: tuple[str, ...] = ()
+
+    @property
+    def fits(self) -> bool | None:
+        if self.est_bytes is None or not self.capacity_bytes:
+            return None
+        return self.est_bytes <= self.capacity_bytes
+
+    @property
+    def est_gb(self) -> float | None:
+        return None if self.est_bytes is None else _gb(self.est_bytes)
+
+    def parts_text(self) -> str:
+        labels = {"training_state": "training state", "gathered_layers": "gathered layers",
+                  "logprob_chunk": "log-prob chunk", "kv_cache": "KV cache"}
+        return ", ".join(f"{labels.get(k, k)} {_fmt(v)}" for k, v in self.parts.items() if v)
+
+    def capacity_text(self) -> str:
+        if self.role == "server" and "gpu_memory_utilization" in self.facts.get("budget", ""):
+            full = self.capacity_bytes / float(self.facts["utilization"])
+            return f"{_fmt(self.capacity_bytes)} GB per {self.device} ({self.facts['budget']} of {_fmt(full)} GB)"
+        return f"{_fmt(self.capacity_bytes)} GB per {self.device}"
+
+    def verdict(self) -> str:
+        """One line for `hpcrl plan`."""
+        if self.est_bytes is None:
+            return f"{self.role}: no estimate: {self.unknown}"
+        head = f"{self.role}: ~{_fmt(self.est_bytes)} GB"
+        if self.fits is None:
+            return f"{head} per {self.device}: no verdict: {self.unknown} ({self.parts_text()})"
+        head += f" of {self.capacity_text()}"
+        extra = self._kv_text()
+        if self.fits:
+            return f"{head}: fits ({self.parts_text()}){extra}"
+        return f"{head}: does not fit ({self.parts_text()}); {self.fix_text()}"
+
+    def fix_text(self) -> str:
+        if not self.fixes:
+            return "fix: none found: a smaller model or shorter sequences"
+        return "fix: " + ", or ".join(self.fixes)
+
+    def _kv_text(self) -> str:
+        at_once, batch = self.facts.get("kv_sequences_at_once"), self.facts.get("sequences_per_step")
+        if at_once is None or batch is None:
+            return ""
+        if at_once >= batch:
+            return f"; KV cache room for all {batch} of the node's sequences at once"
+        return f"; KV cache room for ~{at_once} of the node's {batch} sequences at once (generation runs in waves)"
+
+    def to_dict(self) -> dict:
+        return {"est_memory_gb": self.est_gb,
+                "capacity_gb": None if not self.capacity_bytes else _gb(self.capacity_bytes),
+                "fits": self.fits, "device": self.device,
+                "parts_gb": {k: _gb(v) for k, v in self.parts.items()},
+                "unknown": self.unknown or None, "fixes": list(self.fixes),
+                **self.facts}
+
+
+@dataclass(frozen=True)
+class Fit:
+    """The estimate for a job: the trainers, the server, and the mesh the trainers will get."""
+    trainer: RoleFit
+    server: RoleFit
+    mesh: MeshChoice
+
+    @property
+    def fits(self) -> bool | None:
+        verdicts = (self.trainer.fits, self.server.fits)
+        if False in verdicts:
+            return False
+        return True if all(verdicts) else None
+
+    def refusal(self, site_name: str) -> str | None:
+        """The one line `hpcrl render`/`submit` refuse with, or None when nothing is known not to fit."""
+        why = []
+        for r in (self.trainer, self.server):
+            if r.fits is False:
+                need = "needs" if r.role == "server" else "need"
+                why.append(f"the {r.role} {need} ~{_fmt(r.est_bytes)} GB per {r.device}, {site_name} has "
+                           f"{r.capacity_text()} ({r.parts_text()}); {r.fix_text()}")
+        if not why:
+            return None
+        return "memory: " + "; and ".join(why) + " (`hpcrl plan` with the same arguments shows the estimate)"
+
+    def to_dict(self) -> dict:
+        return {"unit": "GiB", "fits": self.fits,
+                "mesh": {"kind": self.mesh.kind, "shape": list(self.mesh.shape),
+                         "dims": list(self.mesh.dim_names), "reason": self.mesh.reason},
+                "trainer": self.trainer.to_dict(), "server": self.server.to_dict()}
+
+
+def estimate(spec: JobSpec, plan: Plan | None = None) -> Fit:
+    """Memory per GPU of the job's trainers and servers, against what the site's GPUs have."""
+    plan = plan or spec.plan()
+    shape, why = model_shape(spec.recipe.model.path)
+    params = shape.params if shape else count_parameters(spec.recipe.model.path)
+    mesh = _choose_mesh(spec, plan, shape, params)
+    word = device_word(spec)
+    capacity = task_capacity(spec, plan)
+    if shape is None:
+        return Fit(RoleFit("trainers", word, capacity_bytes=capacity, unknown=why),
+                   RoleFit("server", word, capacity_bytes=capacity, unknown=why), mesh)
+    no_size = "" if capacity else f"site {spec.site.name} gives no memory size ({_memory_field(spec)})"
+    parts = _trainer_parts(spec, shape, mesh.shard)
+    trainer = RoleFit("trainers", word, sum(parts.values()), capacity, parts,
+                      {"mesh": mesh.kind, "shard": mesh.shard, "compute_dtype": compute_dtype(spec),
+                       "micro_batch_tokens": spec.recipe.grpo.per_device_train_batch_size
+                       * spec.recipe.inference.max_model_len}, no_size)
+    s_parts, s_capacity, facts = _server(spec, plan, shape)
+    server = RoleFit("server", word, sum(s_parts.values()), s_capacity, s_parts, facts, no_size)
+    base, after = spec, ""
+    if server.fits is False:
+        fixes, tp = _server_fixes(spec, shape)
+        server = replace(server, fixes=tuple(fixes))
+        if tp:
+            # The server's tensor-parallel fix takes GPUs from the trainers: theirs must hold with it.
+            base, after = _with(spec, "inference", gpus=tp), f" (with inference.gpus={tp})"
+    if trainer.fits is False:
+        trainer = replace(trainer, fixes=tuple(f + after for f in _trainer_fixes(base, shape, params)))
+    return Fit(trainer, server, mesh)
+
+
+def _memory_field(spec: JobSpec) -> str:
+    return "node.gpu_memory_gb" if spec.site.device == "cuda" else "node.memory_gb"
+
+
+def _gb(n: float) -> float:
+    return round(n / GIB, 1)
+
+
+def _fmt(n: float) -> str:
+    """Bytes as GiB for a sentence: "41.2", "64"."""
+    return f"{n / GIB:.1f}".removesuffix(".0")
+
+
+# ------------------------------------------------------------------------------------- fixes
+def _with(spec: JobSpec, section: str, **changes) -> JobSpec:
+    recipe = spec.recipe
+    return replace(spec, recipe=replace(recipe, **{section: replace(getattr(recipe, section), **changes)}))
+
+
+def _trainer_need(spec: JobSpec, shape: ModelShape, params: int | None) -> tuple[int, int | None]:
+    plan = make_plan(spec.site, spec.nodes, spec.recipe.inference.gpus)
+    mesh = _choose_mesh(spec, plan, shape, params)
+    return sum(_trainer_parts(spec, shape, mesh.shard).values()), task_capacity(spec, plan)
+
+
+def _fits(spec: JobSpec, shape: ModelShape, params: int | None) -> bool:
+    need, capacity = _trainer_need(spec, shape, params)
+    return bool(capacity) and need <= capacity
+
+
+def _node_limit(spec: JobSpec) -> int | None:
+    site, res = spec.site, spec.recipe.resources
+    limits = [p.max_nodes for p in (site.partitions.get(res.partition),) if p and p.max_nodes]
+    limits += [q.max_nodes for q in (site.qos_limits.get(res.qos),) if q and q.max_nodes]
+    return min(limits) if limits else None
+
+
+def _nodes_fix(spec: JobSpec, shape: ModelShape, params: int | None) -> tuple[str, JobSpec] | None:
+    """The fewest nodes at which FSDP over every trainer fits: only the training state and the
+    reference shrink with the shard, the rest per GPU stays."""
+    plan = make_plan(spec.site, spec.nodes, spec.recipe.inference.gpus)
+    capacity = task_capacity(spec, plan)
+    one = _trainer_parts(spec, shape, 1)
+    sharded = one["training_state"] + one["reference"]
+    room = (capacity or 0) - (sum(one.values()) - sharded)
+    if room <= 0:
+        return None
+    nodes = max(1, math.ceil(sharded / (plan.trainers_per_node * room)))
+    limit = _node_limit(spec)
+    if limit is not None and nodes > limit:
+        return None
+    fix, variant = [], spec
+    if spec.recipe.trainer.mesh == "hsdp":
+        fix.append("trainer.mesh=fsdp")
+        variant = _with(variant, "trainer", mesh="fsdp")
+    if nodes > spec.nodes:
+        fix.insert(0, f"-N {nodes}")
+        variant = replace(variant, recipe=replace(variant.recipe, resources=replace(
+            variant.recipe.resources, nodes=nodes)))
+    if not fix or not _fits(variant, shape, params):
+        return None
+    return " ".join(fix), variant
+
+
+def _micro_batch_fix(spec: JobSpec, shape: ModelShape, params: int | None) -> tuple[str, JobSpec] | None:
+    """The largest smaller micro-batch that fits, with the completions per step kept (a divisor of
+    per_device_train_batch_size x gradient_accumulation_steps)."""
+    g = spec.recipe.grpo
+    per_rank = g.per_device_train_batch_size * g.gradient_accumulation_steps
+    for micro in sorted((m for m in range(1, g.per_device_train_batch_size) if per_rank % m == 0), reverse=True):
+        variant = _with(spec, "grpo", per_device_train_batch_size=micro, gradient_accumulation_steps=per_rank // micro)
+        if _fits(variant, shape, params):
+            return (f"grpo.per_device_train_batch_size={micro} "
+                    f"grpo.gradient_accumulation_steps={per_rank // micro}"), variant
+    return None
+
+
+def _trainer_fixes(spec: JobSpec, shape: ModelShape, params: int | None) -> list[str]:
+    """Each change that alone makes the trainers fit; else one combination of them that does."""
+    r = spec.recipe
+    switches = []
+    if not (r.trainer.activation_checkpointing or r.grpo.gradient_checkpointing):
+        switches.append("activation_checkpointing")
+    if r.grpo.beta > 0 and not r.trainer.reference_offload and spec.site.device == "cuda":
+        switches.append("reference_offload")
+    alone = [f"trainer.{name}=true" for name in switches
+             if _fits(_with(spec, "trainer", **{name: True}), shape, params)]
+    for search in (_micro_batch_fix, _nodes_fix):
+        found = search(spec, shape, params)
+        if found:
+            alone.append(found[0])
+    if alone:
+        return alone
+    # Nothing alone: the switches on, then the micro-batch, then nodes, until it fits.
+    combined, variant = [], spec
+    for name in switches:
+        combined.append(f"trainer.{name}=true")
+        variant = _with(variant, "trainer", **{name: True})
+        if _fits(variant, shape, params):
+            return ["all of " + " ".join(combined)]
+    for search in (_micro_batch_fix, _nodes_fix):
+        found = search(variant, shape, params)
+        if found:
+            return ["all of " + " ".join(combined + [found[0]])]
+    per_rank = r.grpo.per_device_train_batch_size * r.grpo.gradient_accumulation_steps
+    if r.grpo.per_device_train_batch_size > 1:
+        found = _nodes_fix(_with(variant, "grpo", per_device_train_batch_size=1,
+                                 gradient_accumulation_steps=per_rank), shape, params)
+        if found:
+            return ["all of " + " ".join(combined + ["grpo.per_device_train_batch_size=1",
+                                                     f"grpo.gradient_accumulation_steps={per_rank}", found[0]])]
+    return []
+
+
+def _server_fixes(spec: JobSpec, shape: ModelShape) -> tuple[list[str], int | None]:
+    """The changes that make a server rank fit, and the tensor-parallel size among them (or None)."""
+    fixes, chosen = [], None
+    inf, gpus = spec.recipe.inference, spec.site.node.gpus
+    if inf.engine == "transformers":
+        # It has no tensor parallelism and keeps the whole batch's cache and scores: vLLM pages both.
+        variant = _with(spec, "inference", engine="vllm")
+        parts, capacity, _ = _server(variant, make_plan(variant.site, variant.nodes, inf.gpus), shape)
+        return (["inference.engine=vllm"] if capacity and sum(parts.values()) <= capacity else []), None
+    for tp in range(inf.gpus + 1, gpus):
+        # vLLM splits the attention heads evenly over the tensor-parallel ranks.
+        if shape.num_heads % tp:
+            continue
+        variant = _with(spec, "inference", gpus=tp)
+        parts, capacity, _ = _server(variant, make_plan(variant.site, variant.nodes, tp), shape)
+        if capacity and sum(parts.values()) <= capacity:
+            fixes.append(f"inference.gpus={tp} (tensor parallel; leaves {gpus - tp} trainers per node)")
+            chosen = tp
+            break
+    if spec.site.device == "cuda" and inf.engine != "transformers" and spec.site.node.gpu_memory_gb:
+        parts, _, _ = _server(spec, make_plan(spec.site, spec.nodes, inf.gpus), shape)
+        wanted = math.ceil(100 * sum(parts.values()) / (spec.site.node.gpu_memory_gb * GIB)) / 100
+        if inf.gpu_memory_utilization < wanted <= MAX_SUGGESTED_UTILIZATION:
+            fixes.append(f"inference.gpu_memory_utilization={wanted:g}")
+    return fixes, chosen

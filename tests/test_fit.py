@@ -1,0 +1,332 @@
+"""Will it fit? The memory estimate (hpcrl.job.fit) part by part against numbers worked out here by
+hand from Qwen2.5's published config.json values, the verdicts for frontier and cuda at 1 and 64
+nodes, `hpcrl plan`'s memory column and verdict, and the refusals of `hpcrl render`/`submit`:
+exit 2, one line with the role, the GPU, the estimate, the memory and the fix, nothing written.
+Sizes are GiB, as the site files' gpu_memory_gb."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from hpcrl.job.fit import (GIB, ModelShape, choose_mesh, estimate, layer_activation_bytes, model_shape,
+                           server_parts, trainer_parts)
+from hpcrl.login.cli import main as cli_main
+from hpcrl.login.compose import compose
+
+# Qwen/Qwen2.5-14B and Qwen/Qwen2.5-1.5B, config.json (the keys the estimate reads).
+QWEN_14B = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 5120,
+            "num_hidden_layers": 48, "vocab_size": 152064, "intermediate_size": 13824,
+            "num_attention_heads": 40, "num_key_value_heads": 8, "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16"}
+QWEN_1_5B = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 1536,
+             "num_hidden_layers": 28, "vocab_size": 151936, "intermediate_size": 8960,
+             "num_attention_heads": 12, "num_key_value_heads": 2, "tie_word_embeddings": True,
+             "torch_dtype": "bfloat16"}
+# Llama-3-70B's shape.
+LLAMA_70B = {"hidden_size": 8192, "num_hidden_layers": 80, "vocab_size": 128256, "intermediate_size": 28672,
+             "num_attention_heads": 64, "num_key_value_heads": 8, "tie_word_embeddings": False,
+             "torch_dtype": "bfloat16"}
+
+# A GRPO setting for a 14B model: 8 completions of up to 1024 tokens after prompts of up to 1024.
+BATCH = ["grpo.per_device_train_batch_size=8", "grpo.num_generations=8", "grpo.max_completion_length=1024",
+         "inference.max_model_len=2048"]
+BIGGER_BATCH = ["grpo.per_device_train_batch_size=16", "grpo.num_generations=16"]
+
+
+def _model(tmp_path, name: str, cfg: dict) -> str:
+    d = tmp_path / name
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(json.dumps(cfg))
+    return str(d)
+
+
+def _spec(site, nodes, *overrides):
+    return compose(None, site, list(overrides), {"resources.nodes": nodes, "resources.account": "abc123"},
+                   for_plan=True)
+
+
+# ------------------------------------------------------------------------- the shape and its size
+def _layer(h, heads, kv, d, inter):
+    return h * heads * d * 2 + h * kv * d * 2 + 3 * h * inter + 2 * h     # q,o + k,v + gate/up/down + 2 norms
+
+
+def test_shape_and_parameters_from_config(tmp_path):
+    s14, why = model_shape(_model(tmp_path, "q14", QWEN_14B))
+    assert why == ""
+    assert (s14.head_dim, s14.num_kv_heads, s14.dtype, s14.tie_word_embeddings) == (128, 8, "bfloat16", False)
+    assert s14.layer_params == _layer(5120, 40, 8, 128, 13824) == 275_261_440
+    assert s14.params == 48 * 275_261_440 + 2 * 152064 * 5120 + 5120 == 14_769_689_600      # 14.8B as published
+    s15, _ = model_shape(_model(tmp_path, "q15", QWEN_1_5B))
+    assert s15.params == 28 * _layer(1536, 12, 2, 128, 8960) + 151936 * 1536 + 1536 == 1_543_656_960   # tied: 1.54B
+    # A multimodal model's language model is its text_config; dtype may be transformers 5's "dtype".
+    nested = {"text_config": {k: v for k, v in QWEN_1_5B.items() if k != "torch_dtype"}, "dtype": "float32"}
+    shape, _ = model_shape(_model(tmp_path, "vl", nested))
+    assert shape.params == s15.params and shape.dtype == "float32"
+
+
+def test_no_estimate_where_the_shape_is_unknown(tmp_path):
+    assert model_shape("demo:tiny")[0] is None and "built in the job" in model_shape("demo:tiny")[1]
+    assert "no config.json" in model_shape(str(tmp_path / "absent"))[1]
+    moe = dict(QWEN_14B, num_experts=64)
+    assert "mixture-of-experts" in model_shape(_model(tmp_path, "moe", moe))[1]
+
+
+# ------------------------------------------------------------------------- the parts, by hand
+def test_trainer_parts_by_hand(tmp_path):
+    """14B on one Frontier node: 7 trainers share the state (FSDP), reference on, bf16,
+    micro-batch 8 x 2048 tokens with activation checkpointing, log-probs in chunks of 1024."""
+    path = _model(tmp_path, "q14", QWEN_14B)
+    spec = _spec("frontier", 1, f"model.path={path}", "grpo.beta=0.04", "trainer.activation_checkpointing=true", *BATCH)
+    fit = estimate(spec)
+    assert (fit.mesh.kind, fit.mesh.shape) == ("fsdp", (7,))
+    p, layer, h, v = 14_769_689_600, 275_261_440, 5120, 152064
+    root = 2 * v * h + h                                    # untied embeddings and head, final norm
+    # Per token and layer, bf16: 2 norms x (fp32 input 4 B + bf16 output 2 B) x h; q, k, v (k, v
+    # repeated to the 40 query heads), attention output and o_proj's input: 5 x 40 x 128 x 2 B,
+    # fp32 logsumexp 40 x 4 B; gate, silu, up, product: 4 x 13824 x 2 B.
+    per_layer = 2 * 6 * h + 5 * 40 * 128 * 2 + 40 * 4 + 4 * 13824 * 2
+    assert per_layer == layer_activation_bytes(model_shape(path)[0], 2) == 223_392
+    tokens = 8 * 2048
+    expected = {
+        "training_state": math.ceil(p * 16 / 7),                       # 31.4 GiB: the issue's "~34 GB"
+        "reference": math.ceil(p * 2 / 7),                             # bf16, sharded alike
+        "gathered_layers": 2 * layer * 2 + layer * 4 + root * 2 + v * h * 2,
+        "activations": tokens * (48 * h * 2 + per_layer + 6 * h),     # layer inputs + one layer + final norm
+        "logits": 2 * 8 * 1025 * v * 2,                               # bf16 logits and their gradient
+        "logprob_chunk": 4 * 1024 * v * 4,                            # four fp32 chunk temporaries
+        "overhead": 2 * GIB,
+    }
+    assert fit.trainer.parts == expected
+    assert fit.trainer.est_bytes == sum(expected.values())
+    assert round(fit.trainer.est_bytes / GIB, 1) == 62.1 and fit.trainer.fits       # of 64 GB per GCD
+    # Without checkpointing every layer keeps its activations: 48 x 223,392 B per token.
+    bare = _spec("frontier", 1, f"model.path={path}", "grpo.beta=0.04", *BATCH)
+    assert estimate(bare).trainer.parts["activations"] == tokens * (48 * per_layer + 6 * h)
+
+
+def test_trainer_parts_is_the_benchmarks_formula(tmp_path):
+    """What a benchmark calls for one trainer in its own setting (torch's counters see no
+    context or fragmentation: overhead 0); fp32 on CPU, no reference, one rank."""
+    shape = ModelShape.from_config(QWEN_1_5B)
+    parts = trainer_parts(shape, micro_batch=2, seq_len=256, completion_len=128, shard=1, compute_dtype="float32",
+                          checkpointing=False, logprob_chunk_tokens=64, overhead_bytes=0)
+    h, v, p = 1536, 151936, 1_543_656_960
+    per_layer = 2 * 8 * h + 5 * 12 * 128 * 4 + 12 * 4 + 4 * 8960 * 4
+    assert parts == {"training_state": p * 16, "reference": 0,
+                     "gathered_layers": 2 * shape.layer_params * 4 + shape.layer_params * 4
+                     + (v * h + h) * 4 + v * h * 4,
+                     "activations": 512 * (28 * per_layer + 8 * h), "logits": 2 * 2 * 129 * v * 4,
+                     "logprob_chunk": 4 * 64 * v * 4, "overhead": 0}
+
+
+def test_server_parts_by_hand(tmp_path):
+    """14B served in bf16 on one 64 GB GCD (TP 1, max_model_len 2048): fits vLLM's 0.85 budget."""
+    path = _model(tmp_path, "q14", QWEN_14B)
+    fit = estimate(_spec("frontier", 1, f"model.path={path}", *BATCH))
+    kv_token = 2 * 48 * 8 * 128 * 2                            # K and V, 48 layers, 8 KV heads of 128, bf16
+    parts = fit.server.parts
+    assert parts["weights"] == 14_769_689_600 * 2
+    assert parts["kv_cache"] == 2048 * kv_token                # one max_model_len sequence
+    # vLLM's profiling forward on a < 70 GiB GPU: 8192 tokens, 256 sequences' fp32 logits and probs.
+    assert parts["activations"] == 8192 * (3 * 5120 + 3 * 13824) * 2 + 256 * 152064 * 8
+    assert parts["overhead"] == 3 * GIB // 2
+    assert fit.server.capacity_bytes == int(int(64 * GIB) * 0.85)
+    assert fit.server.fits and round(fit.server.est_bytes / GIB, 1) == 30.5
+    # The rest of the budget is KV cache: 64 sequences of 2048 tokens, all the node's 7 x 8 at once.
+    room = fit.server.capacity_bytes - parts["weights"] - parts["activations"] - parts["overhead"]
+    assert fit.server.facts["kv_sequences_at_once"] == room // (2048 * kv_token) == 64
+    assert fit.server.facts["sequences_per_step"] == 56 and "room for all 56" in fit.server.verdict()
+    # Tensor parallel: weights and KV heads split over the ranks.
+    two = server_parts(model_shape(path)[0], tp=2, max_model_len=2048)
+    assert two["weights"] == 14_769_689_600 and two["kv_cache"] == 2048 * kv_token // 2
+
+
+def test_a_float32_checkpoint_is_served_in_bf16_on_gpus(tmp_path):
+    path = _model(tmp_path, "q15", dict(QWEN_1_5B, torch_dtype="float32"))
+    assert estimate(_spec("cuda", 1, f"model.path={path}")).server.parts["weights"] == 1_543_656_960 * 2
+    assert estimate(_spec("cuda", 1, f"model.path={path}", "inference.dtype=float32")).server.parts["weights"] \
+        == 1_543_656_960 * 4
+
+
+def test_the_transformers_engine_holds_the_whole_batch(tmp_path):
+    """No paging: the node's 56 sequences' KV cache and every step's fp32 scores over the
+    vocabulary stay at once, against the whole GCD; vLLM would fit."""
+    path = _model(tmp_path, "q14", QWEN_14B)
+    server = estimate(_spec("frontier", 1, f"model.path={path}", "inference.engine=transformers", *BATCH)).server
+    assert server.parts == {"weights": 14_769_689_600 * 2, "kv_cache": 56 * 2048 * 2 * 48 * 8 * 128 * 2,
+                            "scores": 56 * 1024 * 152064 * 4, "overhead": 3 * GIB // 2}
+    assert server.capacity_bytes == 64 * GIB and server.fits is False and server.fixes == ("inference.engine=vllm",)
+
+
+# ------------------------------------------------------------------------- verdicts at 1 and 64 nodes
+def test_14b_full_fine_tuning_on_one_frontier_node_does_not_fit(tmp_path):
+    """7 trainers, reference on, 16 completions of up to 2048 tokens per micro-batch, checkpointed:
+    the state sharded 7 ways is 31.4 GiB and the reference 3.9, FSDP's gathered layers (with the
+    untied 152k x 5120 embeddings and head) 6.4, the checkpointed activations of 32,768 tokens
+    22.8, the logits 9.3, a log-prob chunk 2.3, overhead 2: ~78.1 GiB of a 64 GiB GCD."""
+    path = _model(tmp_path, "q14", QWEN_14B)
+    fit = estimate(_spec("frontier", 1, f"model.path={path}", "grpo.beta=0.04",
+                         "trainer.activation_checkpointing=true", *BATCH, *BIGGER_BATCH))
+    t = fit.trainer
+    assert {k: round(v / GIB, 1) for k, v in t.parts.items()} == {
+        "training_state": 31.4, "reference": 3.9, "gathered_layers": 6.4, "activations": 22.8,
+        "logits": 9.3, "logprob_chunk": 2.3, "overhead": 2.0}
+    assert t.est_gb == 78.1 and t.fits is False and fit.fits is False
+    # What fixes it: half the micro-batch (the completions per step kept), or a second node (FSDP
+    # over 14 trainers halves the state); checkpointing is already on.
+    assert t.fixes == ("grpo.per_device_train_batch_size=8 grpo.gradient_accumulation_steps=2", "-N 2")
+    assert "trainers: ~78.1 GB of 64 GB per GCD: does not fit (training state 31.4" in t.verdict()
+    # The server on its own GCD is fine.
+    assert fit.server.fits is True
+
+
+def test_14b_at_64_frontier_nodes_fits_with_fsdp_over_448_trainers(tmp_path):
+    path = _model(tmp_path, "q14", QWEN_14B)
+    spec = _spec("frontier", 64, f"model.path={path}", "grpo.beta=0.04", "trainer.activation_checkpointing=true",
+                 *BATCH, *BIGGER_BATCH)
+    fit = estimate(spec)
+    # HSDP would keep one node's 78.1 GiB per GCD: auto picks FSDP over every trainer, as the launch will.
+    assert (fit.mesh.kind, fit.mesh.shape) == ("fsdp", (448,)) and choose_mesh(spec, spec.plan()) == fit.mesh
+    assert round(fit.trainer.parts["training_state"] / GIB, 2) == 0.49        # 14.8B x 16 B / 448
+    assert fit.trainer.est_gb == 43.3 and fit.fits is True
+    # With the smaller micro-batch one node's trainers hold it all: HSDP, no weight bytes cross nodes.
+    small = _spec("frontier", 64, f"model.path={path}", "grpo.beta=0.04", "trainer.activation_checkpointing=true",
+                  *BATCH)
+    assert choose_mesh(small, small.plan()).kind == "hsdp" and estimate(small).trainer.est_gb == 62.1
+
+
+def test_activations_do_not_shrink_with_nodes_on_cuda(tmp_path):
+    """14B without activation checkpointing: 8 x 2048 tokens keep 164 GiB of activations per GPU,
+    at 1 node as at 64; the fix is checkpointing (or a smaller micro-batch), not nodes."""
+    path = _model(tmp_path, "q14", QWEN_14B)
+    for nodes in (1, 64):
+        t = estimate(_spec("cuda", nodes, f"model.path={path}", "grpo.beta=0.04", *BATCH)).trainer
+        assert t.fits is False and round(t.parts["activations"] / GIB, 1) == 164.1
+        assert t.fixes[0] == "trainer.activation_checkpointing=true" and not any(f.startswith("-N") for f in t.fixes)
+    fixed = estimate(_spec("cuda", 1, f"model.path={path}", "grpo.beta=0.04", "trainer.activation_checkpointing=true",
+                           *BATCH))
+    assert fixed.fits is True and fixed.trainer.est_gb == 62.1             # of 80 GB
+
+
+def test_70b_needs_many_cuda_nodes_and_a_tensor_parallel_server(tmp_path):
+    path = _model(tmp_path, "l70", LLAMA_70B)
+    args = [f"model.path={path}", "grpo.beta=0.04", "trainer.activation_checkpointing=true", *BATCH]
+    one = estimate(_spec("cuda", 1, *args))
+    # 70.6B parameters in bf16 are 131 GiB: no 80 GB GPU serves them alone; TP 4 does (TP 2 leaves
+    # too little of the 0.85 budget).
+    assert one.server.fits is False and round(one.server.parts["weights"] / GIB, 1) == 131.4
+    assert one.server.fixes[0] == "inference.gpus=4 (tensor parallel; leaves 4 trainers per node)"
+    # The trainers' fix is counted with the server's GPUs taken: 4 trainers per node.
+    assert one.trainer.fits is False and one.trainer.fixes == ("-N 9 (with inference.gpus=4)",)
+    at64 = estimate(_spec("cuda", 64, *args, "inference.gpus=4"))
+    assert at64.mesh.shape == (256,) and at64.fits is True
+    # On Frontier the 70B server with TP 1 does not fit a 64 GB GCD either.
+    assert estimate(_spec("frontier", 64, *args)).server.fits is False
+
+
+def test_cpu_sites_count_a_share_of_the_nodes_memory(tmp_path):
+    """The testbed's fake-GPU nodes: 16 GB for 4 tasks, fp32 training state of a 1.5B model."""
+    path = _model(tmp_path, "q15", QWEN_1_5B)
+    fit = estimate(_spec("testbed", 1, f"model.path={path}"))
+    assert fit.trainer.capacity_bytes == 4 * GIB and fit.trainer.device == "task"
+    assert fit.trainer.parts["training_state"] == math.ceil(1_543_656_960 * 16 / 3) and fit.fits is False
+    # The local site names no memory size: an estimate, but no verdict and never a refusal.
+    local = estimate(_spec("local", 1, f"model.path={path}"))
+    assert local.trainer.est_bytes and local.fits is None and "no memory size" in local.trainer.unknown
+    assert local.refusal("local") is None
+
+
+def test_the_demo_has_no_estimate_and_is_never_refused(tmp_path):
+    fit = estimate(_spec("local", 1))
+    assert fit.fits is None and fit.trainer.est_bytes is None and fit.refusal("local") is None
+    spec = compose(None, "local", [], {}, str(tmp_path / "run"))          # `hpcrl run`'s compose
+    assert spec.recipe.model.path == "demo:tiny"
+
+
+# ------------------------------------------------------------------------- hpcrl plan
+def test_plan_json_carries_the_estimate_and_the_verdict(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path = _model(tmp_path, "q14", QWEN_14B)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model: {{path: {path}}}\ngrpo: {{beta: 0.04}}\ntrainer: {{activation_checkpointing: true}}\n")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert cli_main(["plan", str(recipe), *BATCH, *BIGGER_BATCH, "--site", "frontier", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["fits"] is False and shown["memory"]["fits"] is False
+    assert {t["role"]: t["est_memory_gb"] for t in shown["tasks"]} == {"trainer": 78.1, "server": 30.5}
+    assert shown["memory"]["trainer"]["parts_gb"]["training_state"] == 31.4
+    assert shown["memory"]["trainer"]["fixes"] == [
+        "grpo.per_device_train_batch_size=8 grpo.gradient_accumulation_steps=2", "-N 2"]
+    assert cli_main(["plan", str(recipe), *BATCH, *BIGGER_BATCH, "--site", "frontier", "-N", "64", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["fits"] is True and shown["memory"]["mesh"]["shape"] == [448]
+    assert sorted(p.name for p in tmp_path.iterdir()) == before              # plan writes nothing
+
+
+def test_plan_table_has_the_memory_column_and_the_verdicts(tmp_path, capsys):
+    path = _model(tmp_path, "q14", QWEN_14B)
+    assert cli_main(["plan", "--site", "frontier", "--server-gpus", "2", f"model.path={path}",
+                     "trainer.activation_checkpointing=true", *BATCH]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split()[-2:] == ["est.", "GB"]
+    # --server-gpus is inference.gpus: a tensor-parallel server on GCDs 6-7 leaves 6 trainers, which
+    # share the state 6 ways (36.7 GiB), and the server holds half the weights.
+    assert out[1].split()[3] == "trainer" and out[1].split()[-1] == "63.4"
+    assert out[7].split()[3:5] == ["server", "6,7"] and out[7].split()[-1] == "16.3"
+    assert out[-2] == ("trainers: ~63.4 GB of 64 GB per GCD: fits (training state 36.7, gathered layers 6.4, "
+                       "activations 11.4, logits 4.6, log-prob chunk 2.3, overhead 2)")
+    assert out[-1].startswith("server: ~16.3 GB of 54.4 GB per GCD (gpu_memory_utilization 0.85 of 64 GB): fits "
+                              "(weights 13.8, KV cache 0.2")
+
+
+def test_plan_needs_a_site(capsys):
+    assert cli_main(["plan"]) == 2
+    assert capsys.readouterr().err.strip() == "hpcrl: error: plan: --site is required (see `hpcrl sites`)"
+
+
+# ------------------------------------------------------------------------- refusals
+FRONTIER = ["--site", "frontier", "-A", "abc123"]
+
+
+@pytest.mark.parametrize("command", ["render", "submit"])
+def test_a_job_that_cannot_fit_is_refused_in_one_line(hpcrl, command):
+    path = _model(hpcrl.work.parent, "q14", QWEN_14B)
+    r = hpcrl(command, *FRONTIER, f"model.path={path}", "grpo.beta=0.04", "trainer.activation_checkpointing=true",
+              *BATCH, *BIGGER_BATCH)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and r.stdout == "" and "Traceback" not in r.stderr
+    line = lines[0]
+    assert line.startswith("hpcrl: error: memory: the trainers need ~78.1 GB per GCD, frontier has 64 GB per GCD")
+    assert "training state 31.4" in line and "fix: grpo.per_device_train_batch_size=8" in line and "-N 2" in line
+    assert list(hpcrl.work.iterdir()) == [] and not (hpcrl.home / "registry.sqlite").exists()
+
+
+def test_a_server_that_cannot_fit_is_refused_with_tensor_parallel(hpcrl):
+    path = _model(hpcrl.work.parent, "l70", LLAMA_70B)
+    r = hpcrl("render", "--site", "cuda", "-N", "64", f"model.path={path}", "trainer.activation_checkpointing=true",
+              *BATCH)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "the server needs ~" in r.stderr
+    assert "per GPU, cuda has 68 GB per GPU (gpu_memory_utilization 0.85 of 80 GB)" in r.stderr
+    assert "fix: inference.gpus=4 (tensor parallel" in r.stderr
+    assert list(hpcrl.work.iterdir()) == []
+
+
+def test_the_fix_it_names_is_accepted(hpcrl):
+    path = _model(hpcrl.work.parent, "q14", QWEN_14B)
+    r = hpcrl("render", *FRONTIER, "-N", "2", f"model.path={path}", "grpo.beta=0.04",
+              "trainer.activation_checkpointing=true", *BATCH, *BIGGER_BATCH)
+    assert r.returncode == 0, r.stderr
+    assert [p.name for p in (hpcrl.work / "runs").iterdir()][0].startswith("hpcrl-demo-")
+
+
+def test_unknown_sizes_never_refuse(hpcrl):
+    # A model directory only the compute nodes see, and the demo on the local site.
+    r = hpcrl("render", *FRONTIER, "model.path=/lustre/orion/abc123/models/Qwen2.5-72B", *BATCH)
+    assert r.returncode == 0 and "run directory:" in r.stdout, r.stderr
+    r = hpcrl("run", "--dry-run")
+    assert r.returncode == 0 and "hpcrl.compute.launch" in r.stdout, r.stderr
