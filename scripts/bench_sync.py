@@ -75,9 +75,9 @@ def trainer_rank(rank: int, world: int, init_file: str, model_dir: str, conn, cf
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
 
-    from hpcrl.compute.sync import TrainerWeightSync
     from hpcrl.compute.sync.checkpoint_route import save_checkpoint
     from hpcrl.compute.sync.gather import LiveBytes, iter_buckets, param_specs, sync_named_params
+    from hpcrl.compute.sync.trainer import TrainerWeightSync
 
     torch.set_num_threads(cfg["threads"])
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -190,8 +190,8 @@ def run_one(size: str, args) -> dict:
 
     from vllm import LLM
 
-    from hpcrl.compute.sync import WeightReceiver, engine_kwargs
     from hpcrl.compute.sync.checkpoint_route import reload_checkpoint
+    from hpcrl.compute.sync.receiver import WeightReceiver, engine_kwargs
 
     t = time.perf_counter()
     llm = LLM(model=str(model_dir), dtype="bfloat16", enforce_eager=True, max_model_len=256, seed=0,

@@ -206,7 +206,7 @@ def test_shm_transport_round_trip(mode, tmp_path):
 def test_shm_stream_failures_are_loud_and_bounded(tmp_path):
     import threading
 
-    from hpcrl.compute.sync import SyncError
+    from hpcrl.compute.sync.api import SyncError
     from hpcrl.compute.sync.shm import ShmWeightSender
 
     tensors = _random_buckets()

@@ -141,7 +141,8 @@ class Side:
         from transformers import AutoModelForCausalLM
         from vllm import LLM
 
-        from hpcrl.compute.sync import NotifyClient, WeightReceiver, engine_kwargs
+        from hpcrl.compute.sync.notify import NotifyClient
+        from hpcrl.compute.sync.receiver import WeightReceiver, engine_kwargs
 
         self.tied = tied
         self.root = root
@@ -176,6 +177,15 @@ def side(request, tmp_path_factory):
     s.close()
 
 
+@pytest.fixture(scope="module")
+def fresh(side, tmp_path_factory):
+    """The trainer's weights after real optimizer steps, as a FRESH engine serves them: what every
+    route into the module's engine must reproduce. Module-scoped, so that each test comparing
+    against it also runs alone."""
+    train_steps(side.model)
+    return fresh_engine_outputs(save_like_checkpoint(side.model, side.model_dir, tmp_path_factory.mktemp("fresh")))
+
+
 # ------------------------------------------------------------------ tests
 
 pytestmark = pytest.mark.vllm
@@ -196,7 +206,8 @@ def test_backend_registered(side):
 
 
 def test_interrupted_syncs_refuse_to_serve(side):
-    from hpcrl.compute.sync import NotifyClient, SyncError, WeightsInconsistentError
+    from hpcrl.compute.sync.api import SyncError, WeightsInconsistentError
+    from hpcrl.compute.sync.notify import NotifyClient
 
     noisy = copy.deepcopy(side.model)  # other weights, so that leftovers would show later
     with torch.no_grad():
@@ -274,7 +285,7 @@ def test_interrupted_syncs_refuse_to_serve(side):
     assert side.receiver.consistent and side.receiver.version == "after-dangling"
 
 
-def test_sync_matches_fresh_engine(side, tmp_path):
+def test_sync_matches_fresh_engine(side, fresh):
     llm = side.llm
     # Fill the prefix cache with the long prompt (served twice: the second run hits).
     before = prefix_hits(llm)
@@ -282,7 +293,6 @@ def test_sync_matches_fresh_engine(side, tmp_path):
     engine_outputs(llm)
     assert prefix_hits(llm) > before, "prefix cache not in use; the reset check below would be empty"
 
-    train_steps(side.model)
     stats = side.sender.send(side.buckets(), version="step-1")
     assert stats.slots > 2
     assert side.receiver.consistent and side.receiver.version == "step-1"
@@ -307,10 +317,8 @@ def test_sync_matches_fresh_engine(side, tmp_path):
 
     # (b) greedy completions and prompt logprobs equal a fresh engine's on the same weights.
     mine = _jsonable(engine_outputs(llm))
-    fresh = fresh_engine_outputs(save_like_checkpoint(side.model, side.model_dir, tmp_path / "fresh"))
     assert mine["tokens"] == fresh["tokens"]
     assert mine["prompt_logprobs"] == fresh["prompt_logprobs"]
-    side.fresh = fresh  # for the next tests
 
 
 def _fsdp_trainer(rank: int, world: int, init_file: str, model_dir: str, conn, saved: str) -> None:
@@ -321,8 +329,8 @@ def _fsdp_trainer(rank: int, world: int, init_file: str, model_dir: str, conn, s
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
 
-    from hpcrl.compute.sync import TrainerWeightSync
     from hpcrl.compute.sync.gather import iter_full_tensors, sync_named_params
+    from hpcrl.compute.sync.trainer import TrainerWeightSync
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -394,44 +402,39 @@ def test_fsdp_trainers_sync_through_the_node_channel(side, tmp_path):
     assert got["model.embed_tokens.weight"] in expected_digests(trained)["model.embed_tokens.weight"]
 
 
-def test_rpc_mode_gives_the_same_weights(side):
+def test_rpc_mode_gives_the_same_weights(side, fresh):
     """The per-slot mode (one update_weights per bucket, any number of workers) applies the same."""
-    if not hasattr(side, "fresh"):
-        pytest.skip("needs test_sync_matches_fresh_engine first")
     side.sender.close()
     side.sender = side.new_sender(side.client, mode="rpc")
     stats = side.sender.send(side.buckets(), version="rpc-1")
     assert stats.slots > 2 and side.receiver.version == "rpc-1"
-    assert _jsonable(engine_outputs(side.llm)) == side.fresh
+    assert _jsonable(engine_outputs(side.llm)) == fresh
 
 
-def test_vllm_trainer_api_gives_the_same_weights(side):
+def test_vllm_trainer_api_gives_the_same_weights(side, fresh):
     """hpcrl_shm through vLLM's own trainer API (WeightTransferTrainerFactory + WeightSource)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from hpcrl.compute.sync.vllm_plugin import HFWeightSource, HpcrlShmTrainerInitInfo
+    from hpcrl.compute.sync.shm_vllm import HpcrlShmTrainerInitInfo
+    from hpcrl.compute.sync.vllm_engines import HFWeightSource
 
-    if not hasattr(side, "fresh"):
-        pytest.skip("needs test_sync_matches_fresh_engine first")
     engine = WeightTransferTrainerFactory.trainer_init(HpcrlShmTrainerInitInfo(rank=0, bucket_bytes=BUCKET),
                                                        client=side.client,
                                                        source=HFWeightSource(side.model, torch.bfloat16))
     engine.send_weights("vllm-api-1")
     engine.shutdown()
     assert side.receiver.version == "vllm-api-1" and engine.last_stats.slots > 2
-    assert _jsonable(engine_outputs(side.llm)) == side.fresh
+    assert _jsonable(engine_outputs(side.llm)) == fresh
 
 
-def test_checkpoint_route_reloads_the_same_weights(side, tmp_path):
+def test_checkpoint_route_reloads_the_same_weights(side, fresh, tmp_path):
     from hpcrl.compute.sync.checkpoint_route import reload_checkpoint, save_checkpoint
 
-    if not hasattr(side, "fresh"):
-        pytest.skip("needs test_sync_matches_fresh_engine first")
     path, nbytes = save_checkpoint(side.buckets(), tmp_path / "ckpt")
     assert nbytes > 0
     reload_checkpoint(side.llm, path, version="ckpt-1", receiver=side.receiver)
     assert side.receiver.consistent and side.llm.get_weight_version() == "ckpt-1"
-    assert _jsonable(engine_outputs(side.llm)) == side.fresh
+    assert _jsonable(engine_outputs(side.llm)) == fresh
 
 
 if __name__ == "__main__":
@@ -447,7 +450,7 @@ def test_nccl_transport_is_wired_for_a_gpu_node():
     import socket
 
     from hpcrl.compute.inference.client import transport_options
-    from hpcrl.compute.sync import TrainerWeightSync
+    from hpcrl.compute.sync.trainer import TrainerWeightSync
 
     assert transport_options("hpcrl_shm", True, 1) == {}
     sender = transport_options("nccl", True, 2, "bfloat16")
@@ -464,16 +467,16 @@ def test_nccl_transport_is_wired_for_a_gpu_node():
     assert sync.engine is not None and not sync.engine.is_sender and sync.engine.model_update_group is None
     # A send that failed on the sender before or during its gathers: the sender runs the ones it
     # left, which the other trainers are inside (each parameter's gather is counted here).
-    import hpcrl.compute.sync.vllm_plugin as plugin
+    import hpcrl.compute.sync.vllm_engines as engines
 
     gathered = []
 
     def counted(params, cast_to):
-        for name, t in plugin_iter(params, cast_to):
+        for name, t in engines_iter(params, cast_to):
             gathered.append((name, t.dtype))
             yield name, t
 
-    plugin_iter, plugin.iter_full_tensors = plugin.iter_full_tensors, counted
+    engines_iter, engines.iter_full_tensors = engines.iter_full_tensors, counted
     try:
         source = sync.source
         source.new_send()
@@ -486,6 +489,6 @@ def test_nccl_transport_is_wired_for_a_gpu_node():
         source.finish_gathers()
         assert [name for name, _ in gathered] == ["weight", "bias"] and next(started, None) is None
     finally:
-        plugin.iter_full_tensors = plugin_iter
+        engines.iter_full_tensors = engines_iter
     with pytest.raises(ValueError, match="nccl_master"):
         TrainerWeightSync(torch.nn.Linear(4, 4), lambda msg: {"ok": True}, is_sender=True, backend="nccl")

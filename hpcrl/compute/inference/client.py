@@ -1,5 +1,7 @@
 """The trainers' side of the node's server: generation requests over the node channel, and the
-weight sync (every trainer gathers; the node's sender streams to the server)."""
+weight sync (every trainer gathers; the node's sender streams to the server). The sync's
+transports are in hpcrl.compute.sync: ``TrainerWeightSync`` for a vLLM server, ``ChannelWeightSync``
+for a transformers one."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import time
 from typing import Sequence
 
 from hpcrl.compute.inference.types import Completion, Sampling
+from hpcrl.compute.launch.context import LaunchContext
+from hpcrl.compute.sync.api import TrainerSync, default_backend
 
 
 class ServerUnavailable(RuntimeError):
@@ -40,7 +44,7 @@ def _free_port() -> int:
 
 
 class ServerGenerator:
-    def __init__(self, ctx, model):
+    def __init__(self, ctx: LaunchContext, model):
         self.ctx = ctx
         self.model = model
         self.inf = ctx.spec.recipe.inference
@@ -48,7 +52,7 @@ class ServerGenerator:
         self.server = ctx.server_task
         self.engine = None              # the server's engine name and dtype, from its first health reply
         self.engine_dtype: str | None = None
-        self.sync = None
+        self.sync: TrainerSync | None = None
         self.in_flight: _ServerGeneration | None = None
 
     def _request(self, msg: dict, timeout: float) -> dict:
@@ -76,7 +80,7 @@ class ServerGenerator:
     def _make_sync(self) -> None:
         bucket = self.inf.sync_bucket_mb << 20
         if self.engine == "vllm":
-            from hpcrl.compute.sync import TrainerWeightSync, default_backend
+            from hpcrl.compute.sync.trainer import TrainerWeightSync
 
             token = f"{os.environ.get('SLURM_JOB_ID', 'local')}-n{self.ctx.task.node}-{os.getpid()}"
             node_of_rank = {t.trainer_rank: t.node for t in self.ctx.plan.tasks if t.trainer_rank is not None}
@@ -87,7 +91,10 @@ class ServerGenerator:
                                           **transport_options(backend, self.ctx.is_sender, self.inf.gpus,
                                                               self.engine_dtype))
         else:
-            self.sync = ChannelWeightSync(self, bucket)
+            from hpcrl.compute.sync.channel import ChannelWeightSync
+
+            self.sync = ChannelWeightSync(self.model, self._request, is_sender=self.ctx.is_sender,
+                                          bucket_bytes=bucket, timeout_s=self.inf.request_timeout_s)
 
     def _notify(self, msg: dict) -> dict:
         """The sync's messages to the server (vLLM's engines call this from their own threads)."""
@@ -104,14 +111,14 @@ class ServerGenerator:
         # The sender's sync messages share the channel with generation: none may be in flight.
         assert self.in_flight is None, "weights pushed while a generation is in flight"
         self.sync.sync(version)
-        return dict(getattr(self.sync, "last_traffic", {}))
+        return dict(self.sync.last_traffic)
 
     def close(self) -> None:
         try:
             self.channel.send({"op": "done"})
         except Exception:
             pass
-        if self.sync is not None and hasattr(self.sync, "close"):
+        if self.sync is not None:
             self.sync.close()
 
 
@@ -132,32 +139,3 @@ class _ServerGeneration:
             self.completions = reply["completions"]
         return self.completions
 
-
-class ChannelWeightSync:
-    """Weights into a transformers server: buckets travel as tensors over the node channel. Slower
-    than shared memory, but it needs nothing from the engine (the fallback where vLLM is absent)."""
-
-    def __init__(self, client: ServerGenerator, bucket_bytes: int):
-        from hpcrl.compute.sync.gather import sync_named_params
-
-        self.client = client
-        self.params = sync_named_params(client.model)
-        self.bucket_bytes = bucket_bytes
-
-    def sync(self, version: int) -> dict:
-        from hpcrl.compute.sync.gather import iter_buckets
-
-        sender = self.client.ctx.is_sender
-        timeout = self.client.inf.request_timeout_s
-        if sender:
-            self._call({"op": "weights_start", "version": version}, timeout)
-        for bucket in iter_buckets(self.params, self.bucket_bytes, keep=sender):
-            self._call({"op": "weights_bucket", "tensors": [(n, t) for n, t in bucket]}, timeout)
-        if sender:
-            self._call({"op": "weights_finish", "version": version}, timeout)
-        return {}
-
-    def _call(self, msg: dict, timeout: float) -> None:
-        reply = self.client._request(msg, timeout)
-        if not reply.get("ok"):
-            raise RuntimeError(f"weight sync {msg.get('version', '')} refused by the server: {reply.get('error')}")

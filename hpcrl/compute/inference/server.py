@@ -17,13 +17,15 @@ from pathlib import Path
 
 from hpcrl.compute.inference.types import Sampling
 from hpcrl.compute.launch.channel import PeerClosed
+from hpcrl.compute.launch.context import LaunchContext
+from hpcrl.compute.sync.api import ServerSync, default_backend
 from hpcrl.job import rundir
 
 BATCH_WINDOW_S = 0.05      # after the first request, wait this long for the other trainers'
 HEALTH_EVERY_S = 5.0
 
 
-def make_engine(ctx, model_dir: str):
+def make_engine(ctx: LaunchContext, model_dir: str):
     inf = ctx.spec.recipe.inference
     from hpcrl.compute.inference.vllm_engine import VLLMEngine, vllm_available
 
@@ -32,8 +34,6 @@ def make_engine(ctx, model_dir: str):
         raise RuntimeError("inference.engine: vllm is not installed in this environment; "
                            "install a vLLM build for this site or use inference.engine=transformers")
     if use_vllm:
-        from hpcrl.compute.sync import default_backend
-
         return VLLMEngine(model_dir, inf, device=ctx.device, cores=ctx.task.cores,
                           seed=ctx.spec.recipe.grpo.seed, backend=default_backend(ctx.device))
     from hpcrl.compute.inference.hf_engine import TransformersEngine
@@ -42,46 +42,19 @@ def make_engine(ctx, model_dir: str):
     return TransformersEngine(model_dir, device=device, dtype=inf.dtype, seed=ctx.spec.recipe.grpo.seed)
 
 
-class TransformersReceiver:
-    """Weight syncs into the transformers engine: buckets arrive as tensors over the channel."""
-
-    def __init__(self, engine):
-        self.engine = engine
-        self.state = "serving"
-
-    @property
-    def consistent(self) -> bool:
-        return self.state == "serving"
-
-    def handle(self, msg: dict) -> dict:
-        op = msg["op"]
-        if op == "weights_start":
-            self.state = "open"
-        elif op == "weights_bucket":
-            if self.state != "open":
-                return {"ok": False, "error": f"bucket without an open sync (state {self.state})"}
-            self.engine.load_weights(msg["tensors"])
-        elif op == "weights_finish":
-            if self.state != "open":
-                return {"ok": False, "error": f"finish without an open sync (state {self.state})"}
-            self.state = "serving"
-        elif op == "weights_abort":
-            self.state = "failed"
-        else:
-            return {"ok": False, "error": f"unknown weight-sync message {op!r}"}
-        return {"ok": True, "state": self.state}
-
-
 class Server:
-    def __init__(self, ctx, engine):
+    def __init__(self, ctx: LaunchContext, engine):
         self.ctx = ctx
         self.engine = engine
+        self.receiver: ServerSync
         if engine.name == "vllm":
-            from hpcrl.compute.sync import WeightReceiver
+            from hpcrl.compute.sync.receiver import WeightReceiver
 
             self.receiver = WeightReceiver(engine.llm, version="0")
         else:
-            self.receiver = TransformersReceiver(engine)
+            from hpcrl.compute.sync.channel import ChannelReceiver
+
+            self.receiver = ChannelReceiver(engine)
         self.pending: dict[int, dict] = {}     # trainer rank -> its generate request
         self.done: set[int] = set()
         self.requests = 0
@@ -195,7 +168,7 @@ class Server:
             self.ctx.channel.reply(rank, {"ok": True, "completions": comps})
 
 
-def run_server(ctx) -> int:
+def run_server(ctx: LaunchContext) -> int:
     from hpcrl.compute.train.sources import resolve_model
 
     recipe = ctx.spec.recipe

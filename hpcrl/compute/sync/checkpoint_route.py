@@ -1,12 +1,16 @@
 """The baseline weight sync: write safetensors, have the engine reload them from the path.
 
-This is the route hpcrl does NOT use for its trainer -> server hand-off (DESIGN.md: that never
-touches a file system); it exists so the benchmark (scripts/bench_sync.py) measures the in-memory
-route against the obvious alternative on the same machine and the same buckets. Files go to a
-local directory (the page cache; /tmp measured faster than /dev/shm for this on the development
-machines, notes/machine.md), one file per bucket so the writer's memory stays bounded by a
-bucket, and the engine reloads them in place through vLLM's own
-``reload_weights(weights_path=..., is_checkpoint_format=True)`` (layerwise reload, as the
+This is the route hpcrl does NOT use for its trainer -> server hand-off, which never touches a
+file system: trainer and server share the node's memory, and a file adds a write and a read of
+every byte. It exists so the benchmark (scripts/bench_sync.py) measures the in-memory route
+against the obvious alternative on the same machine and the same buckets, because on CPU the
+obvious alternative is hard to beat: on the 2-core development VM, moving 524 MB between two
+processes ran at 13 GB/s for a memcpy, 4.0 GB/s through a persistent shared-memory buffer,
+2.2 GB/s for gloo per-tensor broadcasts and 3.1 GB/s through a safetensors file in the page cache,
+so a naive in-memory transport can lose to the file. Files go to a local directory (the page cache;
+on the development machines /tmp measured faster than /dev/shm for this), one file per bucket so
+the writer's memory stays bounded by a bucket, and the engine reloads them in place through vLLM's
+own ``reload_weights(weights_path=..., is_checkpoint_format=True)`` (layerwise reload, as the
 in-memory route's apply).
 """
 
@@ -43,16 +47,16 @@ def save_checkpoint(buckets: Iterable[list[tuple[str, torch.Tensor]]], out_dir: 
 def reload_checkpoint(llm, path: str | Path, version: str | None = None, receiver=None) -> float:
     """Reload the engine's weights from ``path`` in place; reset the prefix cache. Returns seconds.
 
-    Needs the engine built with ``hpcrl.compute.sync.engine_kwargs`` (the worker extension). With a
-    ``WeightReceiver``, the sync is bracketed like an in-memory one: unservable until the
-    reload succeeded, then its version recorded.
+    Needs the engine built with ``hpcrl.compute.sync.receiver.engine_kwargs`` (the worker
+    extension). With a ``WeightReceiver``, the sync is bracketed like an in-memory one: unservable
+    until the reload succeeded, then its version recorded.
     """
     t = time.perf_counter()
     if receiver is not None:
         receiver.state, receiver.open_version = "open", version
     try:
         llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path), "is_checkpoint_format": True})
-        # vLLM's reload leaves a tied lm_head's packed copy stale on CPU (see vllm_plugin).
+        # vLLM's reload leaves a tied lm_head's packed copy stale on CPU (see reload.refresh_tied_weights).
         llm.collective_rpc("hpcrl_refresh_tied_weights")
     except BaseException as exc:
         if receiver is not None:

@@ -1,7 +1,8 @@
 """Trainer side of a weight sync: sharded parameters -> full tensors, in buckets, in one order.
 
-Backend-agnostic (no vLLM import): every transport (shared memory, NCCL, a checkpoint file) is fed
-by ``iter_buckets``. Rules it keeps, each one a failure seen in the field (notes/weight-sync.md):
+Backend-agnostic (no vLLM import): every transport (shared memory, NCCL, the node channel, a checkpoint file) is fed
+by ``iter_buckets``. Rules it keeps, each against a failure it would otherwise cause (a hang,
+torn weights, a sender out of memory):
 
 - ONE order: parameters are walked in the module's ``named_parameters()`` order on every rank. A
   DTensor's ``full_tensor()`` is an all-gather, so a rank that walked another order would hang.

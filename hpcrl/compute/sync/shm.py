@@ -24,7 +24,9 @@ Two ways to tell the worker that a slot is ready (``mode``):
   workers; costs a server round trip per bucket.
 
 This module imports torch only (no vLLM): trainers use it without paying for ``import vllm``.
-The worker side (vllm_plugin.py) uses ``ShmRegion.open``, ``read_slot`` and ``SignalPipe``.
+``ShmTransport`` is the backend's part of ``TrainerWeightSync`` (trainer.py). The worker side,
+inside vLLM (shm_vllm.py), uses ``ShmRegion.open``, ``read_slot``, ``SignalPipe`` and
+``receive_stream``; the server role's ``WeightReceiver`` (receiver.py) relays the messages to it.
 """
 
 from __future__ import annotations
@@ -41,16 +43,16 @@ from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-from hpcrl.compute.sync import SyncError
+from hpcrl.compute.sync.api import SenderSetup, SyncClient, SyncError
+from hpcrl.compute.sync.gather import iter_buckets, param_specs
 
-__all__ = ["BACKEND", "SyncError", "SyncClient", "ShmRegion", "SignalPipe", "receive_stream", "SendStats",
-           "ShmWeightSender", "shm_path"]
+__all__ = ["ShmRegion", "SignalPipe", "receive_stream", "SendStats", "ShmWeightSender", "ShmTransport", "shm_path",
+           "numel"]
 
-BACKEND = "hpcrl_shm"
 MAGIC = b"HPCRLSHM"
 LAYOUT_VERSION = 1
 FILE_HEADER_BYTES = 4096
@@ -62,19 +64,6 @@ DEFAULT_META_BYTES = 256 * 1024  # about 2,000 tensor entries per slot; more are
 PAD_SLACK = 64 * 1024  # alignment padding for up to 1,000 tensors per slot without a split
 _SIGNAL = struct.Struct("<qq")  # seq, kind: one FIFO record (atomic: far below PIPE_BUF)
 READY, END, ABORT = 0, 1, 2  # kinds on the "ready" FIFO (sender -> worker); "done" carries READY
-
-
-class SyncClient(Protocol):
-    """What a sender talks to: vLLM's ``VLLMWeightSyncClient`` protocol (four calls, plain dicts).
-
-    ``NotifyClient`` (vllm_plugin.py) implements it over the node-local channel; an optional
-    ``abort_weight_update()`` lets a sender that fails midway tell the server at once.
-    """
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> Any: ...
-    def start_weight_update(self) -> Any: ...
-    def update_weights(self, update_info: dict[str, Any]) -> Any: ...
-    def finish_weight_update(self, weight_version: str | None = None) -> Any: ...
 
 
 def _round_up(n: int, to: int) -> int:
@@ -196,7 +185,7 @@ class ShmRegion:
         out = []
         for name, dtype_name, shape, offset in table:
             dtype = getattr(torch, dtype_name)
-            n = dtype.itemsize * _numel(shape)
+            n = dtype.itemsize * numel(shape)
             out.append((name, data[offset: offset + n].view(dtype).view(shape)))
         return out
 
@@ -225,7 +214,8 @@ class ShmRegion:
             self._fd = -1
 
 
-def _numel(shape: list[int]) -> int:
+def numel(shape) -> int:
+    """Elements of a tensor of this shape (1 for a scalar's empty shape)."""
     n = 1
     for d in shape:
         n *= d
@@ -516,3 +506,43 @@ class ShmWeightSender:
         if self.signals is not None:
             self.signals.close()
         self.region.close()
+
+
+class ShmTransport:
+    """``hpcrl_shm`` inside ``TrainerWeightSync``: every rank gathers the buckets, the sender hands
+    them to the server through a ``ShmWeightSender`` (built here, so the region is sized for the
+    largest tensor). With ``cast_to="auto"`` the sender sends in the dtype the server reported at
+    init: fewer bytes, and no cast in the worker."""
+
+    def __init__(self, setup: SenderSetup) -> None:
+        self.params, self.client, self.is_sender = setup.params, setup.client, setup.is_sender
+        self.bucket_bytes, self.tracker, self.traffic = setup.bucket_bytes, setup.tracker, setup.traffic
+        self.cast_to = None if setup.cast_to == "auto" else setup.cast_to
+        self.sender: ShmWeightSender | None = None
+        if self.is_sender:
+            largest = max((s.nbytes for s in param_specs(self.params, self.cast_to)), default=0)
+            self.sender = ShmWeightSender(self.client, self.bucket_bytes, largest, shm_dir=setup.shm_dir,
+                                          job_token=setup.job_token, mode=setup.shm_mode)
+            if setup.cast_to == "auto":
+                dtype = getattr(torch, self.sender.server_dtype or "", None)
+                self.cast_to = dtype if isinstance(dtype, torch.dtype) else None
+
+    def send(self, version: str) -> tuple[SendStats | None, Exception | None]:
+        if self.traffic is not None:
+            self.traffic.reset()
+        buckets = iter_buckets(self.params, self.bucket_bytes, keep=self.is_sender, cast_to=self.cast_to,
+                               tracker=self.tracker, traffic=self.traffic)
+        try:
+            if self.is_sender:
+                self.client.pending_version = version
+                return self.sender.send(buckets, version), None
+            return None, None
+        except Exception as exc:
+            return None, exc
+        finally:
+            for _ in buckets:  # finish the gathers: the other ranks are still in them
+                pass
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()

@@ -1,0 +1,116 @@
+"""The trainer side of the vLLM backends: ``TrainerWeightSync``, one per trainer rank of a node.
+
+What every backend shares lives here: the parameters in sync order, the channel client, the count
+of the gathers' traffic, and the agreement of all the node's trainers on a sync's outcome. What
+differs (the hand-off itself) is the backend's transport, picked by name from ``api.TRANSPORTS``:
+``shm.ShmTransport`` (hpcrl_shm), ``vllm_engines.NcclTransport`` and ``vllm_engines.IpcTransport``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hpcrl.compute.sync.api import BACKENDS, TRANSPORTS, Notify, SenderSetup, SenderTransport, SyncError
+from hpcrl.compute.sync.gather import GatherTraffic, sync_named_params
+from hpcrl.compute.sync.notify import NotifyClient
+
+__all__ = ["TrainerWeightSync", "transport_class"]
+
+
+def transport_class(backend: str) -> type[SenderTransport]:
+    """The trainer-side transport of ``backend`` (imported now: only the chosen one is)."""
+    if backend not in TRANSPORTS:
+        raise ValueError(f"unknown weight-sync backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    module, name = TRANSPORTS[backend]
+    return getattr(importlib.import_module(module), name)
+
+
+class TrainerWeightSync:
+    """The trainer role's weight sync, one instance per trainer rank of a node.
+
+    Construct it on EVERY trainer rank of the node after the model is sharded; ``sync(version)``
+    after each optimizer step, on every rank (the gathers are collectives). Only the sender
+    (``is_sender``) talks to the server: the plan (hpcrl.job.placement) makes it the node's trainer
+    whose GPU shares a fast link group with the server's, else the one on the highest-numbered
+    trainer GPU. ``group``: the process group of the node's trainers, used to agree on success so
+    that all ranks raise together (default: the default group, if any).
+
+    ``cast_to``: dtype of the floating tensors on the wire; ``"auto"`` = the engine's dtype as the
+    server reports it at init (hpcrl_shm), else as gathered.
+
+    ``backend="hpcrl_shm"``: ``ShmWeightSender`` (CPU, tested); ``shm_mode`` "stream" or "rpc".
+    ``backend="nccl"``: vLLM's ``NCCLTrainerWeightTransferEngine`` (RCCL on ROCm); the sender
+    needs ``nccl_master=(address, port)`` for the rendezvous, and ``server_world_size`` (TP size).
+    ``backend="ipc"``: vLLM's CUDA-IPC engine; only when the server runs on the sender's GPU.
+    The ``nccl`` and ``ipc`` paths are UNTESTED without a GPU.
+    """
+
+    def __init__(self, model, notify: Notify | None, *, is_sender: bool, backend: str = "hpcrl_shm",
+                 bucket_bytes: int = 256 * 2**20, cast_to="auto", group=None, job_token: str | None = None,
+                 shm_dir: str = "/dev/shm", shm_mode: str = "stream", nccl_master: tuple[str, int] | None = None,
+                 server_world_size: int = 1, tracker=None, node_of_rank: dict[int, int] | None = None) -> None:
+        transport = transport_class(backend)
+        if is_sender and notify is None:
+            raise ValueError("the sending trainer needs a notify channel to the server")
+        self.backend, self.is_sender, self.bucket_bytes = backend, is_sender, bucket_bytes
+        self.group, self.tracker = group, tracker
+        # With the plan's node of every trainer rank, each sync counts the bytes its gathers move
+        # inside a node and between nodes (the job's totals come back from sync()).
+        self.traffic = GatherTraffic(node_of_rank) if node_of_rank else None
+        self.last_traffic: dict[str, int] = {}
+        self.params = sync_named_params(model)
+        self.client = NotifyClient(notify) if notify is not None else None
+        self.last_stats = None
+        self.transport: SenderTransport = transport(SenderSetup(
+            model=model, params=self.params, client=self.client, is_sender=is_sender, bucket_bytes=bucket_bytes,
+            cast_to=cast_to, tracker=tracker, traffic=self.traffic, job_token=job_token, shm_dir=shm_dir,
+            shm_mode=shm_mode, nccl_master=nccl_master, server_world_size=server_world_size))
+        self.cast_to = self.transport.cast_to
+
+    @property
+    def sender(self) -> Any:
+        """hpcrl_shm's ``ShmWeightSender`` on the sender (None elsewhere, and for other backends)."""
+        return getattr(self.transport, "sender", None)
+
+    @property
+    def engine(self) -> Any:
+        """vLLM's ``TrainerWeightTransferEngine`` of the nccl and ipc backends (else None)."""
+        return getattr(self.transport, "engine", None)
+
+    @property
+    def source(self) -> Any:
+        """The ``HFWeightSource`` that engine gathers from (else None)."""
+        return getattr(self.transport, "source", None)
+
+    def sync(self, version: str | int):
+        """Send the current weights as ``version``. Returns the sender's stats (None elsewhere).
+        Raises ``SyncError`` on every rank if the sync failed on the sender."""
+        version = str(version)
+        stats, error = self.transport.send(version)
+        if stats is not None:
+            self.last_stats = stats
+        traffic = (self.traffic.in_node, self.traffic.cross_node) if self.traffic is not None else (0, 0)
+        failed, in_node, cross_node = self._all_reduce_sum([0 if error is None else 1, *traffic])
+        if failed:
+            if error is not None:
+                raise error if isinstance(error, SyncError) else SyncError(f"weight sync {version} failed: {error!r}") from error
+            raise SyncError(f"weight sync {version} failed on the sending trainer")
+        self.last_traffic = ({"gathered_bytes_in_node": in_node, "gathered_bytes_cross_node": cross_node}
+                             if self.traffic is not None else {})
+        return self.last_stats
+
+    def _all_reduce_sum(self, values: list[int]) -> list[int]:
+        """Agree on success (any failure counts) and total the gather traffic, in one collective."""
+        if not dist.is_available() or not dist.is_initialized():
+            return values
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" else "cpu"
+        t = torch.tensor(values, dtype=torch.int64, device=device)
+        dist.all_reduce(t, group=self.group)
+        return [int(v) for v in t.tolist()]
+
+    def close(self) -> None:
+        self.transport.close()
