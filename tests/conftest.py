@@ -85,3 +85,42 @@ def run_to_the_end(cmd: list[str], cwd: Path, timeout: float) -> subprocess.Comp
             out, err = proc.communicate()
         pytest.fail(f"`{' '.join(cmd)}` did not end within {timeout} s:\n{err[-3000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+# ----------------------------------------------------------------------------------------------
+# The GPU tier (tests marked `gpu`, tests/test_gpu.py; scripts/gpu-check.sh runs it on a GPU machine)
+
+# unset: CUDA when torch sees a GPU, else the tier skips (CI, laptops).
+# "cuda": a GPU is required: its absence fails the tier instead of skipping it (gpu-check.sh sets this
+#         where nvidia-smi sees a GPU, so a torch that cannot reach it is no silent all-skip).
+# "cpu":  a developer's self-check of the tier's own logic on the CPU with gloo. It proves the tests
+#         are sound, not that hpcrl works on a GPU: no CUDA, NCCL or bf16 kernel runs.
+GPU_TIER_SWITCH = "HPCRL_GPU_TIER_DEVICE"
+
+
+def gpu_tier_device() -> tuple[str | None, str]:
+    """(the tier's torch device type, or None; why not, when None)."""
+    wanted = os.environ.get(GPU_TIER_SWITCH, "").strip().lower()
+    if wanted == "cpu":
+        return "cpu", ""
+    if wanted not in ("", "cuda"):
+        return None, f"{GPU_TIER_SWITCH}={wanted!r}: expected 'cuda', 'cpu' or unset"
+    try:
+        import torch
+    except ImportError:
+        return None, "torch is not installed"
+    if torch.cuda.is_available():
+        return "cuda", ""
+    return None, (f"no CUDA GPU (torch {torch.__version__}: torch.cuda.is_available() is False); "
+                  f"{GPU_TIER_SWITCH}=cpu runs the tier's logic on the CPU as a self-check")
+
+
+@pytest.fixture(scope="session")
+def gpu_device() -> str:
+    """The tier's device type: "cuda" on a GPU machine, "cpu" under the self-check switch; else a skip."""
+    device, why = gpu_tier_device()
+    if device is None:
+        if os.environ.get(GPU_TIER_SWITCH, "").strip():       # asked for the tier, so not a skip
+            pytest.fail(f"{GPU_TIER_SWITCH} is set, but {why}")
+        pytest.skip(why)
+    return device
