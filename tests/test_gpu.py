@@ -26,17 +26,16 @@ from __future__ import annotations
 
 import json
 import math
-import multiprocessing
 import os
 import signal
 import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import pytest
 from conftest import run_to_the_end
+from dist_harness import spawn
 from test_trainer_resume import TIMING_KEYS, _differences, _read  # the CPU resume test's comparison
 
 pytestmark = pytest.mark.gpu
@@ -57,71 +56,6 @@ def _world(device: str) -> int:
     import torch
 
     return min(2, torch.cuda.device_count())
-
-
-def _entry(fn, rank: int, world: int, device_type: str, store: str, err_dir: str, args: tuple) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    if device_type == "cuda":
-        # As hpcrl's pinning does: the rank sees one GPU, its entry of what this process was given.
-        held = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-        os.environ["CUDA_VISIBLE_DEVICES"] = held[rank] if held else str(rank)
-        # cuBLAS is deterministic only with a fixed workspace, read when its first handle is made.
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    from datetime import timedelta
-
-    import torch
-    import torch.distributed as dist
-
-    try:
-        kw = {}
-        if device_type == "cuda":
-            device = torch.device("cuda", 0)
-            torch.cuda.set_device(device)
-            # hpcrl's trainers' group (rendezvous.init_trainer_group): NCCL for the model, gloo for the
-            # small CPU tensors the loop reduces (stop flags, token counts).
-            backend, kw["device_id"] = "cpu:gloo,cuda:nccl", device
-        else:
-            torch.set_num_threads(1)
-            device, backend = torch.device("cpu"), "gloo"
-        dist.init_process_group(backend, store=dist.FileStore(store, world), rank=rank, world_size=world,
-                                timeout=timedelta(seconds=120), **kw)
-        fn(rank, world, device, *args)
-    except BaseException:
-        Path(err_dir, f"rank{rank}.err").write_text(traceback.format_exc())
-        os._exit(1)
-    # Skip the process-group teardown, as dist_harness does: its destructors can race with peers that
-    # already left and abort a rank whose every assertion passed.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def _spawn(fn, tmp: Path, device: str, *args, world: int, timeout: float = 300.0, expect: dict | None = None) -> float:
-    """``fn(rank, world, torch_device, *args)`` on ``world`` ranks; a failing rank's traceback fails the test."""
-    tmp.mkdir(parents=True, exist_ok=True)
-    store = tmp / f"store-{time.monotonic_ns()}"
-    err_dir = tmp / "errors"
-    err_dir.mkdir(exist_ok=True)
-    ctx = multiprocessing.get_context("spawn")     # never fork a process that may have touched CUDA
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, device, str(store), str(err_dir), args))
-             for r in range(world)]
-    t0 = time.monotonic()
-    for p in procs:
-        p.start()
-    deadline = t0 + timeout
-    for p in procs:
-        p.join(max(0.1, deadline - time.monotonic()))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for r in hung:
-        procs[r].kill()
-        procs[r].join()
-    errors = {r: (err_dir / f"rank{r}.err").read_text() for r in range(world) if (err_dir / f"rank{r}.err").exists()}
-    if errors:
-        raise AssertionError("\n".join(f"--- rank {r} ---\n{t}" for r, t in sorted(errors.items())))
-    assert not hung, f"ranks {hung} still running after {timeout} s"
-    codes = {r: p.exitcode for r, p in enumerate(procs)}
-    assert codes == {r: (expect or {}).get(r, 0) for r in range(world)}, f"exit codes {codes}"
-    return time.monotonic() - t0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -286,7 +220,7 @@ def _w_grpo_step(rank, world, device, model_dir, out):
 def test_fsdp_bf16_grpo_step_on_the_device(tmp_path, gpu_device, tiny_model):
     world = _world(gpu_device)
     out = tmp_path / "step.json"
-    seconds = _spawn(_w_grpo_step, tmp_path, gpu_device, tiny_model, str(out), world=world)
+    seconds = spawn(_w_grpo_step, tmp_path, tiny_model, str(out), world=world, timeout=300, device=gpu_device)
     r = json.loads(out.read_text())
     print(f"{gpu_device}, {world} rank(s): loss {r['loss']:.4f}, grad norm {r['grad_norm']:.3f}, all {r['params']} "
           f"parameters moved (largest {r['largest_change']:.2e}); {seconds:.1f} s")
@@ -363,7 +297,7 @@ def _w_bf16_numerics(rank, world, device, model_dir, out):
 
 def test_bf16_logprobs_match_fp32(tmp_path, gpu_device, demo_model):
     out = tmp_path / "numerics.json"
-    _spawn(_w_bf16_numerics, tmp_path, gpu_device, demo_model, str(out), world=1)
+    spawn(_w_bf16_numerics, tmp_path, demo_model, str(out), world=1, timeout=300, device=gpu_device)
     r = json.loads(out.read_text())
     line = (f"{gpu_device}: {r['tokens']} tokens, logit scale S {r['scale']:.2f}: "
             f"|bf16 - fp32| mean {r['mean_abs']:.2e} "
@@ -459,13 +393,13 @@ def test_killed_and_resumed_run_equals_the_uninterrupted_one(tmp_path, gpu_devic
     killed_dir.mkdir()
     whole, first, second = tmp_path / "whole.jsonl", tmp_path / "first.jsonl", tmp_path / "second.jsonl"
 
-    _spawn(_w_resume_run, tmp_path / "a", gpu_device, tiny_model, str(whole_dir), str(whole), 0, None, 100, world=world,
-           timeout=LEG_TIMEOUT_S)
-    _spawn(_w_resume_run, tmp_path / "b", gpu_device, tiny_model, str(killed_dir), str(first), k, k, 100, world=world,
-           timeout=LEG_TIMEOUT_S, expect={r: -signal.SIGKILL for r in range(world)})
+    spawn(_w_resume_run, tmp_path / "a", tiny_model, str(whole_dir), str(whole), 0, None, 100, world=world,
+          timeout=LEG_TIMEOUT_S, device=gpu_device)
+    spawn(_w_resume_run, tmp_path / "b", tiny_model, str(killed_dir), str(first), k, k, 100, world=world,
+          timeout=LEG_TIMEOUT_S, expect={r: -signal.SIGKILL for r in range(world)}, device=gpu_device)
     assert (killed_dir / "ckpt" / "latest").read_text().strip() == f"step-{k}"
-    _spawn(_w_resume_run, tmp_path / "c", gpu_device, tiny_model, str(killed_dir), str(second), k, None, 555,
-           world=world, timeout=LEG_TIMEOUT_S)
+    spawn(_w_resume_run, tmp_path / "c", tiny_model, str(killed_dir), str(second), k, None, 555,
+          world=world, timeout=LEG_TIMEOUT_S, device=gpu_device)
 
     a, b, c = _read(whole), _read(first), _read(second)
     assert sorted(a) == list(range(1, RESUME_STEPS + 1))
