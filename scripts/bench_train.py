@@ -55,38 +55,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from rss import MMAP_THRESHOLD, peak_rss_bytes, reset_peak_rss, rss_bytes  # noqa: E402  (scripts/rss.py)
+
 MIB = 2 ** 20
-MMAP_THRESHOLD = 128 * 1024
-
-
-# ------------------------------------------------------------------------------------------------
-# Memory probes (Linux /proc)
-
-
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
-def rss_bytes() -> int:
-    return _status_kb("VmRSS") * 1024
-
-
-def reset_peak_rss() -> bool:
-    """Reset VmHWM (peak RSS) to the current RSS; False where the kernel does not allow it."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def peak_rss_bytes() -> int:
-    return _status_kb("VmHWM") * 1024
 
 
 def _local(t):

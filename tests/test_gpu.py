@@ -36,7 +36,7 @@ from pathlib import Path
 import pytest
 from conftest import run_to_the_end
 from dist_harness import spawn
-from test_trainer_resume import TIMING_KEYS, _differences, _read  # the CPU resume test's comparison
+from test_trainer_resume import TIMING_KEYS, _differences, _read, record_metrics  # the CPU resume test's comparison
 
 pytestmark = pytest.mark.gpu
 
@@ -363,15 +363,7 @@ def _w_resume_run(rank, world, device, model_dir, run_dir, metrics_path, every, 
     policy, reference = load_policy_and_reference(model_dir, mesh, device, recipe)
     _assert_all_on(reference, device, "reference")
 
-    def on_metrics(step, m):
-        if die_after is not None and step == die_after + 1:
-            os.kill(os.getpid(), signal.SIGKILL)       # every rank, before step k+1 is reported or saved
-        if rank == 0:
-            with open(metrics_path, "a") as f:         # on disk before a later SIGKILL
-                f.write(json.dumps(m) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-
+    on_metrics = record_metrics(rank, metrics_path, die_after)
     setup = TrainerSetup(
         recipe=recipe, run_dir=Path(run_dir), device=device, policy=policy, reference=reference,
         tokenizer=AutoTokenizer.from_pretrained(model_dir), dataset=load_dataset(recipe.data, grpo.seed),

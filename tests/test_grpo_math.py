@@ -237,6 +237,124 @@ def test_selective_log_softmax_and_entropy_match_trl():
     torch.testing.assert_close(ent, entropy_from_logits(logits / 0.6), atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [1, 7, 10_000])
+def test_chunked_logprobs_and_gradients_equal_unchunked_and_trl(dtype, chunk):
+    """The chunked autograd function against the one-expression form and TRL's selective_log_softmax:
+    values, and gradients on the logits through log-probs alone, entropies alone and both."""
+    from trl.trainer.utils import entropy_from_logits, selective_log_softmax
+
+    g = torch.Generator().manual_seed(5)
+    B, T, V, temperature = 3, 9, 50, 0.6  # 27 tokens: chunks of 7 straddle rows, 10_000 is one chunk
+    base = (torch.randn(B, T + 1, V, generator=g) * 4).to(dtype)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    w_lp, w_ent = torch.randn(B, T, generator=g), torch.randn(B, T, generator=g)
+
+    def run(fn, weights):
+        logits = base.clone().requires_grad_()
+        lp, ent = fn(logits)
+        (sum(w * x for w, x in zip(weights, (lp, ent)) if w is not None)).sum().backward()
+        return lp.detach(), ent.detach(), logits.grad
+
+    chunked = lambda x: grpo.completion_logprobs(x, ids, temperature, return_entropy=True, chunk_tokens=chunk)
+    unchunked = lambda x: grpo.token_logprobs_unchunked(x[:, :-1], ids, temperature, return_entropy=True)
+    trl = lambda x: (selective_log_softmax(x[:, :-1].float() / temperature, ids),
+                     entropy_from_logits(x[:, :-1].float() / temperature))
+    # fp32: rounding of the fp32 sums; bf16: one bf16 step (2**-8 relative) of a gradient element
+    tol = dict(atol=4 * ATOL, rtol=1e-5) if dtype == torch.float32 else dict(atol=2**-7, rtol=2**-7)
+    for weights in ((w_lp, None), (None, w_ent), (w_lp, w_ent)):
+        lp, ent, grad = run(chunked, weights)
+        lp_u, ent_u, grad_u = run(unchunked, weights)
+        lp_t, ent_t, grad_t = run(trl, weights)
+        assert lp.dtype == ent.dtype == torch.float32 and grad.dtype == dtype
+        # The same operations per token: equal, not merely close.
+        torch.testing.assert_close(lp, lp_u, atol=0, rtol=0)
+        torch.testing.assert_close(ent, ent_u, atol=0, rtol=0)
+        torch.testing.assert_close(lp, lp_t, atol=ATOL, rtol=0)
+        torch.testing.assert_close(ent, ent_t, atol=ATOL, rtol=0)
+        assert grad[:, -1].abs().max() == 0  # the last position scores nothing
+        if weights[1] is None:  # the log-probs' backward repeats autograd's operations in its order
+            torch.testing.assert_close(grad, grad_u, atol=0, rtol=0)
+        else:  # the entropy's gradient is the same formula in another order: rounding apart
+            torch.testing.assert_close(grad, grad_u, **tol)
+        # TRL computes its fp32 gradient in other orders: one rounding of the bf16 cast apart at most
+        torch.testing.assert_close(grad, grad_t, **tol)
+        assert grad.abs().max() > 1e-3
+
+    # 2-D and 3-D logits through token_logprobs, no gradient: the same values
+    flat = base[:, :-1].reshape(-1, V)
+    torch.testing.assert_close(grpo.token_logprobs(flat, ids.reshape(-1), temperature, chunk_tokens=chunk),
+                               lp_u.reshape(-1), atol=0, rtol=0)
+    torch.testing.assert_close(grpo.token_logprobs(base[:, :-1], ids, temperature, chunk_tokens=chunk), lp_u,
+                               atol=0, rtol=0)
+
+
+def test_chunked_logprobs_keep_no_fp32_copy_for_backward():
+    """Saved for backward: the logits themselves (no copy) and one fp32 number per token."""
+    logits = torch.randn(2, 5, 40, dtype=torch.bfloat16, requires_grad=True)
+    ids = torch.randint(0, 40, (2, 4))
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        lp = grpo.completion_logprobs(logits, ids, 0.7, chunk_tokens=3)
+    big = [t for t in saved if t.numel() >= logits.numel() // 5]
+    assert len(big) == 1 and big[0].data_ptr() == logits.data_ptr() and big[0].dtype == torch.bfloat16
+    assert sum(t.numel() for t in saved if t.data_ptr() != logits.data_ptr()) <= 3 * ids.numel()
+    lp.sum().backward()
+    assert logits.grad.shape == logits.shape
+
+
+def test_bad_logprob_arguments():
+    logits, ids = torch.zeros(2, 4, 10), torch.zeros(2, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        grpo.completion_logprobs(logits, ids, 1.0, chunk_tokens=0)
+    with pytest.raises(ValueError, match="temperature"):
+        grpo.completion_logprobs(logits, ids, 0.0)
+    with pytest.raises(ValueError, match="T \\+ 1"):
+        grpo.completion_logprobs(logits[:, :3], ids)
+    with pytest.raises(ValueError, match="ids of shape"):
+        grpo.token_logprobs(logits, ids)
+
+
+def test_no_grad_passes_run_in_micro_batches(trainer, monkeypatch):
+    """The old-policy and reference log-probabilities, a training micro-batch at a time and with the
+    recipe's chunk, equal those of all rows at once."""
+    from types import SimpleNamespace
+
+    from hpcrl.compute.inference.types import Completion
+    from hpcrl.compute.train import trainer as trainer_mod
+
+    rng = random.Random(4)
+    n, micro = 8, 3  # a last micro-batch of 2 rows
+    prompts = _random_ids(rng, n, 2, 5)
+    completions = [Completion(i, tuple(ids), (), "", False, 0)
+                   for i, ids in enumerate(_random_ids(rng, n, 1, MAX_COMPLETION))]
+    batch = trainer_mod.pack_batch(prompts, completions, trainer.processing_class.pad_token_id, "cpu")
+    model = trainer.model.eval()
+    with torch.no_grad():
+        whole = trainer_mod.completion_logps(model, batch, TEMPERATURE)
+    seen = []
+    real = grpo.completion_logprobs
+
+    def spy(logits, ids, temperature, **kw):
+        seen.append((logits.shape[0], kw["chunk_tokens"]))
+        return real(logits, ids, temperature, **kw)
+
+    monkeypatch.setattr(grpo, "completion_logprobs", spy)
+    fake = SimpleNamespace(grpo=SimpleNamespace(per_device_train_batch_size=micro, temperature=TEMPERATURE),
+                           logprob_chunk_tokens=5)
+    with torch.no_grad():
+        parts = trainer_mod.Trainer._micro_batched_logps(fake, model, batch)
+    model.train()
+    assert seen == [(3, 5), (3, 5), (2, 5)]
+    m = batch["completion_mask"].bool()
+    torch.testing.assert_close(parts[m], whole[m], atol=ATOL, rtol=0)
+
+
 # --------------------------------------------------------------------------------------------------
 # The loss
 

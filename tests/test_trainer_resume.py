@@ -82,6 +82,20 @@ class _SampledWhenTaken:
         return self.inner.push_weights(model, version)
 
 
+def record_metrics(rank: int, metrics_path, die_after: int | None):
+    """A resume leg's on_metrics: rank 0 appends every step's line to metrics_path, durably; with
+    die_after=k every rank is SIGKILLed as step k+1 is reported (before it is saved)."""
+    def on_metrics(step, m):
+        if die_after is not None and step == die_after + 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if rank == 0:
+            with open(metrics_path, "a") as f:         # on disk before a later SIGKILL
+                f.write(json.dumps(m) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+    return on_metrics
+
+
 def _w_run(rank, world, model_dir, run_dir, metrics_path, every, mu, overlap, die_after, seed):
     import torch
     from torch.distributed.device_mesh import init_device_mesh
@@ -101,15 +115,7 @@ def _w_run(rank, world, model_dir, run_dir, metrics_path, every, mu, overlap, di
     policy, reference = load_policy_and_reference(model_dir, mesh, torch.device("cpu"), recipe)
     assert reference is not None
 
-    def on_metrics(step, m):
-        if die_after is not None and step == die_after + 1:
-            os.kill(os.getpid(), signal.SIGKILL)       # every rank, before step k+1 is reported or saved
-        if rank == 0:
-            with open(metrics_path, "a") as f:         # on disk before a later SIGKILL
-                f.write(json.dumps(m) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-
+    on_metrics = record_metrics(rank, metrics_path, die_after)
     setup = TrainerSetup(
         recipe=recipe, run_dir=Path(run_dir), device=torch.device("cpu"), policy=policy, reference=reference,
         tokenizer=AutoTokenizer.from_pretrained(model_dir), dataset=load_dataset(recipe.data, recipe.grpo.seed),

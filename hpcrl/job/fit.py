@@ -57,6 +57,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from hpcrl.job.placement import Plan, make_plan
+from hpcrl.job.recipe import TrainerConfig
 from hpcrl.job.spec import JobSpec
 
 GIB = 2 ** 30
@@ -225,7 +226,7 @@ def layer_activation_bytes(shape: ModelShape, compute_bytes: int) -> int:
 
 def trainer_parts(shape: ModelShape, *, micro_batch: int, seq_len: int, completion_len: int, shard: int = 1,
                   compute_dtype: str = "bfloat16", reference: bool = False, checkpointing: bool = False,
-                  logprob_chunk_tokens: int = 1024, params: int | None = None,
+                  logprob_chunk_tokens: int = TrainerConfig.logprob_chunk_tokens, params: int | None = None,
                   overhead_bytes: int = TRAINER_OVERHEAD_GPU) -> dict[str, int]:
     """One trainer's peak memory in bytes, by part, for a training step in the given setting: the
     formula `hpcrl plan` and the render checks use, callable by a benchmark that measures the same

@@ -167,11 +167,15 @@ def pack_batch(prompt_ids: list[list[int]], completions: list[Completion], pad_i
                                              sampling_logps=sampling_logps).items()}
 
 
-def completion_logps(model, batch: dict, temperature: float, rows=slice(None)) -> torch.Tensor:
+def completion_logps(model, batch: dict, temperature: float, rows=slice(None),
+                     chunk_tokens: int = grpo.DEFAULT_LOGPROB_CHUNK_TOKENS) -> torch.Tensor:
+    """The completion tokens' log-probabilities under ``model`` for the rows ``rows`` of ``batch``,
+    computed ``chunk_tokens`` tokens at a time (trainer.logprob_chunk_tokens)."""
     t = batch["completion_ids"].shape[1]
     out = model(input_ids=batch["input_ids"][rows], attention_mask=batch["attention_mask"][rows],
                 position_ids=batch["position_ids"][rows], logits_to_keep=t + 1, use_cache=False)
-    return grpo.completion_logprobs(out.logits, batch["completion_ids"][rows], temperature)
+    return grpo.completion_logprobs(out.logits, batch["completion_ids"][rows], temperature,
+                                    chunk_tokens=chunk_tokens)
 
 
 class Trainer:
@@ -199,6 +203,7 @@ class Trainer:
         self.overlap = self.recipe.inference.overlap_generation
         self.next: Requested | None = None      # asked for ahead of its turn (overlap_generation)
         self.ckpt_dir = Path(self.recipe.checkpoint.dir or setup.run_dir / rundir.CHECKPOINTS_DIR)
+        self.logprob_chunk_tokens = self.recipe.trainer.logprob_chunk_tokens
         self.flag = STOP
 
     # ------------------------------------------------------------------ the loop
@@ -353,13 +358,22 @@ class Trainer:
         """The log-probabilities that stay fixed while a generation is trained on: the policy's
         before its first step (the ratio's denominator; on-policy with one iteration and no sampling
         correction, the ratio is 1 and they are not needed) and the reference model's (the KL's)."""
-        setup, temperature = self.setup, self.grpo.temperature
+        setup = self.setup
         old_logps = None
         if self.grpo.num_iterations > 1 or self.grpo.vllm_importance_sampling_correction:
             setup.policy.eval()
-            old_logps = completion_logps(setup.policy, tensors, temperature)
-        ref_logps = completion_logps(setup.reference, tensors, temperature) if setup.reference is not None else None
+            old_logps = self._micro_batched_logps(setup.policy, tensors)
+        ref_logps = self._micro_batched_logps(setup.reference, tensors) if setup.reference is not None else None
         return old_logps, ref_logps
+
+    def _micro_batched_logps(self, model, tensors: dict) -> torch.Tensor:
+        """``completion_logps`` of every row, in the micro-batches training uses: the activations
+        and logits of a whole generation at once would outgrow those of a training micro-batch,
+        which is what the job's memory is sized for (hpcrl.job.fit)."""
+        rows, micro = tensors["input_ids"].shape[0], self.grpo.per_device_train_batch_size
+        return torch.cat([completion_logps(model, tensors, self.grpo.temperature, slice(start, start + micro),
+                                           self.logprob_chunk_tokens)
+                          for start in range(0, rows, micro)])
 
     def _score(self, batch, completions) -> tuple[torch.Tensor, dict]:
         """This rank's advantages, and the reward statistics over all trainers."""
@@ -411,7 +425,7 @@ class Trainer:
         loss_sum = 0.0
         for start in range(0, rows, micro):
             sl = slice(start, start + micro)
-            logps = completion_logps(model, batch, cfg.temperature, sl)
+            logps = completion_logps(model, batch, cfg.temperature, sl, self.logprob_chunk_tokens)
             weights = None
             if cfg.vllm_importance_sampling_correction:
                 weights, is_metrics = grpo.sampling_importance_ratio(

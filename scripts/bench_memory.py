@@ -1,0 +1,300 @@
+#!/usr/bin/env python
+"""Peak memory of the GRPO log-probabilities and loss on this CPU: chunked against unchunked.
+
+The setting is one training micro-batch of a 152k-vocabulary model: 4,096 completion tokens (2 rows of
+2,048) and a vocabulary of 151,936 (Qwen2.5's). The logits come from a [tokens x hidden] x
+[hidden x vocabulary] projection (hidden 256: the LM head of a small model; the projection only has
+to be real, so that backward is) whose weight and input require gradients, in the compute dtype. One
+measured step is: the projection, the completion log-probabilities, the dapo loss with a KL term
+(hpcrl.compute.train.grpo.grpo_loss, beta 0.04), and the backward to the weight and the input.
+
+Variants, each in a fresh interpreter so that peaks cannot mix:
+  unchunked  grpo.token_logprobs_unchunked, the computation before issue 14 (TRL's form): one
+             autograd expression over all tokens, the fp32 upcast and logsumexp of the whole
+             [tokens x vocabulary] kept for backward
+  chunked    grpo.completion_logprobs with chunk_tokens = N (trainer.logprob_chunk_tokens; 512 is the
+             recipe's default): fp32 work for N tokens at a time, forward and backward
+As in the trainer, the logits are made inside the scoring function and only the log-probabilities
+leave it, so each variant keeps exactly what its own autograd graph keeps.
+
+Memory: peak RSS during the step minus the RSS just before it (the kernel's VmHWM, reset with
+/proc/self/clear_refs), reset again between forward (projection, log-probs, loss) and backward.
+glibc's malloc is told to give every block of 128 KiB or more back to the kernel when freed
+(MALLOC_MMAP_THRESHOLD_, set before each child starts), so that RSS follows the live tensors; torch
+keeps no allocator statistics on the CPU. Each child first runs the same step on 8 tokens, so that
+kernel libraries' one-time buffers are not counted. The chunked variant keeps the logits for its
+backward, which adds their gradient (2 x 1,188 MiB in bf16): a floor that chunking cannot lower (only
+fusing the projection into the log-probs could); "over 2x logits" is what it adds on top, its fp32
+temporaries. The unchunked graph frees the compute-dtype logits once it has upcast them.
+
+Dtype: bf16 logits (what an accelerator job computes in) when this CPU computes bf16 natively
+(avx512_bf16 or amx_bf16 in /proc/cpuinfo), else fp32. With fp32 logits the unchunked path's
+`.float()` upcast is a no-op, so its cost, and the gain of chunking, are understated there; say
+`--dtype` to choose (measured here: 0.45 with fp32 logits, whose gradient and saved logits are
+twice as big). Temperature is the recipe's default, 1.0; another temperature makes the unchunked
+path divide a second fp32 copy, but the upcast it divides is freed at once, so neither peak moves
+(`--temperature 0.7`: the same figures).
+
+The children's log-probabilities and gradients are compared: every variant must give the same
+numbers (the chunked log-probs equal the unchunked ones exactly; tests/test_grpo_math.py holds them
+against TRL).
+
+Layout: a function per measurement section returns its table and its key=value results; the last
+line joins the results of all sections. (The fit estimate of issue 14 is to become a second section.)
+
+Last line: logprob_peak_ratio_chunked_over_full=X, the peak of the chunked variant at the recipe's
+default chunk over the unchunked peak (target X <= 0.25).
+
+    .venv/bin/python scripts/bench_memory.py     # about a minute on 2 cores, ~12 GB free memory needed
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from hpcrl.job.recipe import TrainerConfig  # noqa: E402
+from rss import MMAP_THRESHOLD, peak_rss_bytes, reset_peak_rss, rss_bytes  # noqa: E402  (scripts/rss.py)
+
+MIB = 2 ** 20
+VOCAB = 151_936
+TOKENS = 4_096
+ROWS = 2
+HIDDEN = 256
+
+
+def native_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+# ------------------------------------------------------------------------------------------------
+# One variant, in a child process
+
+
+def logprob_step(cfg: dict) -> dict:
+    """The measured step of one variant (run in a fresh interpreter); returns its figures."""
+    import gc
+
+    import torch
+
+    from hpcrl.compute.train import grpo
+
+    torch.set_num_threads(cfg["threads"])
+    dtype = getattr(torch, cfg["dtype"])
+    temperature, chunk, variant = cfg["temperature"], cfg["chunk"], cfg["variant"]
+
+    def inputs(rows: int, t: int):
+        g = torch.Generator().manual_seed(0)
+        h = torch.randn(rows, t + 1, cfg["hidden"], generator=g).to(dtype).requires_grad_()
+        w = (torch.randn(cfg["hidden"], cfg["vocab"], generator=g) * cfg["hidden"] ** -0.5).to(dtype).requires_grad_()
+        ids = torch.randint(0, cfg["vocab"], (rows, t), generator=g)
+        lengths = torch.tensor([t - i * (t // 4) for i in range(rows)])       # some right padding
+        mask = (torch.arange(t)[None] < lengths[:, None]).long()
+        ref = -torch.rand(rows, t, generator=g) * 4 - 5
+        return h, w, ids, mask, torch.randn(rows, generator=g), ref
+
+    def score(h, w, ids):
+        logits = h @ w          # local: freed when it returns unless the log-probs' graph keeps it
+        if variant == "unchunked":
+            return grpo.token_logprobs_unchunked(logits[:, :-1], ids, temperature)
+        return grpo.completion_logprobs(logits, ids, temperature, chunk_tokens=chunk)
+
+    def step(h, w, ids, mask, adv, ref, between=None):
+        logps = score(h, w, ids)
+        loss, _ = grpo.grpo_loss(logps, None, ref, adv, mask, loss_type="dapo", beta=0.04)
+        if between:
+            between()
+        loss.backward()
+        return logps.detach(), loss.detach()
+
+    step(*inputs(cfg["rows"], 8))       # warm-up: kernels' one-time buffers
+    h, w, ids, mask, adv, ref = inputs(cfg["rows"], cfg["tokens"] // cfg["rows"])
+    gc.collect()
+    marks = {}
+
+    def after_forward():
+        marks["fwd_peak"] = peak_rss_bytes() - base
+        marks["fwd_s"] = time.perf_counter() - t0
+        reset_peak_rss()
+
+    base = rss_bytes()
+    resettable = reset_peak_rss()
+    t0 = time.perf_counter()
+    logps, loss = step(h, w, ids, mask, adv, ref, after_forward)
+    total_s = time.perf_counter() - t0
+    bwd_peak = peak_rss_bytes() - base
+    m = mask.bool()
+    return {
+        "fwd_peak": marks["fwd_peak"], "bwd_peak": bwd_peak, "peak": max(marks["fwd_peak"], bwd_peak),
+        "fwd_s": marks["fwd_s"], "bwd_s": total_s - marks["fwd_s"], "total_s": total_s,
+        "logits_bytes": cfg["rows"] * (cfg["tokens"] // cfg["rows"] + 1) * cfg["vocab"] * h.element_size(),
+        "resettable": resettable, "loss": loss.item(), "logps_sum": logps[m].double().sum().item(),
+        "logps_max_abs": logps[m].abs().max().item(),
+        "grad_w": w.grad.double().norm().item(), "grad_h": h.grad.double().norm().item(),
+    }
+
+
+def run_child(cfg: dict, timeout: float) -> dict:
+    """``CHILD_STEPS[cfg["step"]](cfg)`` in a fresh interpreter, with malloc set up for RSS peaks."""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD), OMP_NUM_THREADS=str(cfg["threads"]))
+    proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(cfg)], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise SystemExit(f"variant {cfg['variant']} (chunk {cfg['chunk']}) failed, exit {proc.returncode}:\n"
+                         f"{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ------------------------------------------------------------------------------------------------
+# Sections: each returns (title, headers, rows, notes, key=value results)
+
+
+def logprob_section(args) -> tuple[str, list[str], list[list[str]], list[str], dict[str, str]]:
+    threads = len(os.sched_getaffinity(0))
+    dtype = args.dtype or ("bfloat16" if native_bf16() else "float32")
+    base = dict(tokens=TOKENS, rows=ROWS, vocab=VOCAB, hidden=HIDDEN, dtype=dtype, temperature=args.temperature,
+                threads=threads)
+    variants = [("unchunked", 0)] + [("chunked", c) for c in args.chunks]
+    results = []
+    for variant, chunk in variants:
+        t0 = time.perf_counter()
+        r = run_child(dict(base, step="logprob", variant=variant, chunk=chunk), args.timeout)
+        r["wall_s"] = time.perf_counter() - t0
+        results.append((variant, chunk, r))
+        print(f"  {variant:>9} chunk {chunk or '-':>5}: peak {r['peak'] / MIB:,.0f} MiB, step {r['total_s']:.1f} s "
+              f"({r['wall_s']:.0f} s with start-up)", flush=True)
+
+    full = results[0][2]
+    for variant, chunk, r in results[1:]:     # the same computation: the same numbers
+        for key, tol in (("loss", 1e-6), ("logps_sum", 1e-9), ("grad_w", 1e-3), ("grad_h", 1e-3)):
+            if abs(r[key] - full[key]) > tol * max(1.0, abs(full[key])):
+                raise SystemExit(f"chunk {chunk}: {key} {r[key]!r} differs from the unchunked {full[key]!r}")
+    if not all(r["resettable"] for _, _, r in results):
+        print("warning: /proc/self/clear_refs not writable: peaks are over each child's whole life")
+
+    floor = 2 * full["logits_bytes"]
+    headers = ["variant", "chunk", "fwd peak MiB", "bwd peak MiB", "peak MiB", "over 2x logits MiB",
+               "x unchunked", "fwd s", "bwd s", "time s"]
+    rows = []
+    for variant, chunk, r in results:
+        rows.append([variant, str(chunk) if chunk else "-", f"{r['fwd_peak'] / MIB:,.0f}",
+                     f"{r['bwd_peak'] / MIB:,.0f}", f"{r['peak'] / MIB:,.0f}", f"{(r['peak'] - floor) / MIB:,.0f}", f"{r['peak'] / full['peak']:.4f}",
+                     f"{r['fwd_s']:.1f}", f"{r['bwd_s']:.1f}", f"{r['total_s']:.1f}"])
+    title = (f"Log-probs + dapo loss, forward and backward: {TOKENS} completion tokens ({ROWS} x {TOKENS // ROWS}), "
+             f"vocabulary {VOCAB:,}, hidden {HIDDEN}, {dtype} logits, temperature {args.temperature:g}, "
+             f"{threads} threads")
+    notes = [
+        f"peak: RSS high-water mark over the step minus RSS before it, in a fresh process per variant; the logits "
+        f"are {full['logits_bytes'] / MIB:,.0f} MiB in {dtype}, their gradient as much (2x logits = "
+        f"{floor / MIB:,.0f} MiB: what the chunked backward holds besides its fp32 chunk)",
+        f"every variant gave the same loss ({full['loss']:.6f}), log-probs and gradient norms as the unchunked one",
+    ]
+    default_chunk, default = next(((c, r) for _, c, r in results if c == TrainerConfig.logprob_chunk_tokens), results[1][1:])
+    if default_chunk != TrainerConfig.logprob_chunk_tokens:
+        notes.append(f"the ratio below is for chunk {default_chunk}: the recipe's default {TrainerConfig.logprob_chunk_tokens} was not run")
+    ratio = default["peak"] / full["peak"]
+    return title, headers, rows, notes, {"logprob_peak_ratio_chunked_over_full": f"{ratio:.4f}"}
+
+
+def fit_section(args) -> tuple[str, list[str], list[list[str]], list[str], dict[str, str]]:
+    """hpcrl.job.fit's trainer estimate (what `hpcrl plan` and render use) against the peak of a real
+    training step, measured by scripts/bench_train.py's ranks in its own setting (FSDP2 on gloo at
+    world sizes 1 and 2, reference off and on). CPU: fp32 compute, no framework overhead counted."""
+    import bench_train                                   # scripts/bench_train.py: the measured step
+    from hpcrl.compute.models.tiny import make_tiny_model
+    from hpcrl.job import fit
+
+    work = Path(tempfile.gettempdir()) / "hpcrl-bench-train"      # bench_train's: the model is kept
+    work.mkdir(parents=True, exist_ok=True)
+    model_dir = make_tiny_model(work / f"model-{args.fit_size}", size=args.fit_size, seed=0)
+    cfg = dict(batch=8, micro=8, num_generations=4, prompt_len=16, completion_len=32, steps=2, warmup=1,
+               cores=sorted(os.sched_getaffinity(0)), model_dir=str(model_dir))
+    params = fit.count_parameters(str(model_dir))
+    shape = fit.ModelShape.from_config(json.loads((model_dir / "config.json").read_text()), params=params)
+    headers = ["world", "reference", "measured MiB", "estimate MiB", "error", "state est/meas", "activ.+logits est/meas"]
+    rows, errors = [], []
+    for world in (1, 2):
+        ranks = bench_train.run_world(world, cfg, work, args.timeout)
+        for ref in ("ref_off", "ref_on"):
+            measured = bench_train.summarize(ranks, ref)
+            parts = fit.trainer_parts(shape, micro_batch=cfg["micro"], seq_len=cfg["prompt_len"] + cfg["completion_len"],
+                                      completion_len=cfg["completion_len"], shard=world, compute_dtype="float32",
+                                      reference=ref == "ref_on", logprob_chunk_tokens=TrainerConfig.logprob_chunk_tokens,
+                                      params=params, overhead_bytes=0)
+            est = sum(parts.values())
+            error = abs(est - measured["peak"]) / measured["peak"]
+            errors.append(error)
+            step_est = est - parts["training_state"] - parts["reference"]
+            rows.append([str(world), "on" if ref == "ref_on" else "off", f"{measured['peak'] / MIB:,.0f}",
+                         f"{est / MIB:,.0f}", f"{error:.3f}",
+                         f"{(parts['training_state'] + parts['reference']) / (measured['state'] + measured['ref_params']):.2f}",
+                         f"{step_est / measured['activations']:.2f}" if measured["activations"] else "-"])
+    title = (f"Fit estimate (hpcrl.job.fit.trainer_parts) against a measured training step: {args.fit_size} model "
+             f"({params / 1e6:.1f}M parameters, fp32), {cfg['micro']} completions of <= {cfg['prompt_len']} + "
+             f"{cfg['completion_len']} tokens per rank")
+    notes = ["measured: params + ref + grads + AdamW state (bytes of this rank's shards) + the fwd/bwd's peak RSS "
+             "delta (scripts/bench_train.py); estimate: the formula for the same setting, sequences at full width, "
+             "no overhead term; error = |estimate - measured| / measured, the worst row is the one reported"]
+    return title, headers, rows, notes, {"fit_estimate_error": f"{max(errors):.3f}"}
+
+
+SECTIONS = [logprob_section, fit_section]
+CHILD_STEPS = {"logprob": logprob_step}     # what a section's children run, by cfg["step"]
+
+
+def print_table(title: str, headers: list[str], rows: list[list[str]]) -> None:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    print(title)
+    print("  ".join(h.rjust(w) for h, w in zip(headers, widths)))
+    for r in rows:
+        print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--chunks", type=lambda s: [int(x) for x in s.split(",")], default=[TrainerConfig.logprob_chunk_tokens, 1024],
+                        help=f"chunk sizes to measure, comma separated (default {TrainerConfig.logprob_chunk_tokens},1024)")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
+                        help="logits dtype (default: bfloat16 where this CPU computes it natively, else float32)")
+    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
+    parser.add_argument("--timeout", type=float, default=240.0, help="seconds per variant or world size")
+    parser.add_argument("--fit-size", default="base", help='model of the fit section (hpcrl.compute.models.tiny size; default "base", ~100M)')
+    args = parser.parse_args(argv)
+    if args.child:
+        cfg = json.loads(args.child)
+        print(json.dumps(CHILD_STEPS[cfg["step"]](cfg)))
+        return 0
+
+    # Before any child starts: glibc reads it at process start (bench_train's ranks inherit it).
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    results: dict[str, str] = {}
+    load0 = os.getloadavg()[0]
+    for section in SECTIONS:
+        title, headers, rows, notes, values = section(args)
+        print_table(title, headers, rows)
+        for note in notes:
+            print(note)
+        results.update(values)
+    print(f"machine load average (1 min): {load0:.1f} at start, {os.getloadavg()[0]:.1f} at end "
+          f"(times are noisy on shared cores, memory is not)")
+    print(" ".join(f"{k}={v}" for k, v in results.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
