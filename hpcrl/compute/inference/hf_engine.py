@@ -69,6 +69,13 @@ class TransformersEngine:
                                           tok.decode(kept, skip_special_tokens=True), end is None, self.version))
         return completions
 
+    @property
+    def dtype(self) -> str | None:
+        """The one dtype of the model's floating parameters ("bfloat16"), which the trainers send
+        weights in; None when they differ (a module kept in fp32), so nothing is rounded."""
+        dtypes = {p.dtype for p in self._params.values() if p.is_floating_point()}
+        return str(dtypes.pop()).removeprefix("torch.") if len(dtypes) == 1 else None
+
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         for name, tensor in named_tensors:

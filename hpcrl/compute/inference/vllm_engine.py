@@ -8,7 +8,7 @@ from dataclasses import replace
 from typing import Sequence
 
 from hpcrl.compute.inference.types import Completion, Sampling
-from hpcrl.compute.sync.receiver import engine_kwargs, llm_dtype
+from hpcrl.compute.sync.receiver import engine_env, engine_kwargs, llm_dtype
 from hpcrl.job.recipe import InferenceConfig
 
 
@@ -35,6 +35,9 @@ class VLLMEngine:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
             if cores:
                 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
+        # Forced, not defaulted: the backend cannot work without it. Set before the engine starts:
+        # its processes inherit the environment and cache vLLM's variables when they start.
+        os.environ.update(engine_env(backend))
         from vllm import LLM
 
         dtype = inference.dtype

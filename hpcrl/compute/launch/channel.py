@@ -73,7 +73,8 @@ class NodeServerChannel:
                 if left <= 0 or not wire.wait_readable(self._listener, left):
                     missing = [r for r in self.expected if r not in self._conns]
                     raise TimeoutError(f"node {self.node}'s trainer(s) {', '.join(map(str, missing))} did not "
-                                       f"connect to the server's channel within {timeout:.0f} s")
+                                       f"connect to the server's channel within {timeout:.0f} s "
+                                       f"(launch.rendezvous_timeout_s)")
                 conn, _ = self._listener.accept()
                 self._admit(conn)
         finally:
@@ -176,7 +177,8 @@ class NodeChannel:
                 sock.close()
                 if time.monotonic() + delay > deadline:
                     raise TimeoutError(f"rank {rank}: the server of node {node} (rank {server_rank}) did not "
-                                       f"open its channel within {timeout:.0f} s ({e})") from None
+                                       f"open its channel within {timeout:.0f} s (launch.rendezvous_timeout_s): "
+                                       f"{e}") from None
                 time.sleep(delay)
                 delay = min(delay * 2, 0.5)
             except BaseException:

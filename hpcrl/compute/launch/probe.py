@@ -47,7 +47,11 @@ def _echo(ctx: LaunchContext) -> dict:
             "token_ids": torch.arange(32, dtype=torch.int64) + 1000 * ctx.task.rank,
             "logprobs": -torch.rand(32), "hidden": torch.randn(4, 8).to(torch.bfloat16)}
     t0 = time.perf_counter()
-    reply = ctx.channel.request(sent, timeout=ctx.launch.collective_timeout_s)
+    try:
+        reply = ctx.channel.request(sent, timeout=ctx.launch.collective_timeout_s)
+    except TimeoutError:
+        raise TimeoutError(f"the server did not echo within {ctx.launch.collective_timeout_s:.0f} s "
+                           f"(launch.collective_timeout_s)") from None
     seconds = time.perf_counter() - t0
     ctx.channel.send({"op": "done"})
     ok = (reply.get("server_rank") == ctx.task.server_rank
@@ -66,6 +70,9 @@ def _serve(ctx: LaunchContext) -> dict:
             if e.rank in pending:
                 raise
             continue
+        except TimeoutError:
+            raise TimeoutError(f"trainer(s) {sorted(pending)} sent nothing for {ctx.launch.collective_timeout_s:.0f} s "
+                               f"(launch.collective_timeout_s)") from None
         if msg.get("op") == "echo":
             ctx.channel.reply(rank, {**msg, "server_rank": ctx.task.rank})
             served.append(rank)

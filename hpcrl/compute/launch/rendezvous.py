@@ -317,7 +317,7 @@ def read_bootstrap(book: ArrivalBook, timeout: float) -> dict[str, Any]:
         except (FileNotFoundError, ValueError):
             if time.monotonic() > deadline:
                 raise LaunchError(f"rank 0 did not publish its rendezvous address in {path} "
-                                  f"within {timeout:.0f} s") from None
+                                  f"within {timeout:.0f} s (launch.rendezvous_timeout_s)") from None
             time.sleep(delay)
             delay = min(delay * 1.5, 1.0)
 
@@ -352,7 +352,8 @@ def init_trainer_group(site: Site, trainer_rank: int, num_trainers: int, store_a
                                   timeout=timedelta(seconds=rendezvous_timeout_s))
         except (RuntimeError, TimeoutError) as e:
             raise LaunchError(f"trainer rank {trainer_rank} cannot reach trainer rank 0's store at "
-                              f"{store_address[0]}:{store_address[1]}: {e}") from None
+                              f"{store_address[0]}:{store_address[1]} within {rendezvous_timeout_s:.0f} s "
+                              f"(launch.rendezvous_timeout_s): {e}") from None
     iface = gloo_interface(site, store_address[0])
     if iface and not os.environ.get("GLOO_SOCKET_IFNAME"):      # a site's own setting wins
         # Every gloo group of this process reads it when created: this one and checkpointing's.

@@ -164,8 +164,8 @@ class Supervisor:
             explanation = self._explain()
         except Exception as e:              # the message must go out whatever happens
             explanation = f"(could not tell which ranks are missing: {e})"
-        _say(f"hpcrl: {self.who}: the rendezvous did not complete within {self.timeout_s:.0f} s (this task "
-             f"was {stage}); {explanation}; exiting")
+        _say(f"hpcrl: {self.who}: the rendezvous did not complete within {self.timeout_s:.0f} s "
+             f"(launch.rendezvous_timeout_s; this task was {stage}); {explanation}; exiting")
         return False
 
     def _end_task(self) -> None:

@@ -103,7 +103,7 @@ class Hub:
         self._idle.wait(wait_s)
         unfinished = [r for r in range(self.world_size) if r not in self._done and r not in self.failures]
         for r in unfinished:
-            self.failures[r] = f"did not finish within {wait_s:.0f} s of rank 0"
+            self.failures[r] = f"did not finish within {wait_s:.0f} s of rank 0 (launch.collective_timeout_s)"
         self._stop.set()
         self._wake_w.send(b"x")
         self._thread.join(5.0)
@@ -194,7 +194,8 @@ class Hub:
         self._send_all({"t": "hb"})
         for rank, seen in list(self._last_seen.items()):
             if rank not in self._done and now - seen > self.peer_timeout_s:
-                self._gone(rank, f"sent no heartbeat for {now - seen:.0f} s (its node is down, or it is stuck)")
+                self._gone(rank, f"sent no heartbeat for {now - seen:.0f} s (its node is down, or it is stuck; "
+                                 f"launch.peer_failure_timeout_s={self.peer_timeout_s:g})")
 
     def _gone(self, rank: int, reason: str) -> None:
         if rank in self.failures:
@@ -303,7 +304,7 @@ class Watchdog:
             except OSError as e:
                 if time.monotonic() + delay > deadline:
                     raise TimeoutError(f"cannot reach the watchdog hub of rank 0 at {address[0]}:{address[1]} "
-                                       f"within {timeout:.0f} s ({e})") from None
+                                       f"within {timeout:.0f} s (launch.rendezvous_timeout_s): {e}") from None
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -311,7 +312,11 @@ class Watchdog:
         self._sock = sock
         self._send({"t": "register", "peer": asdict(self.me), "size": world_size})
         while not self.peers:
-            msg = wire.recv_msg(sock, max(0.0, deadline - time.monotonic()))
+            try:
+                msg = wire.recv_msg(sock, max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                raise TimeoutError(f"not every rank registered with the watchdog hub within {timeout:.0f} s "
+                                   f"(launch.rendezvous_timeout_s)") from None
             self._handle(msg)
         self.hub_peer = self.peers[0]
         threading.Thread(target=self._watch, name="hpcrl-watchdog", daemon=True).start()
@@ -327,7 +332,7 @@ class Watchdog:
     def wait_bcast(self, key: str, timeout: float) -> Any:
         with self._cond:
             if not self._cond.wait_for(lambda: key in self._bcasts, timeout):
-                raise TimeoutError(f"rank 0 did not send {key!r} within {timeout:.0f} s")
+                raise TimeoutError(f"rank 0 did not send {key!r} within {timeout:.0f} s (launch.rendezvous_timeout_s)")
             return self._bcasts[key]
 
     def fail(self, reason: str, grace_s: float = 1.0) -> None:
@@ -396,7 +401,7 @@ class Watchdog:
             now = time.monotonic()
             if now - last_heard > self.peer_timeout_s and not self._closing:
                 self._fatal(f"{hub}, which runs the job's watchdog, sent nothing for {now - last_heard:.0f} s "
-                            f"(its node is down, or it is stuck)")
+                            f"(its node is down, or it is stuck; launch.peer_failure_timeout_s={self.peer_timeout_s:g})")
             if now - last_sent >= interval:
                 last_sent = now
                 try:

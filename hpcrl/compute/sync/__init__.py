@@ -11,21 +11,25 @@ such as api.py, costs neither torch nor vLLM):
 
 - ``api.py``          the two interfaces, ``SyncError``, the backend names and their transports'
                       registry (``TRANSPORTS``), ``default_backend``. Standard library only.
-- ``gather.py``       trainer side, any transport: ordered, bucketed ``full_tensor()`` gathers, HF names.
+- ``gather.py``       trainer side, any transport: ordered, bucketed ``full_tensor()`` gathers, HF names;
+                      each shard cast to the wire dtype before its gather (the engine's dtype: bf16
+                      bytes, not fp32 masters), bit-identical to casting after.
 - ``trainer.py``      ``TrainerWeightSync``: the trainer side of the vLLM backends (the shared part:
-                      agreement of the node's trainers, gather traffic), with the backend's
-                      transport picked by name.
+                      agreement of the node's trainers on the outcome and on the wire dtype, gather
+                      traffic), with the backend's transport picked by name.
 - ``notify.py``       ``NotifyClient``: the sender's messages to the server (vLLM's client protocol
                       over the node channel).
-- ``receiver.py``     ``WeightReceiver``: the server side of the vLLM backends; ``engine_kwargs``
-                      and ``llm_dtype`` for the server's ``vllm.LLM``.
+- ``receiver.py``     ``WeightReceiver``: the server side of the vLLM backends; ``engine_kwargs``,
+                      ``engine_env`` and ``llm_dtype`` for the server's ``vllm.LLM``.
 - ``shm.py``          the ``hpcrl_shm`` transport (CPU, one node, tested): a double-buffered
                       /dev/shm region, its sender, and ``ShmTransport`` for ``TrainerWeightSync``.
 - ``shm_vllm.py``     ``hpcrl_shm`` inside vLLM's weight-transfer API: the worker engine that applies
                       the slots, and the engine for vLLM's trainer API.
 - ``vllm_engines.py`` vLLM's own ``nccl`` (CUDA, and ROCm through RCCL) and ``ipc`` (CUDA IPC,
-                      only when the server shares the sender's GPU) engines on the trainer side;
-                      written against vLLM 0.32's API but UNTESTED without a GPU.
+                      only when the server shares the sender's GPU) engines on the trainer side,
+                      their gathers counted like hpcrl_shm's; ipc's buffer holds the largest
+                      tensor, and its engine runs with ``receiver.engine_env("ipc")``. Written
+                      against vLLM 0.32's API; the data path is UNTESTED without a GPU.
 - ``reload.py``       around vLLM's layerwise reload: abort without meta-device leftovers, the
                       re-pack of a tied lm_head.
 - ``vllm_plugin.py``  the ``vllm.general_plugins`` entry point (``register``) and the worker

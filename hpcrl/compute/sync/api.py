@@ -121,6 +121,8 @@ class SenderSetup:
     shm_mode: str = "stream"
     nccl_master: tuple[str, int] | None = None  # nccl: the group's rendezvous, on the sender
     server_world_size: int = 1
+    stall_timeout_s: float = 300.0  # hpcrl_shm: how long either side waits for the other
+    log: Any = None                 # callable(str) for what an operator should see; None: logging
 
 
 class SenderTransport(Protocol):
@@ -130,7 +132,9 @@ class SenderTransport(Protocol):
     sender. It returns the sender's stats (None elsewhere) and the hand-off's error, which it
     returns rather than raises: every rank must first finish the gathers the others are inside,
     then all of them agree on the outcome before any raises. ``cast_to`` is the dtype of the
-    floating tensors on the wire once the transport is built (None: as gathered).
+    floating tensors on the wire once the transport is built (None: as gathered). The gathers cast
+    before they gather, so every rank of a node must gather in the same dtype: ``TrainerWeightSync``
+    agrees on it across the ranks after building the transport and assigns the agreed dtype back.
     """
 
     cast_to: Any

@@ -20,21 +20,25 @@ Request = Callable[[dict, float], dict]
 
 class ChannelWeightSync:
     """The trainers' side: every trainer gathers (a collective), the sender sends each bucket.
-    ``request`` is the sender's conversation with the server; a refusal raises on the sender."""
+    ``request`` is the sender's conversation with the server; a refusal raises on the sender.
+    ``cast_to``: the engine's dtype, which every trainer casts its shards to before the gathers
+    (all of them must pass the same; the server's health reply tells each); None: as stored."""
 
-    def __init__(self, model, request: Request, *, is_sender: bool, bucket_bytes: int, timeout_s: float):
+    def __init__(self, model, request: Request, *, is_sender: bool, bucket_bytes: int, timeout_s: float,
+                 cast_to=None):
         self.request = request
         self.is_sender = is_sender
         self.params = sync_named_params(model)
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
+        self.cast_to = cast_to
         self.last_traffic: dict[str, int] = {}
 
     def sync(self, version: int) -> dict:
         sender = self.is_sender
         if sender:
             self._call({"op": "weights_start", "version": version})
-        for bucket in iter_buckets(self.params, self.bucket_bytes, keep=sender):
+        for bucket in iter_buckets(self.params, self.bucket_bytes, keep=sender, cast_to=self.cast_to):
             self._call({"op": "weights_bucket", "tensors": [(n, t) for n, t in bucket]})
         if sender:
             self._call({"op": "weights_finish", "version": version})

@@ -11,6 +11,10 @@ torn weights, a sender out of memory):
 - Bounded memory: a bucket is yielded BEFORE the next tensor is gathered, and the yielded list is
   emptied when the generator resumes, so the sender holds at most one bucket of gathered tensors
   (plus the one all-gather in flight), never the model.
+- The wire dtype before the gather: with ``cast_to`` each rank casts its local shard and the
+  all-gather moves the wire dtype (half the bytes of fp32 masters for a bf16 engine). A cast is
+  elementwise, so this is bit-identical to gathering the master and casting the result; every
+  rank of a gather must then use the same ``cast_to`` (``TrainerWeightSync`` agrees on it).
 
 Names are mapped to Hugging Face checkpoint names, which is what vLLM's ``model.load_weights``
 takes: wrapper prefixes are stripped and a tied ``lm_head.weight`` is skipped, as HF checkpoints do.
@@ -122,10 +126,11 @@ class LiveBytes:
 
 
 class GatherTraffic:
-    """Bytes this rank receives in the gathers of a sync, split by whether the gather's group stays
-    inside one node. Under HSDP it must: a sync never moves weights between nodes (each node's
-    sender gathers from its own node's shards). Counted from the placements, not measured: an
-    all-gather over a group of n ranks brings each of them (n - 1) / n of the full tensor.
+    """Bytes this rank receives in the gathers of a sync (in the wire dtype they move in), split by
+    whether the gather's group stays inside one node. Under HSDP it must: a sync never moves
+    weights between nodes (each node's sender gathers from its own node's shards). Counted from
+    the placements, not measured: an all-gather over a group of n ranks brings each of them
+    (n - 1) / n of the full tensor.
 
     ``node_of_rank``: rank in the default (trainers') process group -> node index.
     """
@@ -139,13 +144,14 @@ class GatherTraffic:
     def reset(self) -> None:
         self.in_node = self.cross_node = 0
 
-    def count(self, param: torch.Tensor) -> None:
+    def count(self, param: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+        """Add the gathers of ``param`` moved in ``dtype`` (default: its own)."""
         import torch.distributed as dist
 
         placements = getattr(param, "placements", None)
         if placements is None:
             return
-        full = param.numel() * param.element_size()
+        full = param.numel() * (dtype or param.dtype).itemsize
         for dim, placement in enumerate(placements):
             if not placement.is_shard():
                 continue
@@ -169,21 +175,24 @@ def _wire_dtype(dtype: torch.dtype, cast_to: torch.dtype | None) -> torch.dtype:
 @torch.no_grad()
 def full_tensor(param: torch.Tensor, cast_to: torch.dtype | None = None, tracker: LiveBytes | None = None,
                 traffic: GatherTraffic | None = None) -> torch.Tensor:
-    """The whole tensor behind ``param``: ``full_tensor()`` for a DTensor (a collective: every rank
-    of its mesh must call it, in the same order), the tensor itself otherwise (no copy)."""
-    gather = getattr(param, "full_tensor", None)
+    """The whole tensor behind ``param`` in the wire dtype: ``full_tensor()`` for a DTensor (a
+    collective: every rank of its mesh must call it, in the same order, with the same ``cast_to``),
+    the tensor itself otherwise (no copy unless cast)."""
+    wire = _wire_dtype(param.dtype, cast_to)
     if traffic is not None:
-        traffic.count(param)
-    if callable(gather):
-        tensor = gather()
+        traffic.count(param, wire)
+    if callable(getattr(param, "full_tensor", None)):
+        if wire != param.dtype:
+            # DTensor's cast is pointwise: each rank casts its own shard, placements unchanged
+            # (uneven shards too), so the all-gather below moves wire bytes, not master bytes.
+            param = param.to(wire)
+        tensor = param.full_tensor()
         gathered = True
     else:
         tensor = param.detach()
-        gathered = False
-    wire = _wire_dtype(tensor.dtype, cast_to)
-    if wire != tensor.dtype:
-        tensor = tensor.to(wire)
-        gathered = True
+        gathered = wire != tensor.dtype
+        if gathered:
+            tensor = tensor.to(wire)
     if tracker is not None and gathered:
         tracker.track(tensor)
     return tensor

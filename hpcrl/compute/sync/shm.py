@@ -41,6 +41,7 @@ import struct
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,8 @@ DEFAULT_META_BYTES = 256 * 1024  # about 2,000 tensor entries per slot; more are
 PAD_SLACK = 64 * 1024  # alignment padding for up to 1,000 tensors per slot without a split
 _SIGNAL = struct.Struct("<qq")  # seq, kind: one FIFO record (atomic: far below PIPE_BUF)
 READY, END, ABORT = 0, 1, 2  # kinds on the "ready" FIFO (sender -> worker); "done" carries READY
+# What sets the stall bound in a job (ServerGenerator passes it): a stalled sync's message names it.
+STALL_SETTING = "inference.request_timeout_s"
 
 
 def _round_up(n: int, to: int) -> int:
@@ -280,7 +283,8 @@ class SignalPipe:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise SyncError(f"weight sync stalled: nothing from the other side for {timeout_s:.0f} s")
+                raise SyncError(f"weight sync stalled: nothing from the other side for {timeout_s:.0f} s "
+                                f"(the bound is {STALL_SETTING})")
             ready, _, _ = select.select([self.read_fd], [], [], min(left, 0.1))
             if not ready:
                 if keep_waiting is not None and not keep_waiting():
@@ -385,7 +389,16 @@ class ShmWeightSender:
 
     def _call(self, fn, *args):
         """Run a server call on the RPC thread and wait for it."""
-        return self._rpc.submit(fn, *args).result(timeout=self.stall_timeout_s)
+        return self._wait(self._rpc.submit(fn, *args), getattr(fn, "__name__", "a server call"))
+
+    def _wait(self, future: Future, what: str):
+        """The result of a server call, within the stall bound; a bare TimeoutError would not say
+        which call, nor what sets the bound."""
+        try:
+            return future.result(timeout=self.stall_timeout_s)
+        except FutureTimeout:
+            raise SyncError(f"weight sync stalled: the server did not answer {what} within "
+                            f"{self.stall_timeout_s:.0f} s (the bound is {STALL_SETTING})") from None
 
     def _chunks(self, bucket: list[tuple[str, torch.Tensor]]) -> Iterable[list[tuple[str, torch.Tensor]]]:
         """A bucket normally fills one slot; split it when padding or the table would overflow."""
@@ -460,7 +473,7 @@ class ShmWeightSender:
                 self._seq += 1
             self.signals.send(self._seq, END)
             t = time.perf_counter()
-            update.result(timeout=self.stall_timeout_s)
+            self._wait(update, "update_weights")
             stats.wait_s += time.perf_counter() - t
         except BaseException:
             if not update.done():
@@ -481,7 +494,7 @@ class ShmWeightSender:
             slot = self._seq % self.region.num_slots
             t = time.perf_counter()
             if in_flight[slot] is not None:
-                in_flight[slot].result(timeout=self.stall_timeout_s)  # the worker is done with this slot
+                self._wait(in_flight[slot], "update_weights")  # the worker is done with this slot
             stats.wait_s += time.perf_counter() - t
             self._pack(slot, chunk, stats)
             in_flight[slot] = self._rpc.submit(self.client.update_weights, {"slot": slot, "seq": self._seq})
@@ -489,7 +502,7 @@ class ShmWeightSender:
         t = time.perf_counter()
         for fut in in_flight:
             if fut is not None:
-                fut.result(timeout=self.stall_timeout_s)
+                self._wait(fut, "update_weights")
         stats.wait_s += time.perf_counter() - t
 
     def _abort_on_server(self) -> None:
@@ -522,7 +535,8 @@ class ShmTransport:
         if self.is_sender:
             largest = max((s.nbytes for s in param_specs(self.params, self.cast_to)), default=0)
             self.sender = ShmWeightSender(self.client, self.bucket_bytes, largest, shm_dir=setup.shm_dir,
-                                          job_token=setup.job_token, mode=setup.shm_mode)
+                                          job_token=setup.job_token, mode=setup.shm_mode,
+                                          stall_timeout_s=setup.stall_timeout_s)
             if setup.cast_to == "auto":
                 dtype = getattr(torch, self.sender.server_dtype or "", None)
                 self.cast_to = dtype if isinstance(dtype, torch.dtype) else None

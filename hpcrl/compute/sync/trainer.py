@@ -18,7 +18,11 @@ from hpcrl.compute.sync.api import BACKENDS, TRANSPORTS, Notify, SenderSetup, Se
 from hpcrl.compute.sync.gather import GatherTraffic, sync_named_params
 from hpcrl.compute.sync.notify import NotifyClient
 
-__all__ = ["TrainerWeightSync", "transport_class"]
+__all__ = ["TrainerWeightSync", "transport_class", "WIRE_DTYPES"]
+
+# The dtypes a sync may put on the wire, by position: the ranks agree on one by its index (0: none
+# known, gather as stored).
+WIRE_DTYPES: tuple[torch.dtype | None, ...] = (None, torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def transport_class(backend: str) -> type[SenderTransport]:
@@ -40,7 +44,10 @@ class TrainerWeightSync:
     that all ranks raise together (default: the default group, if any).
 
     ``cast_to``: dtype of the floating tensors on the wire; ``"auto"`` = the engine's dtype as the
-    server reports it at init (hpcrl_shm), else as gathered.
+    server reports it at init (to the sender only), else as gathered. Each rank casts its shards
+    to it BEFORE the gathers, so the node's ranks must agree: after building the transport they
+    take the dtype any of them knows (a collective over ``group``), and refuse to start if two
+    of them know different ones.
 
     ``backend="hpcrl_shm"``: ``ShmWeightSender`` (CPU, tested); ``shm_mode`` "stream" or "rpc".
     ``backend="nccl"``: vLLM's ``NCCLTrainerWeightTransferEngine`` (RCCL on ROCm); the sender
@@ -52,7 +59,8 @@ class TrainerWeightSync:
     def __init__(self, model, notify: Notify | None, *, is_sender: bool, backend: str = "hpcrl_shm",
                  bucket_bytes: int = 256 * 2**20, cast_to="auto", group=None, job_token: str | None = None,
                  shm_dir: str = "/dev/shm", shm_mode: str = "stream", nccl_master: tuple[str, int] | None = None,
-                 server_world_size: int = 1, tracker=None, node_of_rank: dict[int, int] | None = None) -> None:
+                 server_world_size: int = 1, tracker=None, node_of_rank: dict[int, int] | None = None,
+                 stall_timeout_s: float = 300.0, log=None) -> None:
         transport = transport_class(backend)
         if is_sender and notify is None:
             raise ValueError("the sending trainer needs a notify channel to the server")
@@ -68,8 +76,9 @@ class TrainerWeightSync:
         self.transport: SenderTransport = transport(SenderSetup(
             model=model, params=self.params, client=self.client, is_sender=is_sender, bucket_bytes=bucket_bytes,
             cast_to=cast_to, tracker=tracker, traffic=self.traffic, job_token=job_token, shm_dir=shm_dir,
-            shm_mode=shm_mode, nccl_master=nccl_master, server_world_size=server_world_size))
-        self.cast_to = self.transport.cast_to
+            shm_mode=shm_mode, nccl_master=nccl_master, server_world_size=server_world_size,
+            stall_timeout_s=stall_timeout_s, log=log))
+        self.cast_to = self.transport.cast_to = self._agree_on_wire_dtype(self.transport.cast_to)
 
     @property
     def sender(self) -> Any:
@@ -102,6 +111,20 @@ class TrainerWeightSync:
         self.last_traffic = ({"gathered_bytes_in_node": in_node, "gathered_bytes_cross_node": cross_node}
                              if self.traffic is not None else {})
         return self.last_stats
+
+    def _agree_on_wire_dtype(self, mine):
+        """The wire dtype every rank gathers in. Only the sender may have learnt the engine's dtype
+        (hpcrl_shm's handshake); a rank that gathered fp32 while another gathered bf16 would meet
+        it in an all-gather of mismatched sizes (a hang or garbage), so all take the known one."""
+        if mine not in WIRE_DTYPES:
+            raise ValueError(f"cast_to={mine!r}: the wire dtype must be one of {WIRE_DTYPES[1:]}")
+        votes = [0] * len(WIRE_DTYPES)
+        votes[WIRE_DTYPES.index(mine)] = 1
+        known = [d for d, n in zip(WIRE_DTYPES, self._all_reduce_sum(votes)) if n and d is not None]
+        if len(known) > 1:
+            raise SyncError(f"the trainers disagree on the weight sync's wire dtype: {known}; "
+                            f"the node's engines must all compute in one dtype")
+        return known[0] if known else None
 
     def _all_reduce_sum(self, values: list[int]) -> list[int]:
         """Agree on success (any failure counts) and total the gather traffic, in one collective."""

@@ -6,11 +6,18 @@ server they are vLLM's built-in worker engines, driven by ``WeightReceiver`` (re
 Written against vLLM 0.32's API but UNTESTED without a GPU.
 
 ``HFWeightSource`` is the ``WeightSource`` those engines take on the trainer side: HF names, tied
-embeddings skipped, one gather at a time in ``named_parameters()`` order.
+embeddings skipped, one gather at a time in ``named_parameters()`` order, each in the wire dtype
+and counted in the sync's gather traffic like hpcrl_shm's.
+
+``ipc`` needs two things of the server that vLLM does not do by itself: the engine process must
+run with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (receiver.engine_env; the rebuild arguments of
+a CUDA IPC handle hold a type and a torch.dtype, which vLLM's msgpack refuses otherwise), and the
+packed buffer must hold the largest tensor (vLLM raises on one larger than it): ``ipc_buffer_bytes``.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
 import torch
@@ -21,23 +28,32 @@ from hpcrl.compute.sync.api import SenderSetup
 from hpcrl.compute.sync.gather import iter_full_tensors, param_specs, sync_named_params
 from hpcrl.compute.sync.notify import NotifyClient
 
-__all__ = ["HFWeightSource", "NcclTransport", "IpcTransport"]
+__all__ = ["HFWeightSource", "NcclTransport", "IpcTransport", "ipc_buffer_bytes"]
+
+log = logging.getLogger(__name__)
 
 
 class HFWeightSource(WeightSource):
     """A trainer model as vLLM's ``WeightSource``: HF checkpoint names, tied ``lm_head`` skipped,
-    one ``full_tensor()`` at a time in ``named_parameters()`` order (the same on every rank)."""
+    one ``full_tensor()`` at a time in ``named_parameters()`` order (the same on every rank).
 
-    def __init__(self, model: torch.nn.Module, cast_to: torch.dtype | None = None) -> None:
+    ``cast_to``: the wire dtype, which each shard is cast to before its gather (assignable until
+    the first send: ``TrainerWeightSync`` sets the dtype the ranks agreed on). ``traffic``: the
+    sync's ``GatherTraffic``, counted by every pass over the source, the gathers a failed send
+    left included, as hpcrl_shm's ``iter_buckets`` counts them.
+    """
+
+    def __init__(self, model: torch.nn.Module, cast_to: torch.dtype | None = None, traffic=None) -> None:
         self._params = sync_named_params(model)
-        self._cast_to = cast_to
+        self.cast_to = cast_to
+        self.traffic = traffic
         self._current: Iterator[tuple[str, torch.Tensor]] | None = None
 
     def metadata(self) -> list[ParamMeta]:
-        return [ParamMeta(s.name, s.dtype, s.shape) for s in param_specs(self._params, self._cast_to)]
+        return [ParamMeta(s.name, s.dtype, s.shape) for s in param_specs(self._params, self.cast_to)]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        self._current = iter_full_tensors(self._params, self._cast_to)
+        self._current = iter_full_tensors(self._params, self.cast_to, traffic=self.traffic)
         return self._current
 
     def new_send(self) -> None:
@@ -57,12 +73,24 @@ class _VLLMTransport:
     convention rank 0 sends and the others only take part in the gathers."""
 
     def __init__(self, setup: SenderSetup) -> None:
-        self.is_sender, self.client = setup.is_sender, setup.client
-        self.cast_to = None if setup.cast_to == "auto" else setup.cast_to
+        self.is_sender, self.client, self.traffic = setup.is_sender, setup.client, setup.traffic
+        self.log = setup.log or log.warning
+        self.source = HFWeightSource(setup.model, None if setup.cast_to == "auto" else setup.cast_to, setup.traffic)
         info = self._init_info(setup, 0 if self.is_sender else 1)
         client = self.client if self.client is not None else NotifyClient(lambda msg: {"ok": True})
-        self.source = HFWeightSource(setup.model, self.cast_to)
         self.engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=self.source)
+        if setup.cast_to == "auto" and self.client is not None:
+            # The sender's handshake (inside trainer_init) told it the engine's dtype.
+            dtype = getattr(torch, self.client.server_info.get("dtype") or "", None)
+            self.cast_to = dtype if isinstance(dtype, torch.dtype) else None
+
+    @property
+    def cast_to(self) -> torch.dtype | None:
+        return self.source.cast_to
+
+    @cast_to.setter
+    def cast_to(self, dtype: torch.dtype | None) -> None:
+        self.source.cast_to = dtype
 
     def _init_info(self, setup: SenderSetup, rank: int) -> TrainerInitInfo:
         raise NotImplementedError
@@ -70,6 +98,8 @@ class _VLLMTransport:
     def send(self, version: str) -> tuple[None, Exception | None]:
         if self.client is not None:
             self.client.pending_version = version
+        if self.traffic is not None:
+            self.traffic.reset()
         self.source.new_send()
         if torch.cuda.is_initialized():
             # vLLM's packed sender gathers on side streams: the optimizer step queued on this
@@ -107,10 +137,28 @@ class NcclTransport(_VLLMTransport):
                                    packed_buffer_size_bytes=setup.bucket_bytes, rank=rank)
 
 
+def ipc_buffer_bytes(bucket_bytes: int, params, cast_to: torch.dtype | None) -> tuple[int, str | None]:
+    """The packed IPC buffer: the bucket, or the largest tensor when that is larger (vLLM's
+    ``packed_ipc_producer`` raises on a tensor larger than its buffer; a 14B model's embedding
+    is 1.5 GB against a 256 MiB bucket). Returns the size and the tensor that set it (None: the
+    bucket did). With the wire dtype unknown yet (``None``), tensors count as stored: an upper
+    bound, since the buffer is fixed at init and the dtype may be learnt after."""
+    specs = param_specs(params, cast_to)
+    largest = max(specs, key=lambda s: s.nbytes, default=None)
+    if largest is None or largest.nbytes <= bucket_bytes:
+        return bucket_bytes, None
+    return largest.nbytes, largest.name
+
+
 class IpcTransport(_VLLMTransport):
-    """``ipc``: vLLM's CUDA-IPC engine; only when the server runs on the sender's GPU."""
+    """``ipc``: vLLM's CUDA-IPC engine; only when the server runs on the sender's GPU. The server's
+    engine must run with ``receiver.engine_env("ipc")`` (``VLLMEngine`` sets it)."""
 
     def _init_info(self, setup: SenderSetup, rank: int) -> TrainerInitInfo:
         from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 
-        return IPCTrainerInitInfo(packed=True, packed_buffer_size_bytes=setup.bucket_bytes, rank=rank)
+        size, name = ipc_buffer_bytes(setup.bucket_bytes, setup.params, self.cast_to)
+        if name is not None and self.is_sender:
+            self.log(f"weight sync (ipc): the packed buffer grows from the bucket's {setup.bucket_bytes / 2**20:.0f} MiB "
+                     f"to {size / 2**20:.0f} MiB, the size of the largest tensor ({name})")
+        return IPCTrainerInitInfo(packed=True, packed_buffer_size_bytes=size, rank=rank)

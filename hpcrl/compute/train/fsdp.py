@@ -8,7 +8,9 @@ dimension and all-reduces gradients over the first).
 Loading never materialises the model on every rank: all ranks build it on the meta device and
 shard it, then rank 0 reads the Hugging Face checkpoint and streams it tensor by tensor
 (``broadcast``); every rank keeps only its own slice. Non-persistent buffers (rotary ``inv_freq``)
-travel the same way, so nothing is left uninitialised by ``to_empty``.
+travel the same way, so nothing is left uninitialised by ``to_empty``. The other ranks' wait for
+rank 0 to read the checkpoint is bounded by ``launch.model_load_timeout_s`` (a gloo group of its
+own), not by the collective timeout: reading a large model is not a hung collective.
 
 Numerics: the policy's master weights are fp32 (so is the optimizer). With bf16 the layers compute in
 bf16 (``MixedPrecisionPolicy``) and gradients are reduced in fp32. The reference model has no optimizer
@@ -19,6 +21,7 @@ to bf16 at every all-gather, in half the memory.
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
 from typing import Any, Optional
 
 import torch
@@ -143,9 +146,44 @@ def _named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+MODEL_LOAD_SETTING = "launch.model_load_timeout_s"
+_load_groups: dict[tuple[tuple[int, ...], float], dist.ProcessGroup] = {}
+
+
+def _load_group(group: Optional[dist.ProcessGroup], timeout_s: float) -> dist.ProcessGroup:
+    """A gloo group over ``group``'s ranks whose timeout is the model load's (made once per ranks and
+    timeout, so that the policy and the reference share it). Only its members call this."""
+    ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    key = (ranks, float(timeout_s))
+    if key not in _load_groups:
+        # Over the whole world (hpcrl's case) every rank makes it, numbered like any other group; a
+        # mesh inside a larger world is made by its members alone (torch then names it by its ranks).
+        _load_groups[key] = dist.new_group(ranks=list(ranks), backend="gloo", timeout=timedelta(seconds=timeout_s),
+                                           use_local_synchronization=len(ranks) < dist.get_world_size())
+    return _load_groups[key]
+
+
+def _receive_header(header: list[Any], group: Optional[dist.ProcessGroup], wait_group: Optional[dist.ProcessGroup],
+                    what: str, timeout_s: Optional[float]) -> None:
+    """Rank 0's list of tensors, which it sends once it has read the whole checkpoint: the one wait
+    that a model load makes long. On ``wait_group`` (the load's own timeout) when there is one."""
+    try:
+        dist.broadcast_object_list(header, group=wait_group or group, group_src=0)
+    except RuntimeError as e:
+        if wait_group is None:
+            raise
+        bound = f"{timeout_s:.0f} s ({MODEL_LOAD_SETTING})"
+        if dist.get_rank(wait_group) == 0:
+            why = f"sending the tensor list of {what} failed: a trainer stopped waiting after {bound}, or died"
+        else:
+            why = f"trainer rank 0 did not finish reading {what} within {bound}, or died"
+        raise RuntimeError(f"trainer rank {dist.get_rank()}: {why}: {e}") from e
+
+
 @torch.no_grad()
 def _stream_from_rank0(model: nn.Module, source: Optional[nn.Module], comm_device: torch.device,
-                       group: Optional[dist.ProcessGroup]) -> None:
+                       group: Optional[dist.ProcessGroup], *, what: str = "the checkpoint",
+                       load_timeout_s: Optional[float] = None) -> None:
     """Copy ``source`` (a full model, on group rank 0 only) into the sharded ``model`` on every rank.
 
     One broadcast per tensor, so the extra memory is one full tensor at a time. Each rank keeps the
@@ -160,7 +198,8 @@ def _stream_from_rank0(model: nn.Module, source: Optional[nn.Module], comm_devic
         header = [[(name, tuple(t.shape), t.dtype) for name, t in src.items()], missing]
     else:
         header = [None, None]
-    dist.broadcast_object_list(header, group=group, group_src=0)
+    wait_group = _load_group(group, load_timeout_s) if load_timeout_s is not None else None
+    _receive_header(header, group, wait_group, what, load_timeout_s)
     entries, missing = header
     if missing:
         raise RuntimeError(f"checkpoint lacks {len(missing)} tensors the model has: {missing[:5]}")
@@ -204,11 +243,13 @@ def load_sharded_model(
     activation_checkpointing: bool = False,
     offload: bool = False,
     trust_remote_code: bool = False,
+    load_timeout_s: Optional[float] = None,
 ) -> nn.Module:
     """A Hugging Face causal LM from ``model_dir``, sharded with :func:`apply_fsdp` on ``mesh``.
 
     Parameters are stored in ``dtype`` on ``device`` (on the host when ``offload``). Only rank 0
-    reads the checkpoint; the others receive their slices.
+    reads the checkpoint; the others receive their slices. ``load_timeout_s`` bounds the others'
+    wait for rank 0's read (None: the collective timeout of the mesh's group).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -228,10 +269,12 @@ def load_sharded_model(
             for name, buf in module.named_buffers(recurse=False):
                 module._buffers[name] = buf.to(device)
     group = _comm_group(mesh)
+    if load_timeout_s is not None:
+        _load_group(group, load_timeout_s)    # made before rank 0 reads: its making is a rendezvous too
     source = None
     if dist.get_rank(group) == 0:
         source = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, trust_remote_code=trust_remote_code)
-    _stream_from_rank0(model, source, device, group)
+    _stream_from_rank0(model, source, device, group, what=model_dir, load_timeout_s=load_timeout_s)
     del source
     return model
 
@@ -241,8 +284,8 @@ def load_policy_and_reference(model_dir: str, mesh: DeviceMesh, device: torch.de
     """The trainable policy and (when ``recipe.grpo.beta > 0``) the frozen reference model.
 
     Reads ``grpo.bf16``, ``grpo.beta``, ``grpo.gradient_checkpointing``,
-    ``trainer.activation_checkpointing``, ``trainer.reference_offload`` and
-    ``model.trust_remote_code`` of the recipe.
+    ``trainer.activation_checkpointing``, ``trainer.reference_offload``,
+    ``model.trust_remote_code`` and ``launch.model_load_timeout_s`` of the recipe.
 
     Both are sharded the same way on the same mesh and device. The reference is in eval mode with
     ``requires_grad=False`` everywhere; it lives in host memory only with an explicit
@@ -250,12 +293,12 @@ def load_policy_and_reference(model_dir: str, mesh: DeviceMesh, device: torch.de
     """
     device = torch.device(device)
     grpo, trainer = recipe.grpo, recipe.trainer
-    trust = recipe.model.trust_remote_code
+    trust, load_timeout_s = recipe.model.trust_remote_code, recipe.launch.model_load_timeout_s
     param_dtype, reduce_dtype = mixed_precision_for(device.type, grpo.bf16)
     policy = load_sharded_model(
         model_dir, mesh, device, dtype=torch.float32, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
         activation_checkpointing=bool(grpo.gradient_checkpointing or trainer.activation_checkpointing),
-        trust_remote_code=trust)
+        trust_remote_code=trust, load_timeout_s=load_timeout_s)
     policy.train()
     _check_devices(policy, device, offload=False, what="policy")
     if grpo.beta <= 0:
@@ -263,7 +306,7 @@ def load_policy_and_reference(model_dir: str, mesh: DeviceMesh, device: torch.de
     # No gradients, no optimizer: stored directly in the compute dtype (same forward, half the bytes).
     reference = load_sharded_model(
         model_dir, mesh, device, dtype=param_dtype, offload=bool(trainer.reference_offload),
-        trust_remote_code=trust)
+        trust_remote_code=trust, load_timeout_s=load_timeout_s)
     reference.eval()
     reference.requires_grad_(False)
     _check_devices(reference, device, offload=bool(trainer.reference_offload), what="reference")
