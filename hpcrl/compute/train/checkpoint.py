@@ -112,7 +112,7 @@ def barrier(what: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         dist.monitored_barrier(group=group, timeout=timedelta(seconds=timeout_s))
     except RuntimeError as e:
         raise CheckpointError(f"rank {_rank()}: {what}: a rank did not arrive (it died, or hung for "
-                              f"more than launch.collective_timeout_s, {timeout_s:g} s): {e}") from e
+                              f"more than the {timeout_s:g} s timeout, launch.collective_timeout_s): {e}") from e
 
 
 # ----------------------------------------------------------------------------------------------
