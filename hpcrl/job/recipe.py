@@ -97,6 +97,9 @@ class GRPOConfig:
     gradient_checkpointing: bool = False
     # Mixed precision: "auto" = bf16 compute with fp32 reduce on GPU, fp32 on CPU.
     bf16: Optional[bool] = None
+    # Optimizer steps between Hugging Face model directories <run_dir>/model/checkpoint-<step>/,
+    # as TRL's output_dir/checkpoint-<step>; 0 = only the final one, <run_dir>/model/.
+    save_steps: int = 0
 
     def validate(self, where: str) -> None:
         positive = ("learning_rate", "per_device_train_batch_size", "gradient_accumulation_steps",
@@ -108,7 +111,7 @@ class GRPOConfig:
         if self.num_generations < 2:
             raise UserError(f"{where}.num_generations: must be at least 2 (advantages are relative "
                             f"within a group), got {self.num_generations}")
-        for name in ("beta", "epsilon", "weight_decay", "max_grad_norm", "top_k"):
+        for name in ("beta", "epsilon", "weight_decay", "max_grad_norm", "top_k", "save_steps"):
             if getattr(self, name) < 0:
                 raise UserError(f"{where}.{name}: must be >= 0, got {getattr(self, name)}")
         if self.epsilon_high is not None and self.epsilon_high < 0:
@@ -196,10 +199,15 @@ class CheckpointConfig:
     every: int = 0                  # optimizer steps between checkpoints; 0 = only on signal/end
     keep: int = 2
     dir: str = ""                   # "" = <run_dir>/checkpoints
+    # The largest safetensors file of a Hugging Face model directory the run writes (<run_dir>/model,
+    # grpo.save_steps, `hpcrl export`), in GB of 10^9 bytes as Hugging Face's max_shard_size="5GB".
+    model_max_shard_size_gb: float = 5.0
 
     def validate(self, where: str) -> None:
         if self.every < 0:
             raise UserError(f"{where}.every: must be >= 0, got {self.every}")
+        if self.model_max_shard_size_gb <= 0:
+            raise UserError(f"{where}.model_max_shard_size_gb: must be > 0, got {self.model_max_shard_size_gb}")
         if self.keep < 1:
             raise UserError(f"{where}.keep: must be at least 1, got {self.keep}")
 

@@ -24,6 +24,15 @@ PLOT_FILE = "metrics.png"
 TENSORBOARD_DIR = "tensorboard"
 # Training checkpoints, unless recipe checkpoint.dir says elsewhere.
 CHECKPOINTS_DIR = "checkpoints"
+# The trained model as a Hugging Face directory, written at the end of a run; grpo.save_steps and
+# `hpcrl export` put theirs inside it as checkpoint-<step>/ (TRL's output_dir layout). Each is
+# written under a hidden temporary name beside it and renamed when complete.
+MODEL_DIR = "model"
+MODEL_CHECKPOINT_PREFIX = "checkpoint-"
+# hpcrl.compute.train.checkpoint's layout of a training checkpoint, for the login side (no torch):
+# <checkpoints>/step-<N>/ is complete once it holds both files.
+TRAINING_CHECKPOINT_PREFIX = "step-"
+TRAINING_CHECKPOINT_FILES = (".metadata", "meta.json")
 # One health file per node's server (node-<n>.json), read by the trainers into the heartbeat.
 SERVERS_DIR = ".servers"
 # Per-launch meeting files, removed once every task has met; then who is who in the latest launch.
@@ -39,6 +48,37 @@ FAILURE_FILE = "failure.txt"
 
 def server_health_file(run_dir: str | os.PathLike, node: int) -> Path:
     return Path(run_dir) / SERVERS_DIR / f"node-{node}.json"
+
+
+def model_dir(run_dir: str | os.PathLike, step: int | None = None) -> Path:
+    """The final model (step None), or the one saved at ``step``."""
+    final = Path(run_dir) / MODEL_DIR
+    return final if step is None else final / f"{MODEL_CHECKPOINT_PREFIX}{step}"
+
+
+def is_model_dir(path: str | os.PathLike) -> bool:
+    """A complete model directory: it is renamed into place only once its config.json is written."""
+    return (Path(path) / "config.json").is_file()
+
+
+def training_checkpoint(checkpoints_dir: str | os.PathLike, step: int) -> Path | None:
+    """``step-<step>`` under ``checkpoints_dir`` if it is a complete training checkpoint, else None."""
+    path = Path(checkpoints_dir) / f"{TRAINING_CHECKPOINT_PREFIX}{step}"
+    return path if all((path / f).is_file() for f in TRAINING_CHECKPOINT_FILES) else None
+
+
+def training_checkpoint_steps(checkpoints_dir: str | os.PathLike) -> list[int]:
+    """The steps of the complete training checkpoints under ``checkpoints_dir``, oldest first."""
+    try:
+        names = [p.name for p in Path(checkpoints_dir).iterdir()]
+    except OSError:
+        return []
+    steps = []
+    for name in names:
+        tail = name.removeprefix(TRAINING_CHECKPOINT_PREFIX)
+        if name != tail and tail.isdigit() and training_checkpoint(checkpoints_dir, int(tail)):
+            steps.append(int(tail))
+    return sorted(steps)
 
 
 def slurm_output(run_dir: str | os.PathLike, job_id: str) -> Path:

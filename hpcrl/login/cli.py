@@ -84,6 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("target", metavar="JOBID_OR_RUN_DIR", help="a registered job id, or a run directory")
     p.add_argument("-o", "--output", help="the PNG to write (default: <run_dir>/metrics.png)")
 
+    p = sub.add_parser("export", help="write a Hugging Face model directory from a run's training checkpoint")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--step", type=int, help="the checkpoint's step (default: the latest)")
+    p.add_argument("-o", "--output", metavar="DIR",
+                   help="where the model goes (default: <run_dir>/model/checkpoint-<step>)")
+
     p = sub.add_parser("sites", help="list site profiles, or show one resolved")
     p.add_argument("name", nargs="?")
 

@@ -13,7 +13,8 @@ stopped, and so are all of them on Ctrl-C.
 
 A training run shows a progress bar over optimizer steps (fed by <run_dir>/metrics.jsonl; only
 when stdout and stderr are both terminals) under the job's own lines, and ends with a summary:
-steps done, wall time, reward at the start and at the end, where the metrics and the plot are.
+steps done, wall time, reward at the start and at the end, where the metrics, the plot and the
+trained model are.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import uuid
 from pathlib import Path
 
 from hpcrl.job.errors import UserError
+from hpcrl.job import rundir
 from hpcrl.job.rundir import LOCAL_LOG_FILE, METRICS_FILE
 from hpcrl.job.slurm_time import format_walltime
 
@@ -251,6 +253,12 @@ def print_summary(run_dir: Path, max_steps: int, wall_s: float, code: int, file=
     elif steps:
         lines.append(f"  plot      hpcrl plot {shlex.quote(str(run_dir))}")
     lines.append(f"  log       {run_dir / LOCAL_LOG_FILE}")
+    model = rundir.model_dir(run_dir)
+    if rundir.is_model_dir(model):
+        lines.append(f"  model     {model}")
+    elif rundir.training_checkpoint_steps(run_dir / rundir.CHECKPOINTS_DIR):
+        # A run stopped early has no final model; its last checkpoint can still be turned into one.
+        lines.append(f"  model     not written (stopped early); hpcrl export {shlex.quote(str(run_dir))}")
     print("\n".join(lines), file=file, flush=True)
 
 

@@ -58,6 +58,9 @@ class TrainerSetup:
     on_metrics: Callable[[int, dict], None] | None = None    # rank 0: where a step's metrics go
     on_heartbeat: Callable[[int, str], None] | None = None
     collective_timeout_s: float = 600.0
+    # The source model directory (config, generation config, code) of the Hugging Face model
+    # directories the run writes; None: the run writes none (in-process tests).
+    model_dir: str | None = None
 
 
 @dataclass
@@ -220,6 +223,7 @@ class Trainer:
                 self.generation = self._next_generation()
             self._train_on(self.generation, started)
         self.save()         # the end state, for `hpcrl submit --resume` with more steps
+        self.save_model()
         return "finished"
 
     def _start(self) -> None:
@@ -261,6 +265,7 @@ class Trainer:
             if self.setup.on_metrics:
                 self.setup.on_metrics(self.step, metrics)
             self._checkpoint_if_due()
+            self._save_model_if_due()
 
     def _heartbeat(self, phase: str) -> None:
         if self.setup.on_heartbeat:
@@ -309,6 +314,33 @@ class Trainer:
         every = self.recipe.checkpoint.every
         if every and self.step % every == 0 and self.step < self.grpo.max_steps:
             self.save()
+
+    # ------------------------------------------------------------------ the trained model out
+    def save_model(self, step: int | None = None) -> Path | None:
+        """The policy as a Hugging Face directory: <run_dir>/model (step None: the end of the run),
+        <run_dir>/model/checkpoint-<step> (grpo.save_steps). Every trainer calls it (hpcrl.compute.train.export)."""
+        if self.setup.model_dir is None:
+            return None
+        from hpcrl.compute.train import export
+
+        t0 = time.perf_counter()
+        self._heartbeat("saving model")
+        out = rundir.model_dir(self.setup.run_dir, step)
+        export.save_from_trainers(
+            self.setup.policy, out, model_dir=self.setup.model_dir, tokenizer=self.setup.tokenizer,
+            dtype=export.export_dtype(self.recipe.model.dtype, self.setup.model_dir),
+            max_shard_bytes=int(self.recipe.checkpoint.model_max_shard_size_gb * export.GB),
+            bucket_bytes=self.recipe.inference.sync_bucket_mb * 2**20,
+            writer=self.setup.trainer_rank == 0, group=self.setup.group)
+        if self.setup.trainer_rank == 0:
+            self.setup.log(f"model written to {out} in {time.perf_counter() - t0:.1f} s")
+        return out
+
+    def _save_model_if_due(self) -> None:
+        # The last step's model is the final one, written by run() at <run_dir>/model.
+        every = self.grpo.save_steps
+        if every and self.step % every == 0 and self.step < self.grpo.max_steps:
+            self.save_model(self.step)
 
     # ------------------------------------------------------------------ one generation
     def _request(self, first_step: int) -> Requested:
@@ -561,7 +593,7 @@ def run_trainer(ctx: LaunchContext) -> int:
         recipe=recipe, run_dir=Path(ctx.run_dir), device=device, policy=policy, reference=reference,
         tokenizer=AutoTokenizer.from_pretrained(model_dir), dataset=load_dataset(recipe.data, recipe.grpo.seed),
         trainer_rank=ctx.task.trainer_rank, num_trainers=ctx.plan.num_trainers, log=ctx.log,
-        collective_timeout_s=ctx.launch.collective_timeout_s,
+        collective_timeout_s=ctx.launch.collective_timeout_s, model_dir=model_dir,
         on_metrics=(lambda step, m: (writer.log(step, m), _print_step(ctx, step, m))) if rank0 else None,
         on_heartbeat=(lambda step, phase: writer.heartbeat(step, phase, servers=_server_health(ctx.run_dir)))
         if rank0 else None,

@@ -11,6 +11,7 @@ import os
 import sys
 from pathlib import Path
 
+from hpcrl.job import rundir
 from hpcrl.job.slurm_time import format_walltime
 from hpcrl.login.registry import Registry
 from hpcrl.login.status import find_record, job_row, log_path, progress, refresh
@@ -57,6 +58,19 @@ def _tail(path: Path, lines: int) -> list[str]:
         return f.read().decode(errors="replace").splitlines()[-lines:]
 
 
+def _model(run_dir) -> str | None:
+    """The run's final model directory, else its newest checkpoint-<step> one, else None."""
+    if not run_dir:
+        return None
+    final = rundir.model_dir(run_dir)
+    if rundir.is_model_dir(final):
+        return str(final)
+    saved = [(int(p.name.removeprefix(rundir.MODEL_CHECKPOINT_PREFIX)), p)
+             for p in final.glob(f"{rundir.MODEL_CHECKPOINT_PREFIX}*")
+             if p.name.removeprefix(rundir.MODEL_CHECKPOINT_PREFIX).isdigit() and rundir.is_model_dir(p)]
+    return str(max(saved)[1]) if saved else None
+
+
 def _one(registry: Registry, args) -> int:
     record = find_record(registry, args.job_id)
     states, warning = refresh(registry, [record])
@@ -65,7 +79,8 @@ def _one(registry: Registry, args) -> int:
     p = progress(record.run_dir)
     log = log_path(record, state)
     detail = {**row, "slurm": state, "heartbeat": p["heartbeat"], "metrics": p["metrics"],
-              "log": str(log) if log else None, "log_tail": _tail(log, 20) if log else []}
+              "log": str(log) if log else None, "log_tail": _tail(log, 20) if log else [],
+              "model": _model(record.run_dir)}
     if warning:
         print(warning, file=sys.stderr)
     if args.json:
@@ -83,6 +98,8 @@ def _one(registry: Registry, args) -> int:
         m = p["metrics"]
         print(f"  progress   step {m.get('step')}  reward {_fmt(m.get('reward'), '.3f')}  "
               f"tokens/s {_fmt(m.get('tokens_per_s'), '.0f')}  last sync {_fmt(m.get('sync_s'), '.3f')} s")
+    if detail["model"]:
+        print(f"  model      {detail['model']}")
     for node, health in sorted((p["heartbeat"].get("servers") or {}).items()):
         print(f"  server     node {node}: {health.get('state', '?')}" +
               (f" (weights v{health['weight_version']})" if "weight_version" in health else ""))

@@ -1,0 +1,456 @@
+"""The trained model as a Hugging Face directory: from the sharded trainers (the end of a run,
+grpo.save_steps) or from a training checkpoint after the fact (``hpcrl export``).
+
+What a directory holds: config.json (the source model's, its dtype set to the weights'),
+generation_config.json, the tokenizer files with the chat template, and the weights in safetensors
+files of at most ``max_shard_bytes`` (``model.safetensors`` alone, or ``model-0000i-of-0000n``
+with ``model.safetensors.index.json``, as ``save_pretrained`` names them). Weights are in the
+model's dtype (recipe model.dtype, else the source checkpoint's); the fp32 masters are cast tensor
+by tensor. ``AutoModelForCausalLM.from_pretrained`` and vLLM load it as is.
+
+Memory: no process ever holds the whole model.
+- From the trainers, the tensors come through the weight sync's gather (``iter_buckets``, the same
+  order and the same cast-before-gather) and only trainer rank 0 keeps them: it holds the bucket
+  being written plus the tensor being gathered (about two buckets), never a whole shard file. The
+  shard files are planned from the tensors' global shapes before anything is gathered, so each
+  file's safetensors header is written first and every tensor is streamed to its place as it comes.
+  Under HSDP only the ranks whose gathers include rank 0 (node 0's replica) take part; the other
+  replicas hold the same weights and skip the gathers.
+- From a checkpoint, the names and shapes come from the model built on the meta device, and
+  torch.distributed.checkpoint loads a bucket's worth of tensors at a time into tensors allocated
+  for them alone.
+
+Atomic: everything is written under a hidden temporary name beside the target and renamed when
+complete; a killed writer leaves only that hidden directory (removed by the next save). An earlier
+directory of the same name is replaced only once the new one is whole. The final model directory
+keeps the checkpoint-<step>/ directories saved inside it (TRL's output_dir layout).
+
+    python -m hpcrl.compute.train.export RUN_DIR [--step N] [-o DIR]     (what `hpcrl export` runs)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hpcrl.compute.sync.gather import LiveBytes, ParamSpec, hf_name, iter_buckets, param_specs, sync_named_params
+from hpcrl.job import rundir
+
+__all__ = ["DTYPES", "SINGLE_FILE", "INDEX_FILE", "export_dtype", "export_tensors", "plan_shards", "ShardWriter",
+           "prepare_tmp", "write_metadata", "commit", "save_from_trainers", "export_checkpoint", "main"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_SHARD_NAME = "model-{:05d}-of-{:05d}.safetensors"
+_ST_DTYPE = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+             torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+             torch.bool: "BOOL"}
+# Files of the source model directory that are not weights and not written here from objects:
+# custom modelling code (trust_remote_code) travels with the model.
+_CODE_GLOB = "*.py"
+GB = 10**9
+
+
+# ---------------------------------------------------------------------------------------- what is written
+def export_dtype(recipe_dtype: str, model_dir: str | os.PathLike) -> torch.dtype:
+    """model.dtype when set, else the source checkpoint's (config.json dtype / torch_dtype), else fp32."""
+    if recipe_dtype != "auto":
+        return DTYPES[recipe_dtype]
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    return DTYPES.get(str(name).removeprefix("torch."), torch.float32)
+
+
+def export_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """What a Hugging Face checkpoint of ``model`` holds, in the sync's order: the parameters under
+    their checkpoint names (a tied lm_head left out), then the persistent buffers."""
+    out = sync_named_params(model)
+    seen = {name for name, _ in out}
+    for module_name, module in model.named_modules():
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is None or name in module._non_persistent_buffers_set:
+                continue
+            full = hf_name(f"{module_name}.{name}" if module_name else name)
+            if full not in seen:
+                seen.add(full)
+                out.append((full, buf))
+    return out
+
+
+def plan_shards(specs: list[ParamSpec], max_shard_bytes: int) -> list[list[ParamSpec]]:
+    """Tensors in order into files: a file takes tensors until the next would push it past the limit;
+    a tensor larger than the limit is a file of its own (as ``save_pretrained`` does)."""
+    shards: list[list[ParamSpec]] = []
+    size = 0
+    for spec in specs:
+        if not shards or (shards[-1] and size + spec.nbytes > max_shard_bytes):
+            shards.append([])
+            size = 0
+        shards[-1].append(spec)
+        size += spec.nbytes
+    return shards or [[]]
+
+
+class ShardWriter:
+    """Streams tensors, in the planned order, into the safetensors files of ``directory``.
+
+    Each file's header (names, dtypes, shapes, offsets) is known from the plan, so it is written
+    when the file is opened and each tensor's bytes are appended as the tensor arrives: the writer
+    keeps no tensor after :meth:`write` returns.
+    """
+
+    def __init__(self, directory: Path, specs: list[ParamSpec], max_shard_bytes: int,
+                 on_file: Callable[[Path], None] | None = None) -> None:
+        self.directory = Path(directory)
+        self.shards = plan_shards(specs, max_shard_bytes)
+        n = len(self.shards)
+        self.names = [SINGLE_FILE] if n == 1 else [_SHARD_NAME.format(i + 1, n) for i in range(n)]
+        self.on_file = on_file
+        self._order = [(i, spec) for i, shard in enumerate(self.shards) for spec in shard]
+        self._next = 0
+        self._file = None
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        if self._next >= len(self._order):
+            raise RuntimeError(f"export: {name} is more than the {len(self._order)} tensors planned")
+        shard, spec = self._order[self._next]
+        if name != spec.name or tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
+            raise RuntimeError(f"export: got {name} {tuple(tensor.shape)} {tensor.dtype}, expected "
+                               f"{spec.name} {spec.shape} {spec.dtype}")
+        if self._file is None:
+            self._open(shard)
+        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        self._file.write(memoryview(data.numpy()))
+        self._next += 1
+        if self._next == len(self._order) or self._order[self._next][0] != shard:
+            self._close()
+
+    def _open(self, shard: int) -> None:
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for spec in self.shards[shard]:
+            header[spec.name] = {"dtype": _ST_DTYPE[spec.dtype], "shape": list(spec.shape),
+                                 "data_offsets": [offset, offset + spec.nbytes]}
+            offset += spec.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)           # the tensor data starts 8-byte aligned, as safetensors writes it
+        path = self.directory / self.names[shard]
+        self._file = open(path, "wb")
+        self._file.write(len(raw).to_bytes(8, "little"))
+        self._file.write(raw)
+        if self.on_file is not None:
+            self.on_file(path)
+
+    def _close(self) -> None:
+        f, self._file = self._file, None
+        f.flush()
+        os.fsync(f.fileno())
+        f.close()
+
+    def finish(self) -> None:
+        """Check that every planned tensor came; write the index when there are several files."""
+        if self._next != len(self._order):
+            missing = [spec.name for _, spec in self._order[self._next:]]
+            raise RuntimeError(f"export: {len(missing)} tensors never came: {missing[:5]}")
+        if not self._order:             # a model without weights still gets its (empty) file
+            self._open(0)
+            self._close()
+        if len(self.shards) > 1:
+            weight_map = {spec.name: self.names[i] for i, spec in self._order}
+            total = sum(spec.nbytes for _, spec in self._order)
+            params = sum(spec.nbytes // spec.dtype.itemsize for _, spec in self._order)
+            index = {"metadata": {"total_size": total, "total_parameters": params}, "weight_map": weight_map}
+            (self.directory / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+    def abort(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+# ---------------------------------------------------------------------------------------- the directory
+def _tmp_name(final: Path) -> Path:
+    return final.parent / f".{final.name}.tmp-{os.getpid()}"
+
+
+def _stale(final: Path, kind: str) -> list[Path]:
+    return [p for p in final.parent.glob(f".{final.name}.{kind}-*") if p.is_dir()]
+
+
+def prepare_tmp(final: Path) -> Path:
+    """The empty hidden directory a model is written into, beside ``final``; leftovers of killed
+    writes of ``final`` are removed first (their names say they never completed)."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    for stale in _stale(final, "tmp"):
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = _tmp_name(final)
+    tmp.mkdir()
+    return tmp
+
+
+def write_metadata(directory: Path, model_dir: str | os.PathLike, dtype: torch.dtype, tokenizer: Any) -> None:
+    """config.json (dtype set to the weights'), generation_config.json, modelling code, tokenizer."""
+    src = Path(model_dir)
+    config = json.loads((src / "config.json").read_text())
+    name = str(dtype).removeprefix("torch.")
+    keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]
+    for key in keys:
+        config[key] = name
+    if (src / "generation_config.json").is_file():
+        shutil.copyfile(src / "generation_config.json", directory / "generation_config.json")
+    else:
+        from transformers import AutoConfig, GenerationConfig
+
+        hf_config = AutoConfig.from_pretrained(src, trust_remote_code=True)
+        GenerationConfig.from_model_config(hf_config).save_pretrained(directory)
+    for code in src.glob(_CODE_GLOB):
+        shutil.copyfile(code, directory / code.name)
+    tokenizer.save_pretrained(directory)
+    # Last: config.json is what makes a directory look like a model (rundir.is_model_dir).
+    (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def commit(tmp: Path, final: Path) -> Path:
+    """Make the complete ``tmp`` the directory ``final``.
+
+    An earlier ``final`` is moved aside, then ``tmp`` renamed into place (a moment without ``final``,
+    never a half-written one under its name); the earlier one's checkpoint-<step>/ directories move
+    into the new one, and it goes. A kill between these leaves the aside directory, whose
+    checkpoints the next commit takes over."""
+    for f in tmp.iterdir():
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+    _fsync_dir(tmp)
+    asides = _stale(final, "old")
+    if final.exists():
+        aside = final.parent / f".{final.name}.old-{os.getpid()}"
+        if aside.exists():
+            shutil.rmtree(aside)
+        os.rename(final, aside)
+        asides.append(aside)
+    os.rename(tmp, final)
+    _fsync_dir(final.parent)
+    for aside in asides:
+        for child in sorted(aside.glob(f"{rundir.MODEL_CHECKPOINT_PREFIX}*")):
+            if child.is_dir() and not (final / child.name).exists():
+                os.rename(child, final / child.name)
+        shutil.rmtree(aside, ignore_errors=True)
+    return final
+
+
+# ---------------------------------------------------------------------------------------- from the trainers
+def _takes_part(tensors: Iterable[tuple[str, torch.Tensor]], writer_rank: int) -> bool:
+    """Whether this rank's gathers include the writer: every shard dimension's group holds it.
+    Fully sharded: every rank. HSDP: node 0's replica (a replica of another node gathers among
+    itself, and would only burn time)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return True
+    for _, t in tensors:
+        placements = getattr(t, "placements", None)
+        if placements is None:
+            continue
+        for dim, placement in enumerate(placements):
+            if placement.is_shard() and writer_rank not in dist.get_process_group_ranks(t.device_mesh.get_group(dim)):
+                return False
+    return True
+
+
+def save_from_trainers(model: torch.nn.Module, final: Path, *, model_dir: str | os.PathLike, tokenizer: Any,
+                       dtype: torch.dtype, max_shard_bytes: int, bucket_bytes: int, writer: bool, group=None,
+                       tracker: LiveBytes | None = None,
+                       on_file: Callable[[Path], None] | None = None) -> Path | None:
+    """Write ``model`` (FSDP2-sharded, or whole) to ``final``; call it on EVERY trainer rank (the
+    gathers and the closing agreement are collectives). ``writer``: trainer rank 0, the rank that
+    writes (global rank 0 of ``group``). Returns ``final`` on the writer, None elsewhere; raises on
+    every rank when the writer failed (the ranks keep gathering after a write error, so none hangs)."""
+    import torch.distributed as dist
+
+    tensors = export_tensors(model)
+    cast = dtype if any(t.dtype.is_floating_point and t.dtype != dtype for _, t in tensors) else None
+    error: BaseException | None = None
+    tmp = shards = None
+    if writer:
+        try:
+            tmp = prepare_tmp(final)
+            shards = ShardWriter(tmp, param_specs(tensors, cast), max_shard_bytes, on_file)
+        except Exception as e:       # noqa: BLE001 - reported to every rank below
+            error = e
+    if _takes_part(tensors, 0):
+        for bucket in iter_buckets(tensors, bucket_bytes, keep=writer, cast_to=cast, tracker=tracker):
+            for name, t in bucket:
+                if error is None:
+                    try:
+                        shards.write(name, t)
+                    except Exception as e:      # noqa: BLE001 - keep gathering: the others are in the collectives
+                        error = e
+            t = None        # the bucket's last tensor goes with the bucket
+    if writer and error is None:
+        try:
+            shards.finish()
+            write_metadata(tmp, model_dir, dtype, tokenizer)
+            commit(tmp, final)
+        except Exception as e:      # noqa: BLE001
+            error = e
+    if shards is not None and error is not None:
+        shards.abort()      # its hidden directory stays until the next save removes it
+    failed = error is not None
+    if dist.is_available() and dist.is_initialized():
+        flag = torch.tensor([1 if failed else 0], dtype=torch.int64)
+        dist.all_reduce(flag, group=group)
+        failed = bool(flag.item())
+    if failed:
+        if error is not None:
+            raise RuntimeError(f"writing the model to {final} failed: {error}") from error
+        raise RuntimeError(f"writing the model to {final} failed on trainer rank 0")
+    return final if writer else None
+
+
+# ---------------------------------------------------------------------------------------- from a checkpoint
+def _checkpoint_buckets(checkpoint: Path, specs: list[tuple[str, tuple[int, ...]]], bucket_bytes: int,
+                        dtype_of: Callable[[torch.dtype], torch.dtype], tracker: LiveBytes | None
+                        ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The checkpoint's model tensors in ``specs``' order, a bucket at a time, each cast."""
+    import torch.distributed.checkpoint as dcp
+
+    stored = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    missing = [name for name, _ in specs if f"model.{name}" not in stored]
+    if missing:
+        raise RuntimeError(f"{checkpoint}: the checkpoint lacks {len(missing)} of the model's tensors: {missing[:5]}")
+    pending: list[tuple[str, tuple[int, ...], torch.dtype]] = []
+    size = 0
+
+    def load(entries):
+        track = tracker.track if tracker is not None else (lambda t: t)
+        into = {name: track(torch.empty(shape, dtype=dt)) for name, shape, dt in entries}
+        with warnings.catch_warnings():     # one process, no process group, on purpose
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+            dcp.load({"model": into}, checkpoint_id=str(checkpoint), no_dist=True)
+        out = []
+        for name, _, dt in entries:
+            loaded = into.pop(name)
+            t = loaded.to(dtype_of(dt))
+            out.append((name, t if t is loaded else track(t)))
+        return out
+
+    for name, shape in specs:
+        meta = stored[f"model.{name}"]
+        dt = meta.properties.dtype
+        if tuple(meta.size) != tuple(shape):
+            raise RuntimeError(f"{checkpoint}: {name} has shape {tuple(meta.size)}, the model {tuple(shape)}")
+        nbytes = torch.Size(shape).numel() * dt.itemsize
+        if pending and size + nbytes > bucket_bytes:
+            bucket = load(pending)
+            pending, size = [], 0
+            yield bucket
+            bucket.clear()
+        pending.append((name, tuple(shape), dt))
+        size += nbytes
+    if pending:
+        bucket = load(pending)
+        yield bucket
+        bucket.clear()
+
+
+def export_checkpoint(checkpoint: str | os.PathLike, model_dir: str | os.PathLike, final: str | os.PathLike, *,
+                      dtype: torch.dtype, tokenizer: Any, max_shard_bytes: int, bucket_bytes: int = 256 * 2**20,
+                      trust_remote_code: bool = False, tracker: LiveBytes | None = None) -> Path:
+    """A training checkpoint (``checkpoints/step-<N>``) -> a model directory ``final``, one process,
+    never more than a bucket of tensors in memory."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    checkpoint, final = Path(checkpoint), Path(final)
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):      # names, shapes and tying, without a byte of weights
+        meta = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    tensors = export_tensors(meta)
+    cast = lambda dt: dtype if dt.is_floating_point else dt       # noqa: E731
+    specs = [ParamSpec(name, cast(t.dtype), tuple(t.shape)) for name, t in tensors]
+    tmp = prepare_tmp(final)
+    shards = ShardWriter(tmp, specs, max_shard_bytes)
+    try:
+        for bucket in _checkpoint_buckets(checkpoint, [(s.name, s.shape) for s in specs], bucket_bytes, cast,
+                                          tracker):
+            for name, t in bucket:
+                shards.write(name, t)
+            t = None
+        shards.finish()
+        write_metadata(tmp, model_dir, dtype, tokenizer)
+    except BaseException:
+        shards.abort()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return commit(tmp, final)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``hpcrl export``'s compute side (the login side has checked the arguments)."""
+    from transformers import AutoTokenizer
+
+    from hpcrl.compute.train.sources import resolve_model
+    from hpcrl.job.errors import UserError
+    from hpcrl.job.spec import JobSpec
+
+    p = argparse.ArgumentParser(prog="python -m hpcrl.compute.train.export")
+    p.add_argument("run_dir")
+    p.add_argument("--step", type=int)
+    p.add_argument("-o", "--output")
+    args = p.parse_args(argv)
+    try:
+        spec = JobSpec.load(args.run_dir)
+        recipe = spec.recipe
+        ckpt_dir = Path(recipe.checkpoint.dir or Path(args.run_dir) / rundir.CHECKPOINTS_DIR)
+        steps = rundir.training_checkpoint_steps(ckpt_dir)
+        step = args.step if args.step is not None else (steps[-1] if steps else None)
+        if step is None or step not in steps:
+            raise UserError(f"export: no training checkpoint {'' if step is None else f'of step {step} '}in {ckpt_dir}")
+    except UserError as e:
+        print(f"hpcrl: error: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.output) if args.output else rundir.model_dir(args.run_dir, step)
+    try:
+        model_dir = resolve_model(recipe.model.path, args.run_dir, recipe.grpo.seed)
+        tokenizer = AutoTokenizer.from_pretrained(recipe.model.tokenizer or model_dir,
+                                                  trust_remote_code=recipe.model.trust_remote_code)
+        export_checkpoint(rundir.training_checkpoint(ckpt_dir, step), model_dir, out,
+                          dtype=export_dtype(recipe.model.dtype, model_dir), tokenizer=tokenizer,
+                          max_shard_bytes=int(recipe.checkpoint.model_max_shard_size_gb * GB),
+                          bucket_bytes=recipe.inference.sync_bucket_mb * 2**20,
+                          trust_remote_code=recipe.model.trust_remote_code)
+    except (OSError, RuntimeError, ValueError) as e:
+        # A checkpoint that does not fit the model, a full disk: one line, the hidden directory removed.
+        print(f"hpcrl: error: export of step {step} to {out} failed: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

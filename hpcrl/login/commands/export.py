@@ -1,0 +1,59 @@
+"""`hpcrl export RUN_DIR [--step N] [-o DIR]`: a training checkpoint -> a Hugging Face model directory.
+
+The arguments are checked here, without torch; the work is hpcrl.compute.train.export in a
+subprocess of this interpreter (it reads the checkpoint tensor by tensor). Its exit status is passed
+through.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from hpcrl.job import rundir
+from hpcrl.job.errors import UserError
+
+
+def main(args) -> int:
+    from hpcrl.job.spec import JobSpec
+
+    run_dir = Path(args.run_dir).expanduser()
+    if not (run_dir / rundir.SPEC_FILE).is_file():
+        raise UserError(f"export: {args.run_dir} is not a run directory (no {rundir.SPEC_FILE})")
+    spec = JobSpec.load(run_dir)
+    model_path = spec.recipe.model.path
+    # The config and tokenizer come from the source model; a demo model is rebuilt in the run directory.
+    if not model_path.startswith("demo:") and not Path(model_path).is_dir():
+        raise UserError(f"export: model.path {model_path} is not a directory here: the export takes the "
+                        f"model's config and tokenizer from it (run it where the job's files are)")
+    ckpt_dir = Path(spec.recipe.checkpoint.dir or run_dir / rundir.CHECKPOINTS_DIR)
+    steps = rundir.training_checkpoint_steps(ckpt_dir)
+    if args.step is not None and args.step not in steps:
+        have = f"it has steps {', '.join(map(str, steps))}" if steps else "it has none"
+        raise UserError(f"export: --step {args.step}: no training checkpoint of that step in {ckpt_dir} ({have})")
+    if not steps:
+        raise UserError(f"export: no training checkpoint in {ckpt_dir}")
+    step = args.step if args.step is not None else steps[-1]
+    out = rundir.model_dir(run_dir, step)
+    cmd = [sys.executable, "-m", "hpcrl.compute.train.export", str(run_dir), "--step", str(step)]
+    if args.output:
+        out = Path(args.output).expanduser()
+        # Only a directory of ours is ever replaced: -o naming anything else would delete it.
+        if out.exists() and not (out.is_dir() and rundir.is_model_dir(out)) and not _empty_dir(out):
+            raise UserError(f"export: -o {args.output} exists and is not a model directory; not replacing it")
+        if not out.parent.is_dir():
+            raise UserError(f"export: -o {args.output}: directory {out.parent} does not exist")
+        if not os.access(out.parent, os.W_OK):
+            raise UserError(f"export: -o {args.output}: directory {out.parent} is not writable")
+        cmd += ["-o", str(out)]
+    print(f"hpcrl: exporting step {step} of {run_dir} to {out}", file=sys.stderr, flush=True)
+    code = subprocess.call(cmd)
+    if code == 0:
+        print(f"model: {out}")
+    return code
+
+
+def _empty_dir(path: Path) -> bool:
+    return path.is_dir() and not any(path.iterdir())
