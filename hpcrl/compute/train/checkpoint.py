@@ -188,7 +188,7 @@ def restore_rng(state: dict[str, Any]) -> None:
 # Files
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -208,7 +208,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def _rank_file(path: Path, rank: int) -> Path:
@@ -230,7 +230,7 @@ def _commit(directory: Path, tmp: Path, final: Path, step: int, keep: int, world
         json.dump(meta, f)
         f.flush()
         os.fsync(f.fileno())
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     old = None
     if final.exists():          # the same step saved again (e.g. on a signal right after resume)
         old = final.with_name(final.name + ".old")
@@ -238,7 +238,7 @@ def _commit(directory: Path, tmp: Path, final: Path, step: int, keep: int, world
             shutil.rmtree(old)
         os.rename(final, old)
     os.rename(tmp, final)
-    _fsync_dir(directory)
+    fsync_dir(directory)
     _write_atomic(directory / LATEST, (final.name + "\n").encode())
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from hpcrl.compute.sync.gather import LiveBytes, ParamSpec, hf_name, iter_buckets, param_specs, sync_named_params
+from hpcrl.compute.train.checkpoint import fsync_dir
 from hpcrl.job import rundir
 
 __all__ = ["DTYPES", "SINGLE_FILE", "INDEX_FILE", "export_dtype", "export_tensors", "plan_shards", "ShardWriter",
@@ -201,7 +202,8 @@ def prepare_tmp(final: Path) -> Path:
     return tmp
 
 
-def write_metadata(directory: Path, model_dir: str | os.PathLike, dtype: torch.dtype, tokenizer: Any) -> None:
+def write_metadata(directory: Path, model_dir: str | os.PathLike, dtype: torch.dtype, tokenizer: Any,
+                   trust_remote_code: bool = False) -> None:
     """config.json (dtype set to the weights'), generation_config.json, modelling code, tokenizer."""
     src = Path(model_dir)
     config = json.loads((src / "config.json").read_text())
@@ -214,26 +216,13 @@ def write_metadata(directory: Path, model_dir: str | os.PathLike, dtype: torch.d
     else:
         from transformers import AutoConfig, GenerationConfig
 
-        hf_config = AutoConfig.from_pretrained(src, trust_remote_code=True)
+        hf_config = AutoConfig.from_pretrained(src, trust_remote_code=trust_remote_code)
         GenerationConfig.from_model_config(hf_config).save_pretrained(directory)
     for code in src.glob(_CODE_GLOB):
         shutil.copyfile(code, directory / code.name)
     tokenizer.save_pretrained(directory)
     # Last: config.json is what makes a directory look like a model (rundir.is_model_dir).
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def commit(tmp: Path, final: Path) -> Path:
@@ -247,7 +236,7 @@ def commit(tmp: Path, final: Path) -> Path:
         if f.is_file():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     asides = _stale(final, "old")
     if final.exists():
         aside = final.parent / f".{final.name}.old-{os.getpid()}"
@@ -256,7 +245,7 @@ def commit(tmp: Path, final: Path) -> Path:
         os.rename(final, aside)
         asides.append(aside)
     os.rename(tmp, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     for aside in asides:
         for child in sorted(aside.glob(f"{rundir.MODEL_CHECKPOINT_PREFIX}*")):
             if child.is_dir() and not (final / child.name).exists():
@@ -286,7 +275,7 @@ def _takes_part(tensors: Iterable[tuple[str, torch.Tensor]], writer_rank: int) -
 
 def save_from_trainers(model: torch.nn.Module, final: Path, *, model_dir: str | os.PathLike, tokenizer: Any,
                        dtype: torch.dtype, max_shard_bytes: int, bucket_bytes: int, writer: bool, group=None,
-                       tracker: LiveBytes | None = None,
+                       tracker: LiveBytes | None = None, trust_remote_code: bool = False,
                        on_file: Callable[[Path], None] | None = None) -> Path | None:
     """Write ``model`` (FSDP2-sharded, or whole) to ``final``; call it on EVERY trainer rank (the
     gathers and the closing agreement are collectives). ``writer``: trainer rank 0, the rank that
@@ -316,7 +305,7 @@ def save_from_trainers(model: torch.nn.Module, final: Path, *, model_dir: str | 
     if writer and error is None:
         try:
             shards.finish()
-            write_metadata(tmp, model_dir, dtype, tokenizer)
+            write_metadata(tmp, model_dir, dtype, tokenizer, trust_remote_code)
             commit(tmp, final)
         except Exception as e:      # noqa: BLE001
             error = e
@@ -403,7 +392,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, model_dir: str | os.PathLik
                 shards.write(name, t)
             t = None
         shards.finish()
-        write_metadata(tmp, model_dir, dtype, tokenizer)
+        write_metadata(tmp, model_dir, dtype, tokenizer, trust_remote_code)
     except BaseException:
         shards.abort()
         shutil.rmtree(tmp, ignore_errors=True)

@@ -331,7 +331,8 @@ class Trainer:
             dtype=export.export_dtype(self.recipe.model.dtype, self.setup.model_dir),
             max_shard_bytes=int(self.recipe.checkpoint.model_max_shard_size_gb * export.GB),
             bucket_bytes=self.recipe.inference.sync_bucket_mb * 2**20,
-            writer=self.setup.trainer_rank == 0, group=self.setup.group)
+            writer=self.setup.trainer_rank == 0, group=self.setup.group,
+            trust_remote_code=self.recipe.model.trust_remote_code)
         if self.setup.trainer_rank == 0:
             self.setup.log(f"model written to {out} in {time.perf_counter() - t0:.1f} s")
         return out
