@@ -186,7 +186,7 @@ def run_hpcrl(args, model_dir: Path, work: Path, tag: str, overlap: bool = False
             "max_completion_length": c["completion_length"], "temperature": c["temperature"],
             "top_p": 1.0, "top_k": 0, "beta": c["beta"], "epsilon": 0.2, "loss_type": c["loss_type"],
             "scale_rewards": "group", "num_iterations": 1, "max_steps": c["steps"],
-            "lr_scheduler_type": "constant", "warmup_ratio": 0.0, "max_grad_norm": 1.0, "weight_decay": 0.0,
+            "lr_scheduler_type": "constant", "warmup_steps": 0, "max_grad_norm": 1.0, "weight_decay": 0.0,
             "seed": c["seed"], "gradient_checkpointing": False, "bf16": c["bf16"],
         },
         "inference": {"engine": "vllm", "dtype": "bfloat16" if c["bf16"] else "float32",

@@ -138,7 +138,8 @@ def _rank_main(rank: int, world: int, cfg: dict, store: str, out_dir: str) -> No
     beta = 0.04
     recipe = Recipe(grpo=GRPOConfig(learning_rate=1e-6, beta=0.0, per_device_train_batch_size=cfg["micro"],
                                     num_generations=cfg["num_generations"],
-                                    max_completion_length=cfg["completion_len"], max_steps=1000))
+                                    max_completion_length=cfg["completion_len"], max_steps=1000,
+                                    gradient_checkpointing=False))
     t0 = time.perf_counter()
     policy, _ = fsdp.load_policy_and_reference(cfg["model_dir"], mesh, cpu, recipe)
     load_s = time.perf_counter() - t0

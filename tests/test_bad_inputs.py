@@ -47,6 +47,15 @@ CASES = [
     ("reward-missing-module", "rewards:\n  - func: no_such_pkg.rewards:f\n", TESTBED,
      "rewards[0].func: no module named 'no_such_pkg'"),
     ("reward-weight", "rewards:\n  - func: a.b:c\n    weight: heavy\n", TESTBED, "rewards[0].weight: expected a number"),
+    ("reward-trl-name", "rewards: [think_format_reward, acuracy_reward]\n", TESTBED,
+     'rewards[1].func: \'acuracy_reward\' is neither an import path like "my_rewards:function" nor one of '
+     'TRL\'s reward functions (did you mean "accuracy_reward"?)'),
+    ("reward-module-nowhere", "rewards: ['my_rewards:correct']\n", TESTBED,
+     "rewards[0].func: no module named 'my_rewards' in "),
+    ("reward-kwargs", "rewards:\n  - func: get_soft_overlong_punishment\n    kwargs: 1280\n", TESTBED,
+     "rewards[0].kwargs: expected a mapping"),
+    ("reward-kwargs-typo", "rewards:\n  - func: get_soft_overlong_punishment\n    kwarg: {}\n", TESTBED,
+     'rewards[0].kwarg: unknown field (did you mean "kwargs"?)'),
     ("mode-unknown", None, [*TESTBED, "mode=probee"], 'mode: expected one of'),
     ("gpu-mem-util", None, [*TESTBED, "inference.gpu_memory_utilization=1.5"], "must be in (0, 1]"),
     ("keep-zero", None, [*TESTBED, "checkpoint.keep=0"], "checkpoint.keep: must be at least 1"),
@@ -79,6 +88,21 @@ CASES = [
     ("inject-sbatch-option-space", "resources:\n  sbatch_options: ['--comment=a b']\n", TESTBED, "resources.sbatch_options"),
     ("inject-srun-option", "resources:\n  srun_options: ['$(id)']\n", TESTBED, "resources.srun_options"),
     ("inject-site-partition", None, [*TESTBED, "site.partition=x$(id)"], "partition/qos"),
+    # TRL configurations (`trl grpo --config` YAML)
+    ("trl-not-implemented", "model_name_or_path: m\ndataset_name: d\nuse_peft: true\n", TESTBED,
+     "use_peft: LoRA is not supported yet"),
+    ("trl-no-dataset", "model_name_or_path: m\nlearning_rate: 1.0e-5\n", TESTBED, "dataset_name: required"),
+    ("trl-set-twice", "model_name_or_path: m\ndataset_name: d\nbeta: 0.1\ngrpo: {beta: 0.2}\n", TESTBED,
+     "beta: sets grpo.beta, which the recipe also sets"),
+    ("trl-reward-weights", "model_name_or_path: m\ndataset_name: d\nreward_funcs: [a.b]\nreward_weights: [1, 2]\n",
+     TESTBED, "reward_weights: expected one weight per reward function (1)"),
+    ("trl-report-to", "model_name_or_path: m\ndataset_name: d\nreport_to: mlflow\n", TESTBED, "report_to: 'mlflow'"),
+    ("trl-unknown", "model_name_or_path: m\ndataset_name: d\nlearnin_rate: 1\n", TESTBED,
+     'learnin_rate: unknown field (did you mean "learning_rate"?)'),
+    ("max-steps-zero", None, [*TESTBED, "grpo.max_steps=0"], "grpo.max_steps: must be > 0, or -1"),
+    ("warmup-steps", None, [*TESTBED, "grpo.warmup_steps=2.5"], "grpo.warmup_steps: must be a whole number"),
+    ("output-dir-not-model", "checkpoint:\n  output_dir: /etc\n", TESTBED,
+     "checkpoint.output_dir (TRL's output_dir): /etc holds files that are not a model"),
 ]
 
 

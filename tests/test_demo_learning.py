@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from conftest import run_to_the_end
 
-from hpcrl.job.recipe import GRPOConfig
+from hpcrl.job.recipe import DEMO_GRPO
 
 PY = sys.executable
 MPIEXEC = str(Path(PY).parent / "mpiexec") if (Path(PY).parent / "mpiexec").exists() else shutil.which("mpiexec")
@@ -63,7 +63,7 @@ def test_default_run_raises_the_reward(tmp_path, hpcrl_home):
     seconds = time.monotonic() - t0
     assert proc.returncode == 0, (out + err)[-3000:]
 
-    max_steps = GRPOConfig().max_steps
+    max_steps = DEMO_GRPO["max_steps"]
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     line = check_learning(steps, max_steps)
     warmup = json.loads((run_dir / "model-tiny" / "hpcrl_tiny.json").read_text())["warmup_result"]

@@ -30,6 +30,7 @@ def _recipe(**grpo):
     from hpcrl.job.recipe import GRPOConfig, Recipe, TrainerConfig
 
     trainer = {k: grpo.pop(k) for k in ("reference_offload", "activation_checkpointing") if k in grpo}
+    grpo.setdefault("gradient_checkpointing", False)       # TRL's default is on; these tests choose
     return Recipe(grpo=GRPOConfig(**grpo), trainer=TrainerConfig(**trainer))
 
 
@@ -225,7 +226,7 @@ def test_schedule_matches_transformers_and_weight_decay_groups():
         "constant": [1.0] * 8,                       # HF's "constant" ignores warmup
         "constant_with_warmup": [0.0, 0.5] + [1.0] * 6,
     }.items():
-        grpo = GRPOConfig(learning_rate=1.0, max_steps=8, warmup_ratio=0.2, lr_scheduler_type=kind)
+        grpo = GRPOConfig(learning_rate=1.0, max_steps=8, warmup_steps=0.2, lr_scheduler_type=kind)
         opt = build_optimizer(model, grpo)
         sched = build_scheduler(opt, grpo)
         lrs = []
@@ -247,7 +248,7 @@ def _train_setup(model_dir, seed_rank):
     from hpcrl.compute.train.fsdp import load_policy_and_reference
     from hpcrl.compute.train.optim import build_optimizer, build_scheduler
 
-    cfg = _recipe(learning_rate=3e-3, weight_decay=0.1, max_steps=10, warmup_ratio=0.2,
+    cfg = _recipe(learning_rate=3e-3, weight_decay=0.1, max_steps=10, warmup_steps=0.2,
                   lr_scheduler_type="cosine", max_grad_norm=0.5)
     torch.manual_seed(seed_rank)
     random.seed(seed_rank)

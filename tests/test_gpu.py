@@ -81,6 +81,7 @@ def demo_model(tmp_path_factory) -> str:
 def _recipe(**grpo):
     from hpcrl.job.recipe import GRPOConfig, Recipe
 
+    grpo.setdefault("gradient_checkpointing", False)       # TRL's default is on; these tests choose
     return Recipe(grpo=GRPOConfig(**grpo))
 
 
@@ -355,8 +356,8 @@ def _w_resume_run(rank, world, device, model_dir, run_dir, metrics_path, every, 
     torch.manual_seed(seed + rank)
     grpo = GRPOConfig(
         learning_rate=5e-3, per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4,
-        max_completion_length=8, beta=0.04, num_iterations=2, max_steps=RESUME_STEPS, warmup_ratio=0.3,
-        lr_scheduler_type="cosine", max_grad_norm=1.0, weight_decay=0.01, seed=7)
+        max_completion_length=8, beta=0.04, num_iterations=2, max_steps=RESUME_STEPS, warmup_steps=0.3,
+        lr_scheduler_type="cosine", max_grad_norm=1.0, weight_decay=0.01, seed=7, gradient_checkpointing=False)
     recipe = Recipe(grpo=grpo, checkpoint=CheckpointConfig(every=every, keep=2, dir=str(Path(run_dir) / "ckpt")))
     ckpt.control_group(120)
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))

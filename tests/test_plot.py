@@ -208,7 +208,8 @@ def test_hpcrl_run_ends_with_a_summary_and_a_plot(tmp_path):
     run_dir = tmp_path / "run"
     t0 = time.monotonic()
     proc = run_to_the_end([PY, "-m", "hpcrl", "run", "grpo.max_steps=2", "grpo.per_device_train_batch_size=16",
-                           "inference.engine=transformers", "launch.peer_failure_timeout_s=120", "--run-dir", str(run_dir)], tmp_path, 420)
+                           "inference.engine=transformers", "launch.peer_failure_timeout_s=120",
+                           "logging.log_completions=2", "--run-dir", str(run_dir)], tmp_path, 420)
     seconds = time.monotonic() - t0
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
@@ -221,6 +222,11 @@ def test_hpcrl_run_ends_with_a_summary_and_a_plot(tmp_path):
     assert summary[3] == f"  plot      {run_dir / 'metrics.png'}"
     assert summary[4] == f"  log       {run_dir / 'run.log'}"
     assert [r["step"] for r in plot.load_steps(run_dir)] == [1, 2]
+    # logging.log_completions: every completion in the file, two of each step on the console.
+    completions = [json.loads(line) for line in (run_dir / "completions.jsonl").read_text().splitlines()]
+    per_step = [sum(c["step"] == step for c in completions) for step in (1, 2)]
+    assert per_step[0] == per_step[1] and per_step[0] % 16 == 0 and len(completions) == sum(per_step), per_step
+    assert proc.stderr.count("] completion  step ") == 4, proc.stderr[-3000:]
     png_size(run_dir / "metrics.png")
     assert "training 0/2" not in proc.stderr and "training 2/2" not in proc.stderr     # no bar into a pipe
     print(f"hpcrl run, 2 steps: {seconds:.1f} s")

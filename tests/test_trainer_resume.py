@@ -54,8 +54,8 @@ def _recipe(run_dir: str, every: int, mu: int, overlap: bool):
 
     grpo = GRPOConfig(
         learning_rate=5e-3, per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4,
-        max_completion_length=8, beta=0.04, num_iterations=mu, max_steps=N_STEPS, warmup_ratio=0.3,
-        lr_scheduler_type="cosine", max_grad_norm=1.0, weight_decay=0.01, seed=7,
+        max_completion_length=8, beta=0.04, num_iterations=mu, max_steps=N_STEPS, warmup_steps=0.3,
+        lr_scheduler_type="cosine", max_grad_norm=1.0, weight_decay=0.01, seed=7, gradient_checkpointing=False,
         # Overlapped, the one-step lag is reweighted, with bounds other than the defaults.
         vllm_importance_sampling_correction=overlap, vllm_importance_sampling_mode="token_truncate",
         vllm_importance_sampling_clip_min=0.5, vllm_importance_sampling_clip_max=2.0)

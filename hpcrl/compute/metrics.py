@@ -5,6 +5,9 @@ Only trainer rank 0 writes (on other ranks every method is a no-op, so callers n
 - ``<run_dir>/metrics.jsonl``: one JSON object per optimizer step, appended, flushed and fsynced
   line by line, so a killed job keeps every step it finished. On resume, :meth:`MetricsWriter.truncate_after`
   drops the lines past the checkpoint's step, so that each step appears exactly once.
+- ``<run_dir>/completions.jsonl`` (recipe logging.log_completions): one JSON object per completion
+  (step, prompt, completion, rewards by function, advantage), as TRL's completions table; a resume
+  cuts it after the checkpoint's step too.
 - ``<run_dir>/heartbeat.json``: rewritten atomically (temp file + ``os.replace``), so a reader
   (``hpcrl status``) always sees a whole file: time, step, phase, pid, host, and per-node server health.
 - Optional TensorBoard (``torch.utils.tensorboard``, only if ``tensorboard`` is installed) and W&B in
@@ -26,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from hpcrl.job.rundir import HEARTBEAT_FILE, METRICS_FILE, TENSORBOARD_DIR
+from hpcrl.job.rundir import COMPLETIONS_FILE, HEARTBEAT_FILE, METRICS_FILE, TENSORBOARD_DIR
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +88,7 @@ class MetricsWriter:
         self.rank = rank
         self.active = rank == 0
         self.metrics_path = self.run_dir / METRICS_FILE
+        self.completions_path = self.run_dir / COMPLETIONS_FILE
         self.heartbeat_path = self.run_dir / HEARTBEAT_FILE
         self._lock = threading.Lock()
         self._file = None
@@ -160,7 +164,37 @@ class MetricsWriter:
             if lines or self.metrics_path.exists():
                 _write_atomic(self.metrics_path, text)
             self._purge_step = step + 1
+            self._truncate_completions(step)
         return len(lines) - len(kept)
+
+    # -- completions.jsonl --------------------------------------------------------------------
+
+    def log_completions(self, rows: list[Mapping[str, Any]]) -> None:
+        """Append one generation's rows (logging.log_completions)."""
+        if not self.active or not rows:
+            return
+        text = "".join(json.dumps(_plain(dict(row)), separators=(",", ":"), ensure_ascii=False, default=str) + "\n"
+                       for row in rows)
+        with self._lock, open(self.completions_path, "a", encoding="utf-8") as f:
+            f.write(text)
+
+    def _truncate_completions(self, step: int) -> None:
+        # Rows come in step order, and the file can be large: cut it at the first row past `step`
+        # (or a torn one) instead of rewriting it.
+        try:
+            f = open(self.completions_path, "r+b")
+        except FileNotFoundError:
+            return
+        with f:
+            end = 0
+            for line in f:
+                try:
+                    if not line.endswith(b"\n") or json.loads(line)["step"] > step:
+                        break
+                except (ValueError, KeyError, TypeError):
+                    break
+                end += len(line)
+            f.truncate(end)
 
     # -- heartbeat.json -----------------------------------------------------------------------
 
@@ -221,3 +255,22 @@ class MetricsWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def format_completion(row: Mapping[str, Any], width: int = 60) -> str:
+    """A logged completion as one console line: its step, advantage, rewards, prompt and text (shortened)."""
+    prompt = row["prompt"]
+    if isinstance(prompt, list) and prompt and isinstance(prompt[-1], Mapping):
+        prompt = prompt[-1].get("content", "")         # a conversation: its last message
+    rewards = "  ".join(f"{name} {_number(value, '.3f')}" for name, value in row["rewards"].items())
+    return (f"completion  step {row['step']}  advantage {_number(row['advantage'], '+.3f')}  {rewards}  "
+            f"{_shorten(prompt, width)} -> {_shorten(row['completion'], width)}")
+
+
+def _number(value: Any, fmt: str) -> str:
+    return "-" if value is None or (isinstance(value, float) and not math.isfinite(value)) else format(value, fmt)
+
+
+def _shorten(text: Any, width: int) -> str:
+    text = repr(str(text))         # quoted, newlines visible
+    return text if len(text) <= width else text[:width - 4] + "...'"

@@ -111,14 +111,58 @@ def _convert(tp, value: Any, where: str):
     raise TypeError(f"unsupported config type {tp!r} at {where}")
 
 
+def _dataclass_of(tp):
+    """The dataclass a field holds, directly, in Optional[...] or as list items; else None."""
+    if dataclasses.is_dataclass(tp):
+        return tp
+    for arg in get_args(tp):
+        if dataclasses.is_dataclass(arg):
+            return arg
+    return None
+
+
+def unknown_fields(cls, data: Any, where: str = "") -> list[str]:
+    """Every key of `data`, at any depth, that `cls` has no field for, as one message each."""
+    if not isinstance(data, dict):
+        return []
+    hints = get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls) if f.init}
+    prefix = f"{where}." if where else ""
+    out = []
+    for key, value in data.items():
+        if key not in fields:
+            out.append(f"{prefix}{key}: unknown field{closest(str(key), fields)}; allowed: {', '.join(sorted(fields))}")
+            continue
+        inner = _dataclass_of(hints[key])
+        if inner is None:
+            continue
+        items = enumerate(value) if isinstance(value, (list, tuple)) else [(None, value)]
+        for i, item in items:
+            out += unknown_fields(inner, item, prefix + key + ("" if i is None else f"[{i}]"))
+    return out
+
+
+def problems_error(problems: list[str], what: str = "fields") -> UserError:
+    """One UserError for several mistakes: one line for one, a counted list for more."""
+    if len(problems) == 1:
+        return UserError(problems[0])
+    return UserError(f"{len(problems)} {what} are not accepted (nothing was written):\n"
+                     + "\n".join(f"  {p}" for p in problems))
+
+
 def build(cls, data: Any, where: str = ""):
-    """Build dataclass `cls` from a mapping; unknown keys and bad values raise UserError naming the field."""
+    """Build dataclass `cls` from a mapping; unknown keys and bad values raise UserError naming the
+    field. At the top level, every unknown key of the whole tree is named in one error."""
     if data is None:
         data = {}
     if isinstance(data, cls):
         return data
     if not isinstance(data, dict):
         raise UserError(f"{where or cls.__name__}: expected a mapping, got {data!r}")
+    if not where:
+        unknown = unknown_fields(cls, data)
+        if unknown:
+            raise problems_error(unknown)
     hints = get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     prefix = f"{where}." if where else ""

@@ -10,7 +10,8 @@ the one the site files' `gpu_memory_gb` means; they are printed as "GB" like the
 
 Trainer, per GPU (FSDP2 with the mixed precision of hpcrl.compute.train.fsdp):
   training state   16 B/param (fp32 master weights, fp32 gradients, two fp32 Adam moments) / shard
-  reference        params x compute dtype / shard, when grpo.beta > 0 and not trainer.reference_offload
+  reference        params x model.dtype ("auto": the compute dtype) / shard, when grpo.beta > 0 and not
+                   trainer.reference_offload
   gathered layers  two decoder layers unsharded in the compute dtype (the one computing and the one
                    prefetched) + one layer's unsharded fp32 gradients (reduce dtype), + the root group
                    (embeddings, final norm, LM head) unsharded in the compute dtype with the head's
@@ -27,8 +28,9 @@ Trainer, per GPU (FSDP2 with the mixed precision of hpcrl.compute.train.fsdp):
 Shard: every trainer of the job for FSDP, one node's trainers for HSDP (choose_mesh).
 
 Server, per GPU of its tensor-parallel group (inference.gpus GPUs):
-  weights      params x serving dtype / tp (dtype "auto" = the checkpoint's; vLLM serves a float32
-               checkpoint in bfloat16 on GPUs, float32 on CPU as hpcrl.compute.inference asks)
+  weights      params x serving dtype / tp (inference.dtype, else model.dtype; "auto" = the
+               checkpoint's; vLLM serves a float32 checkpoint in bfloat16 on GPUs, float32 on CPU
+               as hpcrl.compute.inference asks)
   KV cache     one sequence of max_model_len tokens (vLLM will not start with less):
                2 x layers x kv heads per rank x head_dim x dtype bytes per token
   activations  vLLM's profiling forward: max_num_batched_tokens x (3 hidden + 3 intermediate / tp)
@@ -57,7 +59,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from hpcrl.job.placement import Plan, make_plan
-from hpcrl.job.recipe import TrainerConfig
+from hpcrl.job.recipe import TrainerConfig, engine_dtype
 from hpcrl.job.spec import JobSpec
 
 GIB = 2 ** 30
@@ -227,7 +229,7 @@ def layer_activation_bytes(shape: ModelShape, compute_bytes: int) -> int:
 def trainer_parts(shape: ModelShape, *, micro_batch: int, seq_len: int, completion_len: int, shard: int = 1,
                   compute_dtype: str = "bfloat16", reference: bool = False, checkpointing: bool = False,
                   logprob_chunk_tokens: int = TrainerConfig.logprob_chunk_tokens, params: int | None = None,
-                  overhead_bytes: int = TRAINER_OVERHEAD_GPU) -> dict[str, int]:
+                  overhead_bytes: int = TRAINER_OVERHEAD_GPU, reference_dtype: str | None = None) -> dict[str, int]:
     """One trainer's peak memory in bytes, by part, for a training step in the given setting: the
     formula `hpcrl plan` and the render checks use, callable by a benchmark that measures the same
     step (pass overhead_bytes=0 to compare with torch's own allocation counters, which see no
@@ -245,7 +247,7 @@ def trainer_parts(shape: ModelShape, *, micro_batch: int, seq_len: int, completi
     chunk = min(logprob_chunk_tokens, micro_batch * completion_len)
     return {
         "training_state": math.ceil(n * TRAIN_BYTES_PER_PARAM / shard),
-        "reference": math.ceil(n * c / shard) if reference else 0,
+        "reference": math.ceil(n * DTYPE_BYTES[reference_dtype or compute_dtype] / shard) if reference else 0,
         "gathered_layers": (GATHERED_LAYERS * shape.layer_params * c + shape.layer_params * 4
                             + shape.root_params * c + v * h * c),
         "activations": activations,
@@ -385,6 +387,7 @@ def _trainer_parts(spec: JobSpec, shape: ModelShape, shard: int) -> dict[str, in
         # for that batch: a step that runs out of memory hours in is what it is here to prevent.
         seq_len=r.inference.max_model_len, completion_len=r.grpo.max_completion_length, shard=shard,
         compute_dtype=compute_dtype(spec),
+        reference_dtype=None if r.model.dtype == "auto" else r.model.dtype,
         # An offloaded reference lives in host memory; on a CPU site that is the same memory.
         reference=r.grpo.beta > 0 and not (r.trainer.reference_offload and on_gpu),
         checkpointing=bool(r.trainer.activation_checkpointing or r.grpo.gradient_checkpointing),
@@ -394,8 +397,9 @@ def _trainer_parts(spec: JobSpec, shape: ModelShape, shard: int) -> dict[str, in
 
 def serve_dtype(spec: JobSpec, shape: ModelShape) -> str:
     inf = spec.recipe.inference
-    if inf.dtype != "auto":
-        return inf.dtype
+    dtype = engine_dtype(inf.dtype, spec.recipe.model.dtype)
+    if dtype != "auto":
+        return dtype
     if inf.engine == "transformers":
         return shape.dtype          # from_pretrained(dtype="auto") keeps the checkpoint's
     if spec.site.device != "cuda":

@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
+from hpcrl.job.config import closest
 from hpcrl.job.errors import UserError
 
 # As hpcrl.compute.train.grpo.LOSS_TYPES (TRL 1.16); kept here because the login side never imports torch.
@@ -27,9 +28,29 @@ class ModelConfig:
     # sizes); "demo:<size>:random" has random weights (GRPO does not learn the sums from there in a
     # demo's time).
     path: str = "demo:tiny"
-    tokenizer: str = ""            # "" = the model's directory
+    # The tokenizer's directory (for the trainer, both engines and the exported model); "" = the model's.
+    tokenizer: str = ""
+    # The dtype of the weights outside the optimizer (the fp32 master weights and AdamW state stay
+    # fp32): what the engines serve when inference.dtype is "auto", what the frozen reference model
+    # is stored in (it still computes in the training dtype, grpo.bf16), and what the run's Hugging
+    # Face model directories hold. "auto": the checkpoint's config.json dtype for those directories;
+    # the engines keep their default and the reference the training dtype (no wider: same forward).
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # Also reaches the tokenizer and both engines: code shipped with the model or tokenizer runs.
     trust_remote_code: bool = False
+    # The trainers' and the transformers engine's attention ("eager", "sdpa", "flash_attention_2",
+    # ...; "" = transformers' choice). vLLM picks its own attention backend.
+    attn_implementation: str = ""
+
+    def validate(self, where: str) -> None:
+        if self.attn_implementation and not re.fullmatch(r"[\w./:-]+", self.attn_implementation):
+            raise UserError(f"{where}.attn_implementation: {self.attn_implementation!r} is not an attention "
+                            f"implementation's name (eager, sdpa, flash_attention_2, ...)")
+
+
+def engine_dtype(inference_dtype: str, model_dtype: str) -> str:
+    """What the engine is asked to serve in: inference.dtype, else model.dtype ("auto": its default)."""
+    return model_dtype if inference_dtype == "auto" else inference_dtype
 
 
 @dataclass(frozen=True)
@@ -41,14 +62,53 @@ class DataConfig:
     shuffle: bool = True
 
 
+# trl.rewards' functions (TRL 1.16): a recipe may name them alone, as TRL's CLI does (`func: accuracy_reward`).
+# Kept here because the login side never imports trl; tests check the list against trl.rewards.
+TRL_REWARDS = ("accuracy_reward", "reasoning_accuracy_reward", "think_format_reward", "get_cosine_scaled_reward",
+               "get_repetition_penalty_reward", "get_soft_overlong_punishment")
+# Those of them that import math_verify when they score.
+TRL_REWARDS_MATH_VERIFY = ("accuracy_reward", "reasoning_accuracy_reward", "get_cosine_scaled_reward")
+
+
+def reward_import_path(func: str) -> str:
+    """A TRL reward function's bare name -> its import path; any other func as it is."""
+    return f"trl.rewards:{func}" if func in TRL_REWARDS else func
+
+
 @dataclass(frozen=True)
 class RewardSpec:
+    """A reward function, called as TRL's GRPOTrainer calls it (hpcrl.compute.train.rewards).
+
+    ``func``: "package.module:function", a module beside the recipe or in the current directory
+    ("my_rewards:correct", copied into the run directory), or one of TRL_REWARDS by name. With
+    ``kwargs`` the imported object is a factory called with them to make the function (TRL's
+    get_soft_overlong_punishment). ``name``: the one its metrics take (rewards/<name>); "" = the
+    function's own, as TRL names it."""
     func: str
     weight: float = 1.0
+    name: str = ""
+    kwargs: Optional[dict[str, Any]] = None
 
     def validate(self, where: str) -> None:
         if not IMPORT_PATH.match(self.func):
             raise UserError(f"{where}.func: {self.func!r} is not an import path like \"package.module:function\"")
+        if "." not in self.func and ":" not in self.func and self.func not in TRL_REWARDS:
+            hint = closest(self.func, TRL_REWARDS) or f" ({', '.join(TRL_REWARDS)})"
+            raise UserError(f"{where}.func: {self.func!r} is neither an import path like \"my_rewards:function\" "
+                            f"nor one of TRL's reward functions{hint}")
+        if re.search(r"[\x00-\x1f\x7f]", self.name):
+            raise UserError(f"{where}.name: control characters (newline, tab, ...) are not allowed")
+
+
+def expand_shorthands(data: dict) -> dict:
+    """A raw recipe with its shorthands written out: `rewards:` may be a list of bare import paths
+    or TRL names (as TRL's reward_funcs), or a single one."""
+    rewards = data.get("rewards")
+    if isinstance(rewards, str):
+        rewards = [rewards]
+    if isinstance(rewards, list):
+        data = {**data, "rewards": [{"func": r} if isinstance(r, str) else r for r in rewards]}
+    return data
 
 
 def _default_rewards() -> tuple[RewardSpec, ...]:
@@ -58,16 +118,13 @@ def _default_rewards() -> tuple[RewardSpec, ...]:
 
 @dataclass(frozen=True)
 class GRPOConfig:
-    """Names and meaning as in trl.GRPOConfig (TRL 1.16).
-
-    The defaults are the demo's, tuned on the warmed-up "demo:tiny" model: its demo_correct reward
-    rises from ~0.6 to ~0.87 in 200 steps, about a minute and a half on two CPU cores. Set at least
-    learning_rate, per_device_train_batch_size and max_steps for a real model."""
-    learning_rate: float = 5e-4
-    per_device_train_batch_size: int = 128     # completions per trainer and step: 32 prompts x 4
+    """Names, meaning and defaults as in trl.GRPOConfig (TRL 1.16): a field a recipe leaves out
+    trains as TRL would. The built-in demo task sets its own tuned values (DEMO_GRPO)."""
+    learning_rate: float = 1e-6
+    per_device_train_batch_size: int = 8       # completions per trainer and optimizer step
     gradient_accumulation_steps: int = 1
-    num_generations: int = 4
-    max_completion_length: int = 16
+    num_generations: int = 8
+    max_completion_length: int = 512
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -79,32 +136,36 @@ class GRPOConfig:
     scale_rewards: Literal["group", "batch", "none"] = "group"
     mask_truncated_completions: bool = False
     # Reweights each completion by pi_trainer / pi_sampler (the engine's numerics, and the lag of
-    # inference.overlap_generation). TRL turns it on by default; here it is off: it costs a forward
-    # pass a step, and in order on matching numerics it changes little (README: what it did on the demo).
-    vllm_importance_sampling_correction: bool = False
+    # inference.overlap_generation). It costs a forward pass a step (README: what it did on the demo).
+    vllm_importance_sampling_correction: bool = True
     vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate",
                                            "sequence_mask"] = "sequence_mask"
     vllm_importance_sampling_clip_min: Optional[float] = None
     vllm_importance_sampling_clip_max: Optional[float] = 3.0
-    max_steps: int = 200
-    warmup_ratio: float = 0.0
-    lr_scheduler_type: Literal["constant", "cosine", "linear", "constant_with_warmup"] = "constant"
+    # Optimizer steps; -1 = num_train_epochs passes over the prompts (the trainer counts them:
+    # each generation of prompts gives num_iterations optimizer steps).
+    max_steps: int = -1
+    num_train_epochs: float = 3.0
+    # Linear warmup: a whole number of steps, or a fraction (< 1) of all steps, as transformers'.
+    warmup_steps: float = 0.0
+    lr_scheduler_type: Literal["constant", "cosine", "linear", "constant_with_warmup"] = "linear"
     max_grad_norm: float = 1.0
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
-    seed: int = 0
-    gradient_checkpointing: bool = False
+    adam_epsilon: float = 1e-8
+    seed: int = 42
+    gradient_checkpointing: bool = True
     # Mixed precision: "auto" = bf16 compute with fp32 reduce on GPU, fp32 on CPU.
     bf16: Optional[bool] = None
-    # Optimizer steps between Hugging Face model directories <run_dir>/model/checkpoint-<step>/,
-    # as TRL's output_dir/checkpoint-<step>; 0 = only the final one, <run_dir>/model/.
-    save_steps: int = 0
+    # Optimizer steps between Hugging Face model directories <output_dir>/checkpoint-<step>/
+    # (checkpoint.output_dir); 0 = only the final one.
+    save_steps: int = 500
 
     def validate(self, where: str) -> None:
         positive = ("learning_rate", "per_device_train_batch_size", "gradient_accumulation_steps",
                     "num_generations", "max_completion_length", "temperature", "num_iterations",
-                    "max_steps")
+                    "adam_epsilon")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise UserError(f"{where}.{name}: must be > 0, got {getattr(self, name)}")
@@ -128,12 +189,35 @@ class GRPOConfig:
                             f"vllm_importance_sampling_clip_min or _clip_max")
         if not 0 < self.top_p <= 1:
             raise UserError(f"{where}.top_p: must be in (0, 1], got {self.top_p}")
-        if not 0 <= self.warmup_ratio < 1:
-            raise UserError(f"{where}.warmup_ratio: must be in [0, 1), got {self.warmup_ratio}")
+        if self.max_steps == 0 or self.max_steps < -1:
+            raise UserError(f"{where}.max_steps: must be > 0, or -1 for num_train_epochs, got {self.max_steps}")
+        if self.max_steps == -1 and self.num_train_epochs <= 0:
+            raise UserError(f"{where}.num_train_epochs: must be > 0 when max_steps is -1, got {self.num_train_epochs}")
+        if self.warmup_steps < 0 or (self.warmup_steps >= 1 and not float(self.warmup_steps).is_integer()):
+            raise UserError(f"{where}.warmup_steps: must be a whole number of steps or a fraction in [0, 1), "
+                            f"got {self.warmup_steps}")
         if self.loss_type not in LOSS_TYPES:
             from hpcrl.job.config import closest
             raise UserError(f"{where}.loss_type: {self.loss_type!r} is not one of "
                             f"{', '.join(LOSS_TYPES)}{closest(self.loss_type, LOSS_TYPES)}")
+
+
+# The built-in demo task's values, tuned on the warmed-up "demo:tiny" model: its demo_correct reward
+# rises from ~0.6 to ~0.87 in 200 steps, about a minute and a half on two CPU cores. They are the
+# defaults of a recipe whose data is the demo task (hpcrl.login.compose); every other recipe starts
+# from TRL's.
+DEMO_GRPO = {
+    "learning_rate": 5e-4,
+    "per_device_train_batch_size": 128,     # 32 prompts x 4
+    "num_generations": 4,
+    "max_completion_length": 16,
+    "vllm_importance_sampling_correction": False,
+    "max_steps": 200,
+    "lr_scheduler_type": "constant",
+    "seed": 0,
+    "gradient_checkpointing": False,
+    "save_steps": 0,
+}
 
 
 @dataclass(frozen=True)
@@ -199,6 +283,10 @@ class CheckpointConfig:
     every: int = 0                  # optimizer steps between checkpoints; 0 = only on signal/end
     keep: int = 2
     dir: str = ""                   # "" = <run_dir>/checkpoints
+    # Where the Hugging Face model directories go (TRL's output_dir): the final model, and
+    # checkpoint-<step> inside it every grpo.save_steps. "" = <run_dir>/model. A relative path is
+    # taken from the directory hpcrl was run in, as TRL does.
+    output_dir: str = ""
     # The largest safetensors file of a Hugging Face model directory the run writes (<run_dir>/model,
     # grpo.save_steps, `hpcrl export`), in GB of 10^9 bytes as Hugging Face's max_shard_size="5GB".
     model_max_shard_size_gb: float = 5.0
@@ -216,7 +304,13 @@ class CheckpointConfig:
 class LoggingConfig:
     tensorboard: bool = False
     wandb: bool = False             # offline mode: compute nodes rarely reach the internet
-    log_completions: int = 0        # completions printed per step
+    # TRL's log_completions: every completion with its prompt, rewards and advantage goes to
+    # <run_dir>/completions.jsonl, and this many of each step's are printed; 0 = off.
+    log_completions: int = 0
+
+    def validate(self, where: str) -> None:
+        if self.log_completions < 0:
+            raise UserError(f"{where}.log_completions: must be >= 0 (0 = off), got {self.log_completions}")
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,8 @@ SLURM_OUTPUT = "slurm-%j.out"
 # `hpcrl run`'s copy of everything its ranks print.
 LOCAL_LOG_FILE = "run.log"
 METRICS_FILE = "metrics.jsonl"
+# logging.log_completions: every completion with its prompt, rewards and advantage, a line each.
+COMPLETIONS_FILE = "completions.jsonl"
 HEARTBEAT_FILE = "heartbeat.json"
 PLOT_FILE = "metrics.png"
 TENSORBOARD_DIR = "tensorboard"
@@ -35,6 +37,8 @@ TRAINING_CHECKPOINT_PREFIX = "step-"
 TRAINING_CHECKPOINT_FILES = (".metadata", "meta.json")
 # One health file per node's server (node-<n>.json), read by the trainers into the heartbeat.
 SERVERS_DIR = ".servers"
+# Copies of the recipe's own reward modules (JobSpec.reward_modules): first on the trainers' sys.path.
+REWARDS_DIR = "rewards"
 # Per-launch meeting files, removed once every task has met; then who is who in the latest launch.
 LAUNCH_DIR = ".launch"
 RANKS_FILE = "ranks.json"
@@ -50,9 +54,10 @@ def server_health_file(run_dir: str | os.PathLike, node: int) -> Path:
     return Path(run_dir) / SERVERS_DIR / f"node-{node}.json"
 
 
-def model_dir(run_dir: str | os.PathLike, step: int | None = None) -> Path:
-    """The final model (step None), or the one saved at ``step``."""
-    final = Path(run_dir) / MODEL_DIR
+def model_dir(run_dir: str | os.PathLike, step: int | None = None, output_dir: str = "") -> Path:
+    """The final model (step None), or the one saved at ``step``; ``output_dir`` is the recipe's
+    checkpoint.output_dir (TRL's output_dir), "" for <run_dir>/model."""
+    final = Path(output_dir) if output_dir else Path(run_dir) / MODEL_DIR
     return final if step is None else final / f"{MODEL_CHECKPOINT_PREFIX}{step}"
 
 
@@ -85,8 +90,10 @@ def slurm_output(run_dir: str | os.PathLike, job_id: str) -> Path:
     return Path(run_dir) / SLURM_OUTPUT.replace("%j", str(job_id))
 
 
-def create(run_dir: str | os.PathLike, spec_json: str, script: str | None) -> Path:
-    """Write the run directory atomically: a hidden sibling is filled, then renamed into place."""
+def create(run_dir: str | os.PathLike, spec_json: str, script: str | None,
+           reward_modules: tuple[str, ...] = ()) -> Path:
+    """Write the run directory atomically: a hidden sibling is filled, then renamed into place.
+    ``reward_modules`` (JobSpec's: files, or package directories) are copied into REWARDS_DIR."""
     run_dir = Path(run_dir)
     try:
         run_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -98,11 +105,25 @@ def create(run_dir: str | os.PathLike, spec_json: str, script: str | None) -> Pa
         if script is not None:
             (tmp / SCRIPT_FILE).write_text(script)
             (tmp / SCRIPT_FILE).chmod(0o755)
+        _copy_reward_modules(reward_modules, tmp / REWARDS_DIR)
         os.rename(tmp, run_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return run_dir
+
+
+def _copy_reward_modules(sources: tuple[str, ...], into: Path) -> None:
+    for source in sources:
+        src = Path(source)
+        try:
+            into.mkdir(exist_ok=True)
+            if src.is_dir():
+                shutil.copytree(src, into / src.name, ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                shutil.copy2(src, into / src.name)
+        except OSError as e:
+            raise UserError(f"rewards: cannot copy {src} into the run directory: {e.strerror or e}") from None
 
 
 def write_file_atomic(path: Path, text: str, mode: int = 0o644) -> None:

@@ -30,6 +30,10 @@ class JobSpec:
     recipe: Recipe
     time_s: int
     python: str             # the interpreter the tasks run
+    # Reward modules found beside the recipe or in the current directory (files, or package
+    # directories), as compose found them: the run directory keeps copies (rundir.REWARDS_DIR),
+    # which the trainers import, so a job runs the code it was submitted with.
+    reward_modules: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:

@@ -24,7 +24,7 @@ def submit_spec(spec: JobSpec, script: str | None = None) -> tuple[str, Path]:
     registry = Registry()
     if script is None:
         script = render_sbatch(spec)
-    run_dir = rundir.create(spec.run_dir, spec.to_json(), script)
+    run_dir = rundir.create(spec.run_dir, spec.to_json(), script, spec.reward_modules)
     try:
         job_id = slurm.submit(run_dir / rundir.SCRIPT_FILE, cwd=run_dir)
     except slurm.SlurmError:
@@ -52,7 +52,7 @@ def resubmit(run_dir: str, bad_args: Sequence[str] = ()) -> tuple[str, Path]:
     if not script.is_file():
         raise UserError(f"--resume: {path} has no {rundir.SCRIPT_FILE} (was it made by `hpcrl run`?)")
     if (path / rundir.FINISHED_MARKER).exists():
-        raise UserError(f"--resume: {path} already finished its {spec.recipe.grpo.max_steps} steps")
+        raise UserError(f"--resume: {path} already finished its training")
     rundir.write_file_atomic(script, render_sbatch(spec), 0o755)
     job_id = slurm.submit(script, cwd=path)
     Registry().add(job_id, spec.name, spec.site.name, str(path), str(script))

@@ -68,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--server-gpus", type=int, help="GPUs per node for the inference server (= inference.gpus)")
     p.add_argument("--json", action="store_true")
 
+    p = sub.add_parser("recipe", help="print the recipe a file (hpcrl's or TRL's) and key=value overrides resolve to")
+    p.add_argument("recipe", nargs="?", help="recipe or `trl grpo --config` YAML (default: the built-in demo)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="override fields, e.g. grpo.beta=0.04 or beta=0.04")
+    p.add_argument("--json", action="store_true")
+
     p = sub.add_parser("status", help="registered jobs, or one job in detail")
     p.add_argument("job_id", nargs="?")
     p.add_argument("--json", action="store_true")

@@ -10,23 +10,27 @@ from __future__ import annotations
 import re
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
 from hpcrl import __version__
-from hpcrl.job.config import build, closest, set_dotted
+from hpcrl.job import rundir
+from hpcrl.job.config import build, closest, deep_merge, problems_error, set_dotted, unknown_fields
 from hpcrl.job.errors import UserError
 from hpcrl.job.placement import Plan, make_plan
-from hpcrl.job.recipe import Recipe
+from hpcrl.job.recipe import DEMO_GRPO, DataConfig, Recipe
+from hpcrl.job.recipe import TRL_REWARDS_MATH_VERIFY, expand_shorthands, reward_import_path
 from hpcrl.job.site import Site
 from hpcrl.job.slurm_time import parse_walltime
 from hpcrl.job.spec import SPEC_VERSION, JobSpec
-from hpcrl.login import profiles
+from hpcrl.login import profiles, trl_config
+from hpcrl.login.trl_config import Translation
 
 # Job names, accounts, partitions and QOS land on #SBATCH lines: one plain token only.
 SLURM_NAME = re.compile(r"^[A-Za-z0-9_.+\-]{1,128}$")
 CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f]")
+_SECTIONS = {f.name for f in fields(Recipe)}
 
 
 def read_recipe(path: str | None) -> dict:
@@ -119,6 +123,9 @@ def _validate_resources(site: Site, recipe: Recipe, need_account: bool = True) -
             raise UserError(f"time: {res.time} is over QOS {res.qos}'s limit of {qos.max_time} on {site.name}")
         if qos.max_nodes and res.nodes > qos.max_nodes:
             raise UserError(f"nodes: {res.nodes} is over QOS {res.qos}'s limit of {qos.max_nodes}")
+        if not qos.allows_dependencies and any(re.match(r"--dependency|-d", opt) for opt in res.sbatch_options):
+            raise UserError(f"resources.sbatch_options: QOS {res.qos} on {site.name} does not allow job "
+                            f"dependencies (--dependency)")
     return time_s
 
 
@@ -196,11 +203,7 @@ def compose(recipe_path: str | None, site_name: str, assignments: list[str] = ()
 
     `check_fit`: refuse a job whose memory estimate is over its GPUs' (unknown sizes never are).
     `for_plan`: `hpcrl plan`'s spec: no account needed, no run directory (run_dir is ""), no refusal."""
-    data = apply_overrides(read_recipe(recipe_path), list(assignments))
-    for key, value in (flags or {}).items():
-        if value is not None:
-            set_dotted(data, key, value)
-    recipe = build(Recipe, data)
+    recipe = build_recipe(recipe_path, assignments, flags).recipe
     site = profiles.load(site_name, recipe.site)
     # Site defaults fill resources the recipe and flags left open.
     res = recipe.resources
@@ -210,8 +213,7 @@ def compose(recipe_path: str | None, site_name: str, assignments: list[str] = ()
     _validate_batch(recipe)
     plan = make_plan(site, recipe.resources.nodes, recipe.inference.gpus)   # server GPUs vs GPUs per node
     python = sys.executable if site.python == "auto" else site.python
-    if python == sys.executable:
-        _check_reward_modules(recipe)
+    reward_modules = _reward_modules(recipe, recipe_path, check_installed=python == sys.executable)
     if for_plan:
         return JobSpec(SPEC_VERSION, __version__, time.time(), "", site, recipe, time_s, python)
     run_path = Path(run_dir) if run_dir else default_run_dir(site, recipe.name)
@@ -224,10 +226,62 @@ def compose(recipe_path: str | None, site_name: str, assignments: list[str] = ()
     _check_writable_on_compute(site, run_path, "--run-dir")
     if recipe.checkpoint.dir:
         _check_writable_on_compute(site, Path(recipe.checkpoint.dir).expanduser().absolute(), "checkpoint.dir")
-    spec = JobSpec(SPEC_VERSION, __version__, time.time(), str(run_path), site, recipe, time_s, python)
+    if recipe.checkpoint.output_dir:
+        _check_output_dir(site, Path(recipe.checkpoint.output_dir))
+    spec = JobSpec(SPEC_VERSION, __version__, time.time(), str(run_path), site, recipe, time_s, python,
+                   reward_modules)
     if check_fit:
         _check_fit(spec, plan)
     return spec
+
+
+@dataclass
+class ResolvedRecipe:
+    recipe: Recipe
+    trl: Translation | None        # what a TRL configuration's keys became
+
+
+def build_recipe(recipe_path: str | None, assignments: list[str] = (),
+                 flags: dict[str, Any] | None = None) -> ResolvedRecipe:
+    """Recipe file (hpcrl's sections, TRL's flat keys, or both) + key=value + flags -> a Recipe.
+    Every field that is not accepted, anywhere, is named in one error."""
+    raw = read_recipe(recipe_path)
+    section_overrides = [a for a in assignments if a.partition("=")[0].split(".")[0] in _SECTIONS]
+    flat_overrides = apply_overrides({}, [a for a in assignments if a not in section_overrides])
+    translation = None
+    data = raw
+    if trl_config.is_trl(raw) or flat_overrides:
+        translation = trl_config.translate(raw)
+        on_top = trl_config.translate(flat_overrides, whole=False)
+        translation.moved.update(on_top.moved)
+        translation.inert.update(on_top.inert)
+        translation.problems += on_top.problems
+        data = deep_merge(translation.recipe, on_top.recipe)
+    data = apply_overrides(data, section_overrides)
+    for key, value in (flags or {}).items():
+        if value is not None:
+            set_dotted(data, key, value)
+    problems = (translation.problems if translation else []) + unknown_fields(Recipe, data)
+    if problems:
+        raise problems_error(problems)
+    if (data.get("data") or {}).get("path", DataConfig.path) == DataConfig.path:
+        # The built-in task trains with its own tuned values where the recipe says nothing.
+        data["grpo"] = {**DEMO_GRPO, **(data.get("grpo") or {})}
+    _local_paths(data)
+    return ResolvedRecipe(build(Recipe, expand_shorthands(data)), translation)
+
+
+def _local_paths(data: dict) -> None:
+    """Relative paths as TRL takes them: from the directory hpcrl runs in (the job itself runs in
+    its run directory). A model or dataset name that is no path here is left as it is."""
+    for section, key, must_exist in (("model", "path", True), ("model", "tokenizer", True), ("data", "path", True),
+                                     ("checkpoint", "dir", False), ("checkpoint", "output_dir", False)):
+        value = (data.get(section) or {}).get(key)
+        if not isinstance(value, str) or not value or value == "demo" or value.startswith("demo:") or Path(value).is_absolute():
+            continue
+        path = Path(value).expanduser()
+        if not must_exist or path.exists():
+            data[section][key] = str(path.absolute())
 
 
 def _check_fit(spec: JobSpec, plan: Plan) -> None:
@@ -255,22 +309,77 @@ def _check_writable_on_compute(site: Site, path: Path, where: str) -> None:
                             f"~/.config/hpcrl/sites/{site.name}.toml)")
 
 
-def _check_reward_modules(recipe) -> None:
-    """A reward module the tasks could not import fails here, not minutes into the job. Only where
-    the tasks run this very interpreter, and only the top-level package: finding it executes no
-    code (a reward module may import torch, which the login side never does); the module itself
-    and its function are checked when the trainer starts."""
+def _check_output_dir(site: Site, path: Path) -> None:
+    """TRL's output_dir: the final model replaces a model directory there, as TRL overwrites it;
+    anything else there is the user's and is never replaced."""
+    where = "checkpoint.output_dir (TRL's output_dir)"
+    _check_text(str(path), where)
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{where}: {path} is a file, not a directory")
+    if path.is_dir() and any(path.iterdir()) and not rundir.is_model_dir(path) \
+            and not any(p.name.startswith(rundir.MODEL_CHECKPOINT_PREFIX) for p in path.iterdir()):
+        raise UserError(f"{where}: {path} holds files that are not a model; the final model would replace "
+                        f"them: name a new or empty directory")
+    _check_writable_on_compute(site, path, where)
+
+
+def _reward_modules(recipe, recipe_path: str | None, check_installed: bool) -> tuple[str, ...]:
+    """The recipe's own reward modules, to copy into the run directory: those in the current
+    directory (TRL's CLI puts it on sys.path) or beside the recipe, unless an installed package
+    provides the name. Where the tasks run this very interpreter, every other module must be
+    importable here: it fails now, not minutes into the job. Only top-level names are looked up,
+    which executes no code (a reward module may import torch, which the login side never does);
+    the module itself and its function are checked when the trainer starts."""
+    dirs = [str(Path.cwd())]
+    if recipe_path and str(Path(recipe_path).absolute().parent) not in dirs:
+        dirs.append(str(Path(recipe_path).absolute().parent))
+    local: dict[str, None] = {}         # in order, once each
+    needs_math_verify = {f"trl.rewards.{name}" for name in TRL_REWARDS_MATH_VERIFY}
+    for i, reward in enumerate(recipe.rewards):
+        path = reward_import_path(reward.func)
+        top = path.partition(":")[0].split(".")[0]
+        own = _own_module(top, dirs)
+        if own:
+            local[own] = None
+        elif check_installed and not _importable(top):
+            raise UserError(f"rewards[{i}].func: no module named {top!r} in {' or '.join(dirs)}, nor in "
+                            f"{sys.executable} (the tasks would fail to import {reward.func!r})")
+        elif check_installed and path.replace(":", ".") in needs_math_verify and not _importable("math_verify"):
+            raise UserError(f"rewards[{i}].func: {reward.func} needs the math_verify package, which "
+                            f"{sys.executable} lacks: {sys.executable} -m pip install math-verify")
+    return tuple(local)
+
+
+def _importable(top: str) -> bool:
+    """Whether the tasks' interpreter finds `top`. Not through the current directory, which
+    `python -m hpcrl` puts first on sys.path: the tasks run in the run directory."""
     import importlib.util
 
-    for i, reward in enumerate(recipe.rewards):
-        top = reward.func.partition(":")[0].split(".")[0]
-        try:
-            found = importlib.util.find_spec(top) is not None
-        except (ImportError, ValueError):
-            found = False
-        if not found:
-            raise UserError(f"rewards[{i}].func: no module named {top!r} in {sys.executable} "
-                            f"(the tasks would fail to import {reward.func!r})")
+    saved = list(sys.path)
+    if sys.path and sys.path[0] in ("", str(Path.cwd())):
+        del sys.path[0]
+    try:
+        return importlib.util.find_spec(top) is not None
+    except (ImportError, ValueError):
+        return False
+    finally:
+        sys.path[:] = saved
+
+
+def _own_module(top: str, dirs: list[str]) -> str | None:
+    """The file, or package directory, of module `top` in `dirs`; None where there is none, or
+    where the standard library or an installed distribution has the name (hpcrl itself, run from
+    its checkout). A directory without __init__.py does not count: any directory of that name
+    would be copied whole."""
+    import importlib.machinery
+    import importlib.metadata
+
+    found = importlib.machinery.PathFinder.find_spec(top, dirs)
+    if found is None or found.origin in (None, "namespace") or top in sys.stdlib_module_names:
+        return None
+    if top in importlib.metadata.packages_distributions():
+        return None
+    return str(Path(found.origin).parent) if found.submodule_search_locations else found.origin
 
 
 def default_run_dir(site: Site, name: str) -> Path:

@@ -96,7 +96,7 @@ def run(args) -> int:
     # ranks, so $HOME and the like in them are expanded here.
     env.update({k: os.path.expandvars(v) for k, v in spec.environment().items()})
     env.update(HPCRL_RUN_DIR=spec.run_dir, HPCRL_LAUNCH_ID=f"local-{uuid.uuid4().hex[:12]}", PYTHONUNBUFFERED="1")
-    run_dir = rundir.create(spec.run_dir, spec.to_json(), None)
+    run_dir = rundir.create(spec.run_dir, spec.to_json(), None, spec.reward_modules)
     print(f"hpcrl: run directory {run_dir}; {plan.world_size} tasks ({plan.num_trainers} trainer(s), "
           f"{plan.nodes} server(s))", file=sys.stderr, flush=True)
     grace = spec.recipe.launch.peer_failure_timeout_s + AFTER_FAILURE_GRACE_S
@@ -108,7 +108,8 @@ def run(args) -> int:
         code = supervise(cmd, env, run_dir / LOCAL_LOG_FILE, grace, progress)
     finally:
         progress.close()
-    print_summary(run_dir, spec.recipe.grpo.max_steps, time.monotonic() - t0, code)
+    print_summary(run_dir, spec.recipe.grpo.max_steps, time.monotonic() - t0, code,
+                  output_dir=spec.recipe.checkpoint.output_dir)
     return code
 
 
@@ -122,7 +123,8 @@ class Progress:
 
     def __init__(self, run_dir: Path, total: int, file=None) -> None:
         self.path = Path(run_dir) / METRICS_FILE
-        self.total = total
+        # max_steps -1 (epochs): the trainer counts the steps and its metrics say how many.
+        self.total = total if total > 0 else None
         self.bar = None
         self._offset = 0
         self._partial = b""
@@ -184,7 +186,9 @@ class Progress:
                 last = rec
         if last is None:
             return
-        step = min(last["step"], self.total)
+        if isinstance(last.get("max_steps"), int) and last["max_steps"] != self.total:
+            self.total = self.bar.total = last["max_steps"]
+        step = min(last["step"], self.total or last["step"])
         step_s = last.get("time_step_s")
         if not self._seen_step and isinstance(step_s, (int, float)) and step > self.bar.n:
             # The ETA from the steps' own time, not from the engine's start-up before the first one.
@@ -223,7 +227,7 @@ def _mean_over(steps: list[dict]) -> tuple[float | None, str]:
     return (sum(vals) / len(vals) if vals else None), where
 
 
-def print_summary(run_dir: Path, max_steps: int, wall_s: float, code: int, file=None) -> None:
+def print_summary(run_dir: Path, max_steps: int, wall_s: float, code: int, file=None, output_dir: str = "") -> None:
     """What the run did, after mpiexec is gone; the plot too when it ended well."""
     from hpcrl.login import plot
 
@@ -232,8 +236,11 @@ def print_summary(run_dir: Path, max_steps: int, wall_s: float, code: int, file=
     if not steps and code != 0:
         return                                   # it failed before a step: its error says it all
     done = steps[-1]["step"] if steps else 0
+    if steps and isinstance(steps[-1].get("max_steps"), int):
+        max_steps = steps[-1]["max_steps"]         # the trainer's count when the recipe gave epochs
     ending = "" if code == 0 else (" (interrupted)" if code == 130 else f" (exit code {code})")
-    lines = [f"hpcrl: {'finished' if code == 0 and done >= max_steps else 'stopped'}: step {done} of {max_steps} "
+    of = f" of {max_steps}" if max_steps > 0 else ""
+    lines = [f"hpcrl: {'finished' if code == 0 and done >= max_steps else 'stopped'}: step {done}{of} "
              f"in {format_walltime(wall_s)}{ending}"]
     if steps:
         k = max(1, min(10, len(steps) // 5))
@@ -253,7 +260,7 @@ def print_summary(run_dir: Path, max_steps: int, wall_s: float, code: int, file=
     elif steps:
         lines.append(f"  plot      hpcrl plot {shlex.quote(str(run_dir))}")
     lines.append(f"  log       {run_dir / LOCAL_LOG_FILE}")
-    model = rundir.model_dir(run_dir)
+    model = rundir.model_dir(run_dir, output_dir=output_dir)
     if rundir.is_model_dir(model):
         lines.append(f"  model     {model}")
     elif rundir.training_checkpoint_steps(run_dir / rundir.CHECKPOINTS_DIR):

@@ -1,7 +1,8 @@
 """`hpcrl plot`: one PNG of a run's ``metrics.jsonl``, for a person to look at.
 
 Panels over a shared optimizer-step axis: reward (mean with a +-std band, and each reward
-function's mean), KL to the reference model, completion length, where each step's time went
+function's mean), what the reward functions logged with log_metric (only if they did), KL to the
+reference model, completion length, where each step's time went
 (generation, weight sync, training, waiting) and generated tokens per second. With many steps
 the raw points are drawn faint under a smoothed line.
 
@@ -100,6 +101,17 @@ def reward_names(steps: list[dict]) -> list[str]:
     return list(names)
 
 
+def logged_metric_names(steps: list[dict]) -> list[str]:
+    """The metrics reward functions logged with TRL's log_metric (the trainer names them under
+    "log_metric_names"), in the order they first appear."""
+    names: dict[str, None] = {}
+    for rec in steps:
+        logged = rec.get("log_metric_names")
+        for name in logged if isinstance(logged, list) else ():
+            names.setdefault(str(name), None)
+    return list(names)
+
+
 def _reward_series(rec: dict, name: str) -> float:
     v = rec.get(f"rewards/{name}")
     return _num(v if v is not None else rec.get(f"rewards/{name}/mean"))
@@ -157,9 +169,11 @@ def write_plot(run_dir: str | Path, output: Optional[str | Path] = None) -> Path
              "figure.facecolor": "white", "savefig.facecolor": "white"}
     with plt.rc_context(style):
         has_kl = any(not math.isnan(v) for v in col["kl"])
-        fig, (ax_r, ax_kl, ax_len, ax_t, ax_tok) = plt.subplots(
-            5, 1, sharex=True, figsize=(11, 12.5 if has_kl else 11.4), dpi=100, layout="constrained",
-            height_ratios=(1.7, 0.9 if has_kl else 0.28, 0.9, 1.1, 0.9))
+        logged = logged_metric_names(steps)
+        ratios = (1.7, *((1.1,) if logged else ()), 0.9 if has_kl else 0.28, 0.9, 1.1, 0.9)
+        fig, (ax_r, *ax_logged, ax_kl, ax_len, ax_t, ax_tok) = plt.subplots(
+            len(ratios), 1, sharex=True, figsize=(11, (12.5 if has_kl else 11.4) + (1.8 if logged else 0)), dpi=100,
+            layout="constrained", height_ratios=ratios)
 
         def line(ax, ys, color, label=None, lw=2.0, raw_too=True, z=3.0):
             """Raw points (faint when smoothed) and, with many steps, the moving average on top."""
@@ -203,6 +217,16 @@ def write_plot(run_dir: str | Path, output: Optional[str | Path] = None) -> Path
                         ncol=min(4, len(labels)))
         else:
             _note(ax_r, "no reward values logged")
+
+        # -- the reward functions' own metrics
+        for ax in ax_logged:
+            ax.set_title("Logged by the reward functions (log_metric)")
+            drawn = [line(ax, [_num(rec.get(name)) for rec in steps], C_FUNCS[i % len(C_FUNCS)], label=name, lw=1.6)
+                     for i, name in enumerate(logged)]
+            if any(drawn):
+                ax.legend(loc="best", ncol=min(4, len(logged)))
+            else:
+                _note(ax, "no values logged")
 
         # -- KL
         ax_kl.set_title("KL to the reference model")
@@ -303,9 +327,9 @@ def _subtitle(run_dir: Path, job: dict, steps: list[dict]) -> str:
     model = _get(job, "recipe", "model", "path")
     if model:
         bits.append(f"model {model}")
-    max_steps = _get(job, "recipe", "grpo", "max_steps")
+    max_steps = steps[-1].get("max_steps", _get(job, "recipe", "grpo", "max_steps"))
     last = steps[-1]["step"]
-    bits.append(f"step {last} of {max_steps}" if isinstance(max_steps, int) else f"{len(steps)} steps")
+    bits.append(f"step {last} of {max_steps}" if isinstance(max_steps, int) and max_steps > 0 else f"{len(steps)} steps")
     t1 = _num(steps[-1].get("time"))
     if not math.isnan(t1):
         bits.append(time.strftime("%Y-%m-%d %H:%M", time.localtime(t1)))

@@ -14,12 +14,15 @@ from hpcrl.compute.inference.types import Completion, Sampling
 class TransformersEngine:
     name = "transformers"
 
-    def __init__(self, model_dir: str, device: str = "cpu", dtype: str = "auto", seed: int = 0):
+    def __init__(self, model_dir: str, device: str = "cpu", dtype: str = "auto", seed: int = 0, *,
+                 tokenizer: str = "", trust_remote_code: bool = False, attn_implementation: str = ""):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).to(device).eval()
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch_dtype, trust_remote_code=trust_remote_code,
+            attn_implementation=attn_implementation or None).to(device).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer or model_dir, trust_remote_code=trust_remote_code)
         self.device = torch.device(device)
         self.version = 0
         self._seed = seed

@@ -20,13 +20,14 @@ from hpcrl.compute.launch.channel import PeerClosed
 from hpcrl.compute.launch.context import LaunchContext
 from hpcrl.compute.sync.api import ServerSync, default_backend
 from hpcrl.job import rundir
+from hpcrl.job.recipe import engine_dtype
 
 BATCH_WINDOW_S = 0.05      # after the first request, wait this long for the other trainers'
 HEALTH_EVERY_S = 5.0
 
 
 def make_engine(ctx: LaunchContext, model_dir: str):
-    inf = ctx.spec.recipe.inference
+    inf, model = ctx.spec.recipe.inference, ctx.spec.recipe.model
     from hpcrl.compute.inference.vllm_engine import VLLMEngine, vllm_available
 
     use_vllm = inf.engine == "vllm" or (inf.engine == "auto" and vllm_available())
@@ -34,12 +35,15 @@ def make_engine(ctx: LaunchContext, model_dir: str):
         raise RuntimeError("inference.engine: vllm is not installed in this environment; "
                            "install a vLLM build for this site or use inference.engine=transformers")
     if use_vllm:
-        return VLLMEngine(model_dir, inf, device=ctx.device, cores=ctx.task.cores,
+        return VLLMEngine(model_dir, inf, model, device=ctx.device, cores=ctx.task.cores,
                           seed=ctx.spec.recipe.grpo.seed, backend=default_backend(ctx.device))
     from hpcrl.compute.inference.hf_engine import TransformersEngine
 
     device = "cuda" if ctx.device == "cuda" else "cpu"
-    return TransformersEngine(model_dir, device=device, dtype=inf.dtype, seed=ctx.spec.recipe.grpo.seed)
+    return TransformersEngine(model_dir, device=device, dtype=engine_dtype(inf.dtype, model.dtype),
+                              seed=ctx.spec.recipe.grpo.seed, tokenizer=model.tokenizer,
+                              trust_remote_code=model.trust_remote_code,
+                              attn_implementation=model.attn_implementation)
 
 
 class Server:
@@ -169,10 +173,11 @@ class Server:
 
 
 def run_server(ctx: LaunchContext) -> int:
-    from hpcrl.compute.train.sources import resolve_model
+    from hpcrl.compute.train.sources import resolve_model, tokenizer_dir
 
     recipe = ctx.spec.recipe
     model_dir = resolve_model(recipe.model.path, ctx.run_dir, recipe.grpo.seed)
+    tokenizer_dir(recipe.model, model_dir)      # a missing one named here, not deep in the engine
     t0 = time.perf_counter()
     engine = make_engine(ctx, model_dir)
     ctx.log(f"{engine.name} engine ready in {time.perf_counter() - t0:.1f} s on GPU(s) "

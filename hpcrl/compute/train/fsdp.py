@@ -15,7 +15,7 @@ own), not by the collective timeout: reading a large model is not a hung collect
 Numerics: the policy's master weights are fp32 (so is the optimizer). With bf16 the layers compute in
 bf16 (``MixedPrecisionPolicy``) and gradients are reduced in fp32. The reference model has no optimizer
 and no gradients: with bf16 it is *stored* in bf16, which gives the same forward as an fp32 copy cast
-to bf16 at every all-gather, in half the memory.
+to bf16 at every all-gather, in half the memory; recipe model.dtype stores it in another dtype.
 """
 
 from __future__ import annotations
@@ -244,6 +244,7 @@ def load_sharded_model(
     offload: bool = False,
     trust_remote_code: bool = False,
     load_timeout_s: Optional[float] = None,
+    attn_implementation: Optional[str] = None,
 ) -> nn.Module:
     """A Hugging Face causal LM from ``model_dir``, sharded with :func:`apply_fsdp` on ``mesh``.
 
@@ -257,7 +258,8 @@ def load_sharded_model(
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     config.use_cache = False            # the trainer only runs whole sequences
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code,
+                                                 attn_implementation=attn_implementation)
     apply_fsdp(model, mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                reshard_after_forward=reshard_after_forward,
                activation_checkpointing=activation_checkpointing, offload=offload)
@@ -273,7 +275,8 @@ def load_sharded_model(
         _load_group(group, load_timeout_s)    # made before rank 0 reads: its making is a rendezvous too
     source = None
     if dist.get_rank(group) == 0:
-        source = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, trust_remote_code=trust_remote_code)
+        source = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, trust_remote_code=trust_remote_code,
+                                                      attn_implementation=attn_implementation)
     _stream_from_rank0(model, source, device, group, what=model_dir, load_timeout_s=load_timeout_s)
     del source
     return model
@@ -284,8 +287,8 @@ def load_policy_and_reference(model_dir: str, mesh: DeviceMesh, device: torch.de
     """The trainable policy and (when ``recipe.grpo.beta > 0``) the frozen reference model.
 
     Reads ``grpo.bf16``, ``grpo.beta``, ``grpo.gradient_checkpointing``,
-    ``trainer.activation_checkpointing``, ``trainer.reference_offload``,
-    ``model.trust_remote_code`` and ``launch.model_load_timeout_s`` of the recipe.
+    ``trainer.activation_checkpointing``, ``trainer.reference_offload``, ``model.dtype``,
+    ``model.trust_remote_code``, ``model.attn_implementation`` and ``launch.model_load_timeout_s`` of the recipe.
 
     Both are sharded the same way on the same mesh and device. The reference is in eval mode with
     ``requires_grad=False`` everywhere; it lives in host memory only with an explicit
@@ -294,19 +297,22 @@ def load_policy_and_reference(model_dir: str, mesh: DeviceMesh, device: torch.de
     device = torch.device(device)
     grpo, trainer = recipe.grpo, recipe.trainer
     trust, load_timeout_s = recipe.model.trust_remote_code, recipe.launch.model_load_timeout_s
+    attention = recipe.model.attn_implementation or None
     param_dtype, reduce_dtype = mixed_precision_for(device.type, grpo.bf16)
     policy = load_sharded_model(
         model_dir, mesh, device, dtype=torch.float32, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
         activation_checkpointing=bool(grpo.gradient_checkpointing or trainer.activation_checkpointing),
-        trust_remote_code=trust, load_timeout_s=load_timeout_s)
+        trust_remote_code=trust, load_timeout_s=load_timeout_s, attn_implementation=attention)
     policy.train()
     _check_devices(policy, device, offload=False, what="policy")
     if grpo.beta <= 0:
         return policy, None
-    # No gradients, no optimizer: stored directly in the compute dtype (same forward, half the bytes).
+    # No gradients, no optimizer: stored in model.dtype, by default in the compute dtype (the forward
+    # of an fp32 copy cast at every all-gather, in half the bytes); it computes in the compute dtype.
+    stored = param_dtype if recipe.model.dtype == "auto" else getattr(torch, recipe.model.dtype)
     reference = load_sharded_model(
-        model_dir, mesh, device, dtype=param_dtype, offload=bool(trainer.reference_offload),
-        trust_remote_code=trust, load_timeout_s=load_timeout_s)
+        model_dir, mesh, device, dtype=stored, param_dtype=param_dtype, offload=bool(trainer.reference_offload),
+        trust_remote_code=trust, load_timeout_s=load_timeout_s, attn_implementation=attention)
     reference.eval()
     reference.requires_grad_(False)
     _check_devices(reference, device, offload=bool(trainer.reference_offload), what="reference")

@@ -3,7 +3,8 @@
 - AdamW over the (sharded, DTensor) parameters; fused kernel where the device has one, else foreach.
   Weight decay as Hugging Face's Trainer applies it: not on biases and normalisation weights.
 - The schedule is ``transformers.get_scheduler`` itself, with warmup steps computed as TRL does
-  (``ceil(max_steps * warmup_ratio)``), so a recipe's schedule is the one TRL would run
+  (``warmup_steps`` as is, or ``ceil(max_steps * warmup_steps)`` for a fraction below 1), so a
+  recipe's schedule is the one TRL would run
   (note HF's "constant" ignores warmup; "constant_with_warmup" does not).
 - Gradient clipping over FSDP2's DTensor gradients: the total norm is a reduction across the mesh
   (each rank holds a shard), done the torchtitan way: norm of the local shards as a DTensor, then
@@ -62,7 +63,7 @@ def _fused_ok(params: list[torch.Tensor]) -> bool:
 
 
 def build_optimizer(model: nn.Module, grpo: GRPOConfig, *, implementation: str = "auto") -> torch.optim.AdamW:
-    """AdamW from a recipe's ``grpo`` section (learning_rate, adam_beta1/2, weight_decay).
+    """AdamW from a recipe's ``grpo`` section (learning_rate, adam_beta1/2, adam_epsilon, weight_decay).
 
     ``implementation``: "auto" (fused where supported, else foreach), "fused", "foreach" or "for".
     """
@@ -78,12 +79,13 @@ def build_optimizer(model: nn.Module, grpo: GRPOConfig, *, implementation: str =
     if implementation == "for":
         kw = {"fused": False, "foreach": False}
     return torch.optim.AdamW(groups, lr=grpo.learning_rate, betas=(grpo.adam_beta1, grpo.adam_beta2),
-                             eps=1e-8, **kw)
+                             eps=grpo.adam_epsilon, **kw)
 
 
-def warmup_steps(max_steps: int, warmup_ratio: float) -> int:
-    """Warmup steps as transformers computes them from a ratio."""
-    return math.ceil(max_steps * warmup_ratio)
+def warmup_steps(max_steps: int, warmup: float) -> int:
+    """Warmup steps as transformers computes them (TrainingArguments.get_warmup_steps): a whole
+    number is steps, a fraction below 1 is a share of ``max_steps``."""
+    return math.ceil(max_steps * warmup) if 0 < warmup < 1 else int(warmup)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, grpo: GRPOConfig) -> torch.optim.lr_scheduler.LRScheduler:
@@ -95,7 +97,7 @@ def build_scheduler(optimizer: torch.optim.Optimizer, grpo: GRPOConfig) -> torch
     from transformers import get_scheduler
 
     return get_scheduler(grpo.lr_scheduler_type, optimizer,
-                         num_warmup_steps=warmup_steps(grpo.max_steps, grpo.warmup_ratio),
+                         num_warmup_steps=warmup_steps(grpo.max_steps, grpo.warmup_steps),
                          num_training_steps=grpo.max_steps)
 
 

@@ -1,13 +1,17 @@
 """Reward functions: TRL's calling convention, loading by import path, scoring, and the demo rewards.
 
-A reward function is called as TRL calls it::
+A reward function is called as TRL's GRPOTrainer (1.16) calls it::
 
-    f(prompts=[...], completions=[...], completion_ids=[[...], ...], **columns) -> list[float | None]
+    f(prompts=[...], completions=[...], completion_ids=[[...], ...], **columns,
+      trainer_state=..., log_extra=..., log_metric=...) -> list[float | None]
 
 ``prompts`` and ``completions`` are strings, or for conversational prompts message lists (each
 completion ``[{"role": "assistant", "content": text}]``); ``columns`` are the dataset's other columns,
-one value per completion. None means "does not apply"; a row where every function says None is left
-out of the advantages. So any TRL reward function (``trl.rewards``) works unchanged.
+one value per completion. ``trainer_state`` is a transformers.TrainerState (global_step, max_steps,
+epoch, ...), ``log_extra(column, values)`` adds a column to the logged completions and
+``log_metric(name, value)`` a scalar to the step's metrics (:class:`RewardLog`). None means "does
+not apply"; a row where every function says None is left out of the advantages. So any TRL reward
+function (``trl.rewards``) works unchanged.
 """
 
 from __future__ import annotations
@@ -17,17 +21,24 @@ import functools
 import importlib
 import inspect
 import math
+import os
 import re
+import sys
+from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from hpcrl.job.recipe import reward_import_path
+
 __all__ = [
     "RewardFunction",
+    "RewardLog",
     "import_callable",
     "load_reward_functions",
+    "new_trainer_state",
     "score_completions",
     "as_completions",
     "completion_text",
@@ -59,17 +70,27 @@ def import_callable(path: str) -> Callable:
     return obj
 
 
-def load_reward_functions(specs: Sequence[str | Mapping[str, Any] | Callable]) -> list[RewardFunction]:
+# TRL's CLI makes get_soft_overlong_punishment, named alone, with these; trl.rewards' other
+# factories named without kwargs are called with none (their own defaults).
+TRL_CLI_FACTORY_KWARGS = {"get_soft_overlong_punishment": {"max_completion_len": 1280, "soft_punish_cache": 256}}
+
+
+def load_reward_functions(specs: Sequence[str | Mapping[str, Any] | Callable],
+                          module_dir: str | os.PathLike | None = None) -> list[RewardFunction]:
     """Resolve reward specs, each one of:
 
-    - ``"package.module:function"`` (weight 1),
+    - ``"package.module:function"`` (weight 1), or the name of one of trl.rewards' functions,
     - ``{"func": "package.module:function", "weight": 0.5, "name": ..., "kwargs": {...}}``: with
       ``kwargs`` the imported object is a *factory* called with them to make the reward function (as
       ``trl.rewards.get_soft_overlong_punishment``),
     - a callable.
 
-    A bad path raises ``ValueError("rewards[i].func: cannot import 'x.y:z' (ModuleNotFoundError: ...)")``.
+    ``module_dir`` (the run directory's copies of the recipe's own modules) goes first on sys.path.
+    A bad path raises ``ValueError("rewards[i].func: cannot import 'x.y:z' (ModuleNotFoundError: ...)")``,
+    a factory that fails on its kwargs ``ValueError("rewards[i].kwargs: ...")``.
     """
+    if module_dir is not None and os.path.isdir(module_dir) and str(module_dir) not in sys.path:
+        sys.path.insert(0, str(module_dir))
     out = []
     for i, spec in enumerate(specs):
         where = f"rewards[{i}]"
@@ -82,14 +103,22 @@ def load_reward_functions(specs: Sequence[str | Mapping[str, Any] | Callable]) -
         unknown = set(spec) - {"func", "weight", "name", "kwargs"}
         if unknown:
             raise ValueError(f"{where}: unknown keys {sorted(unknown)}")
-        func = spec["func"]
+        func, kwargs = spec["func"], spec.get("kwargs")
         if isinstance(func, str):
             try:
-                func = import_callable(func)
+                func = import_callable(reward_import_path(func))
             except Exception as e:  # any failure while importing user code is a config error
                 raise ValueError(f"{where}.func: cannot import {spec['func']!r} ({type(e).__name__}: {e})") from None
-        if spec.get("kwargs") is not None:
-            func = func(**spec["kwargs"])
+            if kwargs is None and _is_trl_factory(func):
+                kwargs = TRL_CLI_FACTORY_KWARGS.get(func.__name__, {})
+        if kwargs is not None:
+            if not isinstance(kwargs, Mapping):
+                raise ValueError(f"{where}.kwargs: expected a mapping, got {kwargs!r}")
+            try:
+                func = func(**kwargs)
+            except Exception as e:  # the factory's own complaint, whatever its type
+                raise ValueError(f"{where}.kwargs: {_callable_name(func)}(**{dict(kwargs)!r}) failed "
+                                 f"({type(e).__name__}: {e})") from None
         if not callable(func):
             raise ValueError(f"{where}.func: {spec['func']!r} is not callable")
         try:
@@ -98,6 +127,41 @@ def load_reward_functions(specs: Sequence[str | Mapping[str, Any] | Callable]) -
             raise ValueError(f"{where}.weight: not a number: {spec.get('weight')!r}") from None
         out.append(RewardFunction(spec.get("name") or _callable_name(func), func, weight))
     return out
+
+
+def _is_trl_factory(func: Any) -> bool:
+    return getattr(func, "__module__", "").startswith("trl.rewards") and getattr(func, "__name__", "").startswith("get_")
+
+
+@dataclass
+class RewardLog:
+    """What reward functions log while one generation is scored, through the ``log_extra`` and
+    ``log_metric`` they are given (TRL's ``_log_completion_extra`` and ``_log_metric``)."""
+    extra: dict[str, list] = field(default_factory=lambda: defaultdict(list))
+    metrics: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+
+    def log_extra(self, column: str, values: list) -> None:
+        """Add a column to the completions' log: one value per completion."""
+        self.extra[column].extend(values)
+
+    def log_metric(self, name: str, value: float) -> None:
+        """Add a scalar to the step's metrics: its mean over every call on every trainer."""
+        try:
+            self.metrics[name].append(float(value))
+        except (TypeError, ValueError):
+            raise ValueError(f"log_metric({name!r}, {value!r}): the value is not a number") from None
+
+
+def new_trainer_state(grpo, steps_per_epoch: float, world_process_zero: bool):
+    """The transformers.TrainerState TRL passes as ``trainer_state``, with what TRL's Trainer sets
+    from its config (``grpo``: the recipe's GRPOConfig, max_steps resolved); the trainer sets
+    global_step, epoch and num_input_tokens_seen before each scoring."""
+    from transformers import TrainerState
+
+    return TrainerState(max_steps=grpo.max_steps, logging_steps=1, save_steps=grpo.save_steps,
+                        train_batch_size=grpo.per_device_train_batch_size,
+                        num_train_epochs=math.ceil(grpo.max_steps / steps_per_epoch),
+                        is_local_process_zero=world_process_zero, is_world_process_zero=world_process_zero)
 
 
 def _unwrap(func: Callable) -> Callable:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hpcrl.job.recipe import DataConfig
+from hpcrl.job.recipe import DataConfig, ModelConfig
 
 DEMO_PREFIX = "demo:"
 RANDOM_SUFFIX = ":random"
@@ -31,6 +31,20 @@ def resolve_model(path: str, run_dir: str | Path, seed: int = 0) -> str:
     if not Path(path).is_dir():
         raise FileNotFoundError(f"model.path: {path} is not a directory (compute nodes load models from disk)")
     return path
+
+
+def tokenizer_dir(model: ModelConfig, model_dir: str) -> str:
+    """model.tokenizer, else the model's directory."""
+    if model.tokenizer and not Path(model.tokenizer).is_dir():
+        raise FileNotFoundError(f"model.tokenizer: {model.tokenizer} is not a directory "
+                                f"(compute nodes load tokenizers from disk)")
+    return model.tokenizer or model_dir
+
+
+def load_tokenizer(model: ModelConfig, model_dir: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_dir(model, model_dir), trust_remote_code=model.trust_remote_code)
 
 
 def load_dataset(data_cfg: DataConfig, seed: int = 0):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -29,6 +29,7 @@ import torch.distributed as dist
 from hpcrl.compute.inference.types import Completion, Generator, PendingGeneration, Sampling, check_version
 from hpcrl.compute.launch import faults
 from hpcrl.compute.launch.stop import STOP
+from hpcrl.compute.metrics import format_completion
 from hpcrl.job import rundir
 from hpcrl.job.recipe import Recipe
 from hpcrl.job.rundir import FINISHED_MARKER
@@ -36,7 +37,8 @@ from hpcrl.compute.train import checkpoint as ckpt
 from hpcrl.compute.train import data as data_mod
 from hpcrl.compute.train import grpo
 from hpcrl.compute.train.optim import build_optimizer, build_scheduler, clip_grad_norm, current_lr
-from hpcrl.compute.train.rewards import RewardFunction, as_completions, load_reward_functions, score_completions
+from hpcrl.compute.train.rewards import (RewardFunction, RewardLog, as_completions, load_reward_functions,
+                                         new_trainer_state, score_completions)
 
 if TYPE_CHECKING:
     from hpcrl.compute.launch.context import LaunchContext
@@ -56,6 +58,7 @@ class TrainerSetup:
     group: Any = None                # torch.distributed group of all trainers (None = default)
     log: Callable[[str], None] = print
     on_metrics: Callable[[int, dict], None] | None = None    # rank 0: where a step's metrics go
+    on_completions: Callable[[list[dict]], None] | None = None     # rank 0: logging.log_completions' rows
     on_heartbeat: Callable[[int, str], None] | None = None
     collective_timeout_s: float = 600.0
     # The source model directory (config, generation config, code) of the Hugging Face model
@@ -95,8 +98,8 @@ class Requested:
 class Generation:
     """A generation scored and ready to train on: what its num_iterations optimizer steps share.
 
-    The three counts (completion tokens, completions, truncated ones) are over all trainers, the
-    tensors this rank's. ``wait_s`` and ``logps_s`` are the time this process spent waiting for its
+    The counts (completion tokens, loss tokens, completions, truncated ones) are over all trainers,
+    the tensors this rank's. ``wait_s`` and ``logps_s`` are the time this process spent waiting for its
     completions and computing its fixed log-probabilities; the first step on it reports them (a
     generation restored from a checkpoint has them at 0 and its first step done).
     """
@@ -104,7 +107,8 @@ class Generation:
     advantages: torch.Tensor
     old_logps: torch.Tensor | None          # the policy's before the first step (None: not needed)
     ref_logps: torch.Tensor | None          # the reference model's (None: beta = 0)
-    completion_tokens: float                # the loss's num_items_in_batch
+    completion_tokens: float                # generated
+    loss_tokens: float                      # the loss's num_items_in_batch (grpo.mask_truncated_completions)
     completions: float
     truncated: float                        # completions cut at max_completion_length
     reward_stats: dict[str, float]
@@ -116,7 +120,8 @@ class Generation:
         """The checkpoint's form, tensors on the host, with the optimizer steps done on it."""
         return _to_device(dict(tensors=self.tensors, advantages=self.advantages, old_logps=self.old_logps,
                                ref_logps=self.ref_logps,
-                               gen_tokens=[self.completion_tokens, self.completions, self.truncated],
+                               gen_tokens=[self.completion_tokens, self.completions, self.truncated,
+                                           self.loss_tokens],
                                rstats=self.reward_stats, done=steps_done, lag=self.lag), torch.device("cpu"))
 
     @classmethod
@@ -124,9 +129,10 @@ class Generation:
         if state is None:
             return None
         state = _to_device(state, device)
-        tokens, completions, truncated = state["gen_tokens"]
+        tokens, completions, truncated, *loss_tokens = state["gen_tokens"]     # (older checkpoints: 3)
         return cls(tensors=state["tensors"], advantages=state["advantages"], old_logps=state["old_logps"],
-                   ref_logps=state["ref_logps"], completion_tokens=tokens, completions=completions,
+                   ref_logps=state["ref_logps"], completion_tokens=tokens,
+                   loss_tokens=loss_tokens[0] if loss_tokens else tokens, completions=completions,
                    truncated=truncated, reward_stats=state["rstats"], lag=state.get("lag", 0))
 
 
@@ -143,8 +149,11 @@ def _global_sum(values: list[float], group) -> list[float]:
     return t.tolist()
 
 
-def pack_batch(prompt_ids: list[list[int]], completions: list[Completion], pad_id: int, device):
-    """prompt (left padded) + completion (right padded) -> tensors for the forward pass."""
+def pack_batch(prompt_ids: list[list[int]], completions: list[Completion], pad_id: int, device,
+               mask_truncated: bool = False):
+    """prompt (left padded) + completion (right padded) -> tensors for the forward pass. With
+    ``mask_truncated`` (grpo.mask_truncated_completions) a completion cut at the length limit is left
+    out of attention and loss, as TRL multiplies its completion_mask by ``~is_truncated``."""
     p_len = max(len(p) for p in prompt_ids)
     c_len = max(1, max(len(c.token_ids) for c in completions))
     b = len(completions)
@@ -158,7 +167,7 @@ def pack_batch(prompt_ids: list[list[int]], completions: list[Completion], pad_i
         p_mask[i, p_len - len(p):] = 1
         if c.token_ids:
             comp[i, :len(c.token_ids)] = torch.tensor(c.token_ids)
-            c_mask[i, :len(c.token_ids)] = 1
+            c_mask[i, :len(c.token_ids)] = 0 if mask_truncated and c.truncated else 1
             if c.logprobs:
                 sampling_logps[i, :len(c.logprobs)] = torch.tensor(c.logprobs)
     ids = torch.cat([prompt, comp], 1)
@@ -181,18 +190,36 @@ def completion_logps(model, batch: dict, temperature: float, rows=slice(None),
                                     chunk_tokens=chunk_tokens)
 
 
+def epoch_steps(grpo, prompts: int, prompts_per_generation: int) -> int:
+    """Optimizer steps of grpo.num_train_epochs passes over ``prompts`` (grpo.max_steps -1), as TRL
+    counts them: every generation of ``prompts_per_generation`` prompts trains num_iterations steps,
+    and a fraction of an epoch is rounded up to whole generations."""
+    generations = math.ceil(grpo.num_train_epochs * prompts / prompts_per_generation)
+    return max(1, generations * grpo.num_iterations)
+
+
 class Trainer:
     def __init__(self, setup: TrainerSetup, generator: Generator):
         self.setup = setup
-        self.recipe = setup.recipe
-        self.grpo = setup.recipe.grpo
+        grpo = setup.recipe.grpo
+        per_rank = grpo.per_device_train_batch_size * grpo.gradient_accumulation_steps
+        self.prompts_per_rank = per_rank // grpo.num_generations
+        if grpo.max_steps == -1:
+            grpo = replace(grpo, max_steps=epoch_steps(grpo, len(setup.dataset), self.prompts_per_rank * setup.num_trainers))
+        self.recipe = replace(setup.recipe, grpo=grpo)
+        self.grpo = grpo
         self.generator = generator
         self.rewards: list[RewardFunction] = load_reward_functions(
-            [{"func": r.func, "weight": r.weight} for r in self.recipe.rewards])
+            [{"func": r.func, "weight": r.weight, "name": r.name, "kwargs": r.kwargs} for r in self.recipe.rewards],
+            module_dir=setup.run_dir / rundir.REWARDS_DIR)
+        # What the reward functions get as trainer_state, and what they logged with log_extra on
+        # the generation scored last: this rank's columns, a value per completion, for its log.
+        self.epochs_per_step = (self.prompts_per_rank * setup.num_trainers
+                                / (self.grpo.num_iterations * max(1, len(setup.dataset))))
+        self.trainer_state = new_trainer_state(self.grpo, 1 / self.epochs_per_step, setup.trainer_rank == 0)
+        self.completion_extra: dict[str, list] = {}
         self.optimizer = build_optimizer(setup.policy, self.grpo)
         self.scheduler = build_scheduler(self.optimizer, self.grpo)
-        per_rank = self.grpo.per_device_train_batch_size * self.grpo.gradient_accumulation_steps
-        self.prompts_per_rank = per_rank // self.grpo.num_generations
         self.sampler = data_mod.PromptSampler(setup.dataset, self.prompts_per_rank * setup.num_trainers,
                                               seed=self.grpo.seed, shuffle=self.recipe.data.shuffle,
                                               rank=setup.trainer_rank, world_size=setup.num_trainers)
@@ -285,6 +312,7 @@ class Trainer:
                           timeout_s=self.setup.collective_timeout_s)
         self.step = int(extra["step"])
         self.sampler.load_state_dict(extra["sampler"])
+        self.trainer_state.num_input_tokens_seen = int(extra.get("tokens_seen", 0))
         state = extra.get("generation")
         self.generation = Generation.from_state(state, self.setup.device)
         self.generation_steps_done = 0 if state is None else int(state["done"])
@@ -299,6 +327,7 @@ class Trainer:
         generation = None if self.generation is None else self.generation.state_dict(self.generation_steps_done)
         path = ckpt.save(self.ckpt_dir, self.step, self.setup.policy, self.optimizer, self.scheduler,
                          extra={"sampler": self.sampler.state_dict(),
+                                "tokens_seen": self.trainer_state.num_input_tokens_seen,
                                 "generation": generation,
                                 # A generation asked for ahead is kept whole: the sampler is past
                                 # its prompts, and a resume trains on exactly these completions.
@@ -325,7 +354,7 @@ class Trainer:
 
         t0 = time.perf_counter()
         self._heartbeat("saving model")
-        out = rundir.model_dir(self.setup.run_dir, step)
+        out = rundir.model_dir(self.setup.run_dir, step, self.recipe.checkpoint.output_dir)
         export.save_from_trainers(
             self.setup.policy, out, model_dir=self.setup.model_dir, tokenizer=self.setup.tokenizer,
             dtype=export.export_dtype(self.recipe.model.dtype, self.setup.model_dir),
@@ -374,15 +403,16 @@ class Trainer:
         batch = requested.batch.repeat(self.grpo.num_generations)
         lag = self.weight_version - requested.version
         advantages, reward_stats = self._score(batch, completions)
-        tensors = pack_batch(batch.prompt_ids, completions, _pad_id(setup.tokenizer), setup.device)
+        tensors = pack_batch(batch.prompt_ids, completions, _pad_id(setup.tokenizer), setup.device,
+                             mask_truncated=self.grpo.mask_truncated_completions)
         advantages = advantages.to(setup.device)
-        local_tokens = tensors["completion_mask"].sum().item()
-        tokens, count, truncated = _global_sum([local_tokens, len(completions),
-                                                sum(c.truncated for c in completions)], setup.group)
+        tokens, loss_tokens, count, truncated = _global_sum(
+            [sum(len(c.token_ids) for c in completions), tensors["completion_mask"].sum().item(), len(completions),
+             sum(c.truncated for c in completions)], setup.group)
         t0 = time.perf_counter()
         old_logps, ref_logps = self._old_and_ref_logps(tensors)
         return Generation(tensors=tensors, advantages=advantages, old_logps=old_logps, ref_logps=ref_logps,
-                          completion_tokens=tokens, completions=count, truncated=truncated,
+                          completion_tokens=tokens, loss_tokens=loss_tokens, completions=count, truncated=truncated,
                           reward_stats=reward_stats, lag=lag, wait_s=requested.wait_s,
                           logps_s=time.perf_counter() - t0)
 
@@ -411,14 +441,70 @@ class Trainer:
     def _score(self, batch, completions) -> tuple[torch.Tensor, dict]:
         """This rank's advantages, and the reward statistics over all trainers."""
         texts = [c.text for c in completions]
+        log = RewardLog()
         per_func = score_completions(
             self.rewards, batch.prompts, as_completions(batch.prompts, texts),
-            [list(c.token_ids) for c in completions], batch.columns)
+            [list(c.token_ids) for c in completions], batch.columns,
+            trainer_state=self._trainer_state(batch, completions), log_extra=log.log_extra, log_metric=log.log_metric)
+        self.completion_extra = dict(log.extra)
         # Whole groups live on one rank (spec validation), so advantages are local.
         advantages, local = grpo.compute_advantages(per_func, self.grpo.num_generations,
                                                     [rf.weight for rf in self.rewards], self.grpo.scale_rewards)
-        stats = self._reward_stats(per_func, local["frac_reward_zero_std"])
+        stats = {**self._logged_metrics(log.metrics), **self._reward_stats(per_func, local["frac_reward_zero_std"])}
+        self._log_completions(batch.prompts, texts, per_func, advantages)
         return advantages, stats
+
+    def _log_completions(self, prompts: list, texts: list[str], per_func: torch.Tensor,
+                         advantages: torch.Tensor) -> None:
+        """logging.log_completions (TRL's log_completions): every trainer's completions of this
+        generation, with prompt, rewards and advantage, go to rank 0, which hands them to
+        on_completions and prints the first log_completions of them."""
+        shown = self.recipe.logging.log_completions
+        if not shown:
+            return
+        step = self.step + 1            # the first optimizer step that trains on them
+        names = [rf.name for rf in self.rewards]
+        rows = [{"step": step, "prompt": p, "completion": t, "rewards": dict(zip(names, r)), "advantage": a}
+                for p, t, r, a in zip(prompts, texts, per_func.tolist(), advantages.tolist())]
+        if self.completion_extra:       # the reward functions' log_extra columns, as in TRL's table
+            for i, row in enumerate(rows):
+                row["extra"] = {k: v[i] if i < len(v) else None for k, v in self.completion_extra.items()}
+        setup = self.setup
+        if setup.num_trainers > 1:
+            parts = [None] * setup.num_trainers if setup.trainer_rank == 0 else None
+            dist.gather_object(rows, parts, group=setup.group, group_dst=0)
+            rows = [row for part in parts or [] for row in part]
+        if setup.trainer_rank != 0:
+            return
+        if setup.on_completions:
+            setup.on_completions(rows)
+        for row in rows[:shown]:
+            setup.log(format_completion(row))
+
+    def _trainer_state(self, batch, completions):
+        """TRL's self.state as its reward functions see it, before optimizer step self.step + 1:
+        num_input_tokens_seen counts this generation's prompts and completions on every trainer."""
+        state = self.trainer_state
+        tokens = sum(len(p) for p in batch.prompt_ids) + sum(len(c.token_ids) for c in completions)
+        state.num_input_tokens_seen += int(_global_sum([tokens], self.setup.group)[0])
+        state.global_step = self.step
+        state.epoch = self.step * self.epochs_per_step
+        return state
+
+    def _logged_metrics(self, local: dict[str, list[float]]) -> dict:
+        """What the reward functions gave log_metric: each name's mean over every call on every
+        trainer, as TRL's, and the names under "log_metric_names" (the plot draws them). A function
+        may log a name on some ranks only, so the ranks agree on the names first."""
+        names = sorted(local)
+        if self.setup.num_trainers > 1:
+            every = [None] * self.setup.num_trainers
+            dist.all_gather_object(every, names, group=self.setup.group)
+            names = sorted(set().union(*every))
+        if not names:
+            return {}
+        sums = _global_sum([x for n in names for x in (sum(local.get(n, ())), len(local.get(n, ())))],
+                           self.setup.group)
+        return {"log_metric_names": names, **{n: sums[2 * i] / sums[2 * i + 1] for i, n in enumerate(names)}}
 
     def _reward_stats(self, per_func: torch.Tensor, frac_zero_std: float) -> dict:
         """Mean/std over all trainers' completions, overall and per reward function, and the share
@@ -470,7 +556,7 @@ class Trainer:
                 logps, None if old_logps is None else old_logps[sl],
                 None if ref_logps is None else ref_logps[sl], advantages[sl], batch["completion_mask"][sl],
                 loss_type=cfg.loss_type, beta=cfg.beta, epsilon_low=cfg.epsilon, epsilon_high=cfg.epsilon_high,
-                max_completion_length=cfg.max_completion_length, num_items_in_batch=generation.completion_tokens,
+                max_completion_length=cfg.max_completion_length, num_items_in_batch=generation.loss_tokens,
                 num_processes=self.setup.num_trainers, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
                 importance_weights=weights)
             loss.backward()
@@ -496,7 +582,7 @@ class Trainer:
         checkpoints."""
         gen = generation
         metrics = {
-            "step": self.step, "time": time.time(), **gen.reward_stats, **losses,
+            "step": self.step, "max_steps": self.grpo.max_steps, "time": time.time(), **gen.reward_stats, **losses,
             "advantage_mean": gen.advantages.mean().item(), "advantage_std": gen.advantages.std().item(),
             "completion_len_mean": gen.completion_tokens / max(1, gen.completions),
             "truncated_frac": gen.truncated / max(1, gen.completions),
@@ -567,12 +653,10 @@ def _pad_id(tokenizer) -> int:
 # ---------------------------------------------------------------------- the trainer role
 def run_trainer(ctx: LaunchContext) -> int:
     """The trainer role's entry (hpcrl.compute.launch): build everything from the job spec, then train."""
-    from transformers import AutoTokenizer
-
     from hpcrl.compute.inference.client import ServerGenerator
     from hpcrl.compute.metrics import MetricsWriter
     from hpcrl.compute.train.fsdp import describe, load_policy_and_reference
-    from hpcrl.compute.train.sources import load_dataset, resolve_model
+    from hpcrl.compute.train.sources import load_dataset, load_tokenizer, resolve_model
 
     recipe = ctx.spec.recipe
     threads = recipe.trainer.threads or max(1, len(ctx.task.cores))
@@ -592,10 +676,11 @@ def run_trainer(ctx: LaunchContext) -> int:
     generator = ServerGenerator(ctx, policy)
     setup = TrainerSetup(
         recipe=recipe, run_dir=Path(ctx.run_dir), device=device, policy=policy, reference=reference,
-        tokenizer=AutoTokenizer.from_pretrained(model_dir), dataset=load_dataset(recipe.data, recipe.grpo.seed),
+        tokenizer=load_tokenizer(recipe.model, model_dir), dataset=load_dataset(recipe.data, recipe.grpo.seed),
         trainer_rank=ctx.task.trainer_rank, num_trainers=ctx.plan.num_trainers, log=ctx.log,
         collective_timeout_s=ctx.launch.collective_timeout_s, model_dir=model_dir,
         on_metrics=(lambda step, m: (writer.log(step, m), _print_step(ctx, step, m))) if rank0 else None,
+        on_completions=writer.log_completions if rank0 else None,
         on_heartbeat=(lambda step, phase: writer.heartbeat(step, phase, servers=_server_health(ctx.run_dir)))
         if rank0 else None,
     )

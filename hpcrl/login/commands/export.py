@@ -36,7 +36,7 @@ def main(args) -> int:
     if not steps:
         raise UserError(f"export: no training checkpoint in {ckpt_dir}")
     step = args.step if args.step is not None else steps[-1]
-    out = rundir.model_dir(run_dir, step)
+    out = rundir.model_dir(run_dir, step, spec.recipe.checkpoint.output_dir)
     cmd = [sys.executable, "-m", "hpcrl.compute.train.export", str(run_dir), "--step", str(step)]
     if args.output:
         out = Path(args.output).expanduser()

@@ -13,7 +13,7 @@ def main(args) -> int:
     spec = compose.for_slurm(args)
     script = render_sbatch(spec)
     out = rundir.check_output_path(args.output) if args.output else None
-    run_dir = rundir.create(spec.run_dir, spec.to_json(), script)
+    run_dir = rundir.create(spec.run_dir, spec.to_json(), script, spec.reward_modules)
     if out is not None:
         rundir.write_file_atomic(out, script, 0o755)
     print(f"run directory: {run_dir}")

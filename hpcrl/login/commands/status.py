@@ -62,7 +62,14 @@ def _model(run_dir) -> str | None:
     """The run's final model directory, else its newest checkpoint-<step> one, else None."""
     if not run_dir:
         return None
-    final = rundir.model_dir(run_dir)
+    from hpcrl.job.errors import UserError
+    from hpcrl.job.spec import JobSpec
+
+    try:
+        output_dir = JobSpec.load(run_dir).recipe.checkpoint.output_dir
+    except UserError:
+        output_dir = ""
+    final = rundir.model_dir(run_dir, output_dir=output_dir)
     if rundir.is_model_dir(final):
         return str(final)
     saved = [(int(p.name.removeprefix(rundir.MODEL_CHECKPOINT_PREFIX)), p)

@@ -1,0 +1,268 @@
+"""A `trl grpo --config` YAML as a recipe: TRL's flat keys -> hpcrl's sections.
+
+A recipe may hold TRL's keys at its top level (model_name_or_path, dataset_name, reward_funcs, every
+GRPOConfig field by its TRL name, ...) beside hpcrl's own sections (inference, trainer, resources,
+...). translate() moves each TRL key to the recipe field with its meaning. A TRL key is one of:
+
+- mapped: a GRPOConfig field hpcrl implements (grpo.<same name>) or a renamed one (RENAMED);
+- inert: it changes nothing about what is trained in hpcrl (INERT says why: e.g. logging_steps,
+  since every step is logged); `hpcrl recipe` lists these with the reason;
+- at TRL's default: accepted whatever hpcrl does with it, since it asks for nothing TRL would not do;
+- anything else: not implemented, and named with what to do. All such keys are named in one error.
+
+TRL's names and defaults come from trl_fields.json (scripts/trl_fields.py writes it from the
+installed TRL; the login side never imports trl, which imports torch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from hpcrl.job.config import closest
+from hpcrl.job.recipe import GRPOConfig, Recipe
+
+# TRL name -> the recipe field of the same meaning, where the name or section differs.
+RENAMED = {
+    "model_name_or_path": "model.path",
+    "dtype": "model.dtype",
+    "trust_remote_code": "model.trust_remote_code",
+    "attn_implementation": "model.attn_implementation",
+    "dataset_name": "data.path",
+    "dataset_train_split": "data.split",
+    "shuffle_dataset": "data.shuffle",
+    "output_dir": "checkpoint.output_dir",
+    "vllm_gpu_memory_utilization": "inference.gpu_memory_utilization",
+    "vllm_max_model_length": "inference.max_model_len",
+    "vllm_tensor_parallel_size": "inference.gpus",
+    "ddp_timeout": "launch.collective_timeout_s",
+    "run_name": "name",
+}
+
+_LOGGED = "hpcrl logs every step to metrics.jsonl"
+_ENGINES = "hpcrl starts its own inference engines on every node (the inference: section)"
+_NO_DDP = "hpcrl's trainers are sharded with FSDP2, not DDP"
+_LOADER = "hpcrl's trainers read prompts without a DataLoader"
+# TRL keys that change nothing about what hpcrl trains, with the reason.
+INERT = {
+    "logging_steps": _LOGGED, "logging_first_step": _LOGGED, "logging_strategy": _LOGGED,
+    "logging_nan_inf_filter": _LOGGED,
+    "log_level": "hpcrl's log lines are fixed", "log_level_replica": "hpcrl's log lines are fixed",
+    "log_on_each_node": "hpcrl's log lines are fixed",
+    "disable_tqdm": "hpcrl shows a progress bar only on a terminal",
+    "use_vllm": _ENGINES, "vllm_mode": _ENGINES, "vllm_server_host": _ENGINES, "vllm_server_port": _ENGINES,
+    "vllm_server_base_url": _ENGINES, "vllm_server_timeout": "inference.start_timeout_s bounds the engines' start",
+    "vllm_group_port": _ENGINES, "vllm_enable_sleep_mode": "hpcrl's engines have GPUs of their own",
+    "ds3_gather_for_generation": "hpcrl never gathers the whole model to generate",
+    "do_train": "hpcrl always trains",
+    "project": "hpcrl names W&B and TensorBoard runs after the job",
+    "dataloader_num_workers": _LOADER, "dataloader_pin_memory": _LOADER,
+    "dataloader_persistent_workers": _LOADER, "dataloader_prefetch_factor": _LOADER,
+    "remove_unused_columns": "every dataset column reaches the reward functions (TRL's GRPO does the same)",
+    "ddp_find_unused_parameters": _NO_DDP, "ddp_bucket_cap_mb": _NO_DDP, "ddp_broadcast_buffers": _NO_DDP,
+    "ddp_backend": "the site profile picks the collective backend",
+    "local_rank": "the launcher sets the ranks",
+    "save_on_each_node": "trainer rank 0 writes the model once",
+    "save_only_model": "checkpoint-<step> model directories hold the model only; training state is checkpoint.every",
+    "skip_memory_metrics": _LOGGED, "include_num_input_tokens_seen": _LOGGED,
+    "torch_empty_cache_steps": "hpcrl frees its temporaries itself",
+    "use_cpu": "the site profile says whether there are GPUs",
+}
+_LORA = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_parameters",
+         "lora_modules_to_save", "lora_task_type", "use_rslora", "use_dora")
+# Where TRL itself ignores a key unless another one switches it on.
+_ONLY_WITH = {
+    "eval_strategy": ("no", ("dataset_test_split", "eval_steps", "eval_delay", "eval_on_start",
+                             "per_device_eval_batch_size", "eval_accumulation_steps", "num_generations_eval",
+                             "eval_do_concat_batches", "eval_use_gather_object", "batch_eval_metrics",
+                             "bf16_full_eval", "fp16_full_eval", "prediction_loss_only", "do_eval",
+                             "metric_for_best_model", "greater_is_better", "load_best_model_at_end")),
+    "use_peft": (False, _LORA),
+    "load_in_4bit": (False, ("bnb_4bit_quant_type", "use_bnb_nested_quant", "bnb_4bit_quant_storage")),
+    "push_to_hub": (False, ("hub_model_id", "hub_strategy", "hub_token", "hub_private_repo", "hub_always_push",
+                            "hub_revision")),
+}
+# What to do instead, for TRL keys hpcrl does not implement.
+NOT_IMPLEMENTED = {
+    "reward_model_name_or_path": "reward models are not supported yet; score with reward functions (reward_funcs)",
+    "use_peft": "LoRA is not supported yet: hpcrl trains every weight",
+    "load_in_4bit": "quantized training is not supported", "load_in_8bit": "quantized training is not supported",
+    "deepspeed": "hpcrl shards the model with FSDP2 itself (the trainer: section)",
+    "fsdp": "hpcrl shards the model with FSDP2 itself (trainer.mesh)",
+    "fsdp_config": "hpcrl shards the model with FSDP2 itself (trainer.mesh)",
+    "eval_strategy": "evaluation is not implemented yet; remove eval_strategy",
+    "fp16": "fp16 training is not supported; use bf16",
+    "optim": "hpcrl's optimizer is AdamW (adamw_torch or adamw_torch_fused)",
+    "resume_from_checkpoint": "resume a run with `hpcrl submit --resume RUN_DIR`",
+    "push_to_hub": "compute nodes have no internet; upload the model directory from a login node",
+    "datasets": "dataset mixtures are not supported yet; name one dataset with dataset_name",
+    "dataset_config": "dataset configurations are not supported yet: dataset_name is a local file or directory",
+    "dataset_streaming": "streamed datasets are not supported: the prompts are read at start",
+    "reward_weights": "reward_weights needs reward_funcs, one weight each",
+    "save_strategy": 'hpcrl saves every save_steps ("steps") or only at the end ("no")',
+    "save_total_limit": "not supported yet: every checkpoint-<step> model directory is kept "
+                        "(checkpoint.keep bounds the training checkpoints)",
+    "model_init_kwargs": "not supported yet: set model.dtype and model.trust_remote_code",
+    "log_completions": "set logging.log_completions to the number of completions to print",
+    "report_to": 'hpcrl reports to "wandb" (offline) and "tensorboard"',
+    **{name: "LoRA is not supported yet: hpcrl trains every weight" for name in _LORA},
+}
+_OPTIMS = ("adamw_torch", "adamw_torch_fused")
+_REPORTERS = {"wandb": "logging.wandb", "tensorboard": "logging.tensorboard"}
+
+
+@cache
+def trl_fields() -> dict[str, Any]:
+    """TRL's field name -> its default, for every key `trl grpo --config` takes."""
+    data = json.loads((Path(__file__).with_name("trl_fields.json")).read_text())
+    return {name: f["default"] for name, f in data["fields"].items()}
+
+
+def trl_version() -> str:
+    return json.loads((Path(__file__).with_name("trl_fields.json")).read_text())["trl_version"]
+
+
+def _sections() -> set[str]:
+    return {f.name for f in dataclasses.fields(Recipe)}
+
+
+def _grpo_fields() -> set[str]:
+    return {f.name for f in dataclasses.fields(GRPOConfig)}
+
+
+def is_trl(data: dict) -> bool:
+    """Whether a recipe mapping holds TRL's flat keys (not only hpcrl's sections)."""
+    return any(key not in _sections() for key in data)
+
+
+@dataclasses.dataclass
+class Translation:
+    recipe: dict                                            # hpcrl's sections
+    moved: dict[str, str] = dataclasses.field(default_factory=dict)       # TRL key -> recipe field
+    inert: dict[str, str] = dataclasses.field(default_factory=dict)       # TRL key -> why it changes nothing
+    problems: list[str] = dataclasses.field(default_factory=list)
+
+
+def _same(value: Any, default: Any) -> bool:
+    if isinstance(default, float) or isinstance(value, float):
+        try:
+            return float(value) == float(default)
+        except (TypeError, ValueError):
+            return False
+    if default in (None, []) and value in (None, []):
+        return True
+    return value == default
+
+
+def _put(out: dict, dotted: str, value: Any, key: str, t: Translation) -> None:
+    *parents, leaf = dotted.split(".")
+    node = out
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            t.problems.append(f"{key}: {'.'.join(parents)} is not a mapping; cannot set {dotted}")
+            return
+    if leaf in node:
+        t.problems.append(f"{key}: sets {dotted}, which the recipe also sets; keep one of them")
+        return
+    node[leaf] = value
+    t.moved[key] = dotted
+
+
+def _rewards(data: dict, t: Translation, out: dict) -> None:
+    funcs, weights = data.get("reward_funcs"), data.get("reward_weights")
+    if funcs is None:
+        if weights is not None:
+            t.problems.append(f"reward_weights: {NOT_IMPLEMENTED['reward_weights']}")
+        return
+    if isinstance(funcs, str):
+        funcs = [funcs]
+    if not isinstance(funcs, list) or not all(isinstance(f, str) for f in funcs):
+        t.problems.append(f"reward_funcs: expected a list of names or import paths, got {funcs!r}")
+        return
+    if weights is not None and (not isinstance(weights, list) or len(weights) != len(funcs)):
+        t.problems.append(f"reward_weights: expected one weight per reward function ({len(funcs)}), got {weights!r}")
+        return
+    if "rewards" in out:
+        t.problems.append("reward_funcs: the recipe also has rewards:; keep one of them")
+        return
+    out["rewards"] = [{"func": f, **({} if weights is None else {"weight": w})} for f, w in
+                      zip(funcs, weights or [None] * len(funcs))]
+    t.moved["reward_funcs"] = "rewards[].func"
+    if weights is not None:
+        t.moved["reward_weights"] = "rewards[].weight"
+
+
+def _report_to(value: Any, t: Translation, out: dict) -> None:
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, list):
+        t.problems.append(f"report_to: expected a name or a list of names, got {value!r}")
+        return
+    for name in names:
+        if name in ("none", None):
+            continue
+        if name == "all":
+            names = list(_REPORTERS)
+    for name in names:
+        if name in ("none", "all", None):
+            continue
+        if name not in _REPORTERS:
+            t.problems.append(f"report_to: {name!r}: {NOT_IMPLEMENTED['report_to']}")
+            continue
+        _put(out, _REPORTERS[name], True, "report_to", t)
+
+
+def translate(data: dict, whole: bool = True) -> Translation:
+    """A recipe mapping that may hold TRL's keys -> hpcrl's sections, and what could not move.
+    `whole`: a whole configuration (not key=value overrides), which must name a model and data."""
+    sections, grpo_fields, fields = _sections(), _grpo_fields(), trl_fields()
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items() if k in sections}
+    t = Translation(out)
+    flat = {k: v for k, v in data.items() if k not in sections}
+    switched_off = {name for switch, (off, names) in _ONLY_WITH.items()
+                    if _same(flat.get(switch, fields[switch]), off) for name in names}
+    _rewards(flat, t, out)
+    for key, value in flat.items():
+        if key in ("reward_funcs", "reward_weights"):
+            continue
+        if key not in fields:
+            hint = closest(key, [*fields, *sections])
+            t.problems.append(f"{key}: unknown field{hint}; neither TRL's GRPO configuration (TRL "
+                              f"{trl_version()}) nor a recipe section ({', '.join(sorted(sections))})")
+        elif key in grpo_fields:
+            _put(out, f"grpo.{key}", value, key, t)
+        elif key in RENAMED:
+            _put(out, RENAMED[key], value, key, t)
+        elif key == "report_to":
+            _report_to(value, t, out)
+        elif key == "save_strategy" and value in ("steps", "no"):
+            if value == "no":
+                _put(out, "grpo.save_steps", 0, key, t)
+            else:
+                t.inert[key] = "checkpoint-<step> directories are written every save_steps"
+        elif key == "optim" and value in _OPTIMS:
+            t.inert[key] = "hpcrl's AdamW is fused where the device has the kernel"
+        elif key == "log_completions" and isinstance(value, bool):
+            count = flat.get("num_completions_to_print")
+            _put(out, "logging.log_completions", (count or 8) if value else 0, key, t)
+        elif key == "num_completions_to_print":
+            t.inert[key] = "the number of completions log_completions prints"
+        elif key in INERT:
+            t.inert[key] = INERT[key]
+        elif key in switched_off:
+            t.inert[key] = "TRL uses it only with " + next(s for s, (_, names) in _ONLY_WITH.items() if key in names)
+        elif _same(value, fields[key]):
+            t.inert[key] = "TRL's default"
+        else:
+            why = NOT_IMPLEMENTED.get(key) or f"not implemented by hpcrl yet; remove it (TRL's default: {fields[key]!r})"
+            t.problems.append(f"{key}: {why}")
+    # A configuration with TRL's keys must say what TRL requires (a typo alone does not make one).
+    whole = whole and any(key in fields for key in flat)
+    if whole and "model_name_or_path" not in flat and "path" not in out.get("model", {}):
+        t.problems.append("model_name_or_path: required in a TRL configuration (a local Hugging Face model directory)")
+    if whole and "dataset_name" not in flat and "path" not in out.get("data", {}):
+        t.problems.append("dataset_name: required in a TRL configuration (a local dataset file or directory)")
+    return t

@@ -1,0 +1,205 @@
+"""A `trl grpo --config` YAML as a recipe: TRL's keys land on the fields of the same meaning, TRL's
+defaults apply where it says nothing, and every key hpcrl does not implement is named at once."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpcrl.job.errors import UserError
+from hpcrl.job.recipe import DEMO_GRPO, GRPOConfig
+from hpcrl.login import compose, trl_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# What `trl grpo --config` users write (TRL's own docs and recipes mix these kinds of keys).
+TRL_YAML = """\
+model_name_or_path: {model}
+dataset_name: {data}
+reward_funcs: [my_rewards.correct, think_format_reward]
+reward_weights: [1.0, 0.5]
+learning_rate: 1.0e-5
+per_device_train_batch_size: 8
+num_generations: 4
+max_completion_length: 64
+warmup_steps: 0.1
+bf16: false
+seed: 7
+logging_steps: 1
+use_vllm: true
+vllm_mode: colocate
+report_to: tensorboard
+save_strategy: steps
+save_steps: 20
+output_dir: out/grpo
+eval_strategy: "no"
+per_device_eval_batch_size: 4
+use_peft: false
+lora_r: 8
+optim: adamw_torch
+inference:
+  engine: transformers
+"""
+
+
+@pytest.fixture
+def trl_yaml(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "train.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    path = tmp_path / "cfg.yaml"
+    path.write_text(TRL_YAML.format(model="model", data="train.jsonl"))
+    return path
+
+
+def test_trl_fields_match_the_installed_trl():
+    """trl_fields.json is the login side's copy of TRL's names and defaults; regenerate it with
+    scripts/trl_fields.py when TRL changes."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import trl_fields
+        installed = trl_fields.trl_fields()
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    stored = json.loads((ROOT / "hpcrl" / "login" / "trl_fields.json").read_text())
+    assert stored == json.loads(json.dumps(installed)), "run .venv/bin/python scripts/trl_fields.py"
+
+
+def test_every_hpcrl_grpo_field_is_a_trl_name_with_trls_default():
+    fields = trl_config.trl_fields()
+    for name, value in vars(GRPOConfig()).items():
+        assert name in fields, f"grpo.{name} is not a TRL GRPOConfig name"
+        default = fields[name]
+        assert value == default or (isinstance(value, float) and math.isclose(value, float(default))), \
+            f"grpo.{name}: hpcrl's default {value!r}, TRL's {default!r}"
+
+
+def test_a_trl_config_translates(trl_yaml, tmp_path):
+    resolved = compose.build_recipe(str(trl_yaml), ["beta=0.04", "grpo.top_k=5"])
+    r, t = resolved.recipe, resolved.trl
+    assert r.model.path == str(tmp_path / "model")               # relative to where hpcrl ran, as TRL
+    assert r.data.path == str(tmp_path / "train.jsonl")
+    assert [(x.func, x.weight) for x in r.rewards] == [("my_rewards.correct", 1.0), ("think_format_reward", 0.5)]
+    g = r.grpo
+    assert (g.learning_rate, g.num_generations, g.max_completion_length, g.seed, g.beta, g.top_k) == \
+        (1e-5, 4, 64, 7, 0.04, 5)
+    assert g.warmup_steps == 0.1 and g.save_steps == 20 and g.bf16 is False
+    # Where the configuration says nothing, TRL's defaults, not the demo's.
+    assert (g.max_steps, g.num_train_epochs, g.lr_scheduler_type, g.gradient_checkpointing) == (-1, 3.0, "linear", True)
+    assert g.vllm_importance_sampling_correction is True
+    assert r.logging.tensorboard is True and r.inference.engine == "transformers"
+    assert r.checkpoint.output_dir == str(tmp_path / "out" / "grpo")
+    assert t.moved["output_dir"] == "checkpoint.output_dir" and t.moved["beta"] == "grpo.beta"
+    assert set(t.inert) >= {"logging_steps", "use_vllm", "vllm_mode", "save_strategy", "per_device_eval_batch_size",
+                            "lora_r", "optim", "eval_strategy", "use_peft"}
+
+
+def test_every_unimplemented_key_is_named_in_one_error(trl_yaml):
+    trl_yaml.write_text(trl_yaml.read_text() + "use_liger_kernel: true\ntop_entropy_quantile: 0.2\n"
+                        "reward_model_name_or_path: rm\nlearnin_rate: 3\ngrpo:\n  betta: 1\n")
+    with pytest.raises(UserError) as e:
+        compose.build_recipe(str(trl_yaml))
+    lines = str(e.value).splitlines()
+    assert lines[0] == "5 fields are not accepted (nothing was written):"
+    text = "\n".join(lines)
+    for name in ("use_liger_kernel: not implemented", "top_entropy_quantile: not implemented",
+                 "reward_model_name_or_path: reward models are not supported yet",
+                 'learnin_rate: unknown field (did you mean "learning_rate"?)',
+                 'grpo.betta: unknown field (did you mean "beta"?)'):
+        assert name in text, text
+    # No hint to a field of another meaning (save_steps used to suggest max_steps).
+    assert "did you mean" not in text.split("use_liger_kernel")[1].splitlines()[0]
+
+
+def test_a_key_at_trls_default_is_accepted(trl_yaml):
+    trl_yaml.write_text(trl_yaml.read_text() + "use_liger_kernel: false\ntop_entropy_quantile: 1.0\n")
+    t = compose.build_recipe(str(trl_yaml)).trl
+    assert t.inert["use_liger_kernel"] == "TRL's default" and t.inert["top_entropy_quantile"] == "TRL's default"
+
+
+def test_the_demo_task_keeps_its_tuned_values_and_user_data_gets_trls():
+    demo = compose.build_recipe(None).recipe.grpo
+    assert {k: getattr(demo, k) for k in DEMO_GRPO} == DEMO_GRPO
+    own = compose.build_recipe(None, ["data.path=/data/train.jsonl"]).recipe.grpo
+    assert own == GRPOConfig()
+    assert own.learning_rate == 1e-6 and own.max_steps == -1
+    tuned = compose.build_recipe(None, ["grpo.learning_rate=1e-3"]).recipe.grpo
+    assert tuned.learning_rate == 1e-3 and tuned.max_steps == DEMO_GRPO["max_steps"]
+
+
+def test_hpcrl_recipe_prints_what_the_keys_became(hpcrl, trl_yaml):
+    r = hpcrl("recipe", str(trl_yaml), "--json", cwd=trl_yaml.parent)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["recipe"]["grpo"]["learning_rate"] == 1e-5
+    assert out["from_trl"]["moved"]["model_name_or_path"] == "model.path"
+    assert "logging_steps" in out["from_trl"]["not_used"]
+    r = hpcrl("recipe", str(trl_yaml), "learning_rate=2e-5", cwd=trl_yaml.parent)
+    assert r.returncode == 0 and "learning_rate: 2.0e-05" in r.stdout
+    assert "#   logging_steps" in r.stdout and "-> model.path" in r.stdout
+
+
+def test_epochs_count_steps_as_trl():
+    from hpcrl.compute.train.trainer import epoch_steps
+
+    g = GRPOConfig(num_train_epochs=3.0, num_iterations=2)
+    assert epoch_steps(g, prompts=100, prompts_per_generation=8) == math.ceil(300 / 8) * 2
+    assert epoch_steps(GRPOConfig(num_train_epochs=0.5), prompts=10, prompts_per_generation=4) == 2
+
+
+def test_warmup_steps_as_transformers():
+    from hpcrl.compute.train.optim import warmup_steps
+
+    assert warmup_steps(100, 0.1) == 10 and warmup_steps(100, 7) == 7 and warmup_steps(100, 0) == 0
+
+
+@pytest.mark.slow
+def test_hpcrl_run_takes_a_trl_config(tmp_path):
+    """A TRL CLI YAML with a model, dataset file and reward of the user's, run as it is: epochs
+    counted as TRL counts them, the model written to TRL's output_dir."""
+    from conftest import run_to_the_end
+
+    from hpcrl.compute.models.tiny import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "my-model", size="tiny", seed=0)
+    # Conversational, as TRL's think_format_reward requires.
+    rows = [{"prompt": [{"role": "user", "content": f"{a}+{b}="}], "answer": str(a + b)} for a in range(3) for b in range(4)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # A reward module beside the configuration, as TRL's CLI finds it, using TRL 1.x's extras.
+    (tmp_path / "my_rewards.py").write_text(
+        "def correct(prompts, completions, answer, trainer_state, log_metric, **kwargs):\n"
+        "    log_metric('my/global_step', trainer_state.global_step)\n"
+        "    return [1.0 if c[0]['content'].strip().startswith(a) else 0.0 for c, a in zip(completions, answer)]\n")
+    (tmp_path / "cfg.yaml").write_text(f"""\
+model_name_or_path: {Path(model).name}
+dataset_name: train.jsonl
+reward_funcs: [my_rewards.correct, think_format_reward]
+num_train_epochs: 1
+per_device_train_batch_size: 8
+num_generations: 4
+max_completion_length: 8
+learning_rate: 1.0e-4
+save_steps: 4
+output_dir: out
+logging_steps: 1
+use_vllm: true
+attn_implementation: eager
+inference: {{engine: transformers, max_model_len: 64}}
+""")
+    proc = run_to_the_end([sys.executable, "-m", "hpcrl", "run", "cfg.yaml", "--run-dir", "run"], tmp_path, 600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steps = 12 // 2                                  # 12 prompts, 2 a generation (8 completions / 4)
+    assert f"finished: step {steps} of {steps}" in proc.stdout, proc.stdout
+    out = tmp_path / "out"
+    assert f"model     {out}" in proc.stdout
+    assert (out / "config.json").is_file() and (out / "checkpoint-4" / "config.json").is_file()
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1)) and metrics[-1]["max_steps"] == steps
+    # trainer_state as TRL's: the step being trained is global_step + 1 when the rewards are scored.
+    assert [m["my/global_step"] for m in metrics] == list(range(steps))
+    assert "rewards/think_format_reward" in metrics[-1]
+    assert (tmp_path / "run" / "rewards" / "my_rewards.py").is_file()
