@@ -101,8 +101,33 @@ CASES = [
      'learnin_rate: unknown field (did you mean "learning_rate"?)'),
     ("max-steps-zero", None, [*TESTBED, "grpo.max_steps=0"], "grpo.max_steps: must be > 0, or -1"),
     ("warmup-steps", None, [*TESTBED, "grpo.warmup_steps=2.5"], "grpo.warmup_steps: must be a whole number"),
+    ("optim", None, [*TESTBED, "grpo.optim=sgd"],
+     "grpo.optim: 'sgd' is not supported; hpcrl's optimizer is AdamW: one of adamw_torch, adamw_torch_fused"),
+    ("trl-optim", "model_name_or_path: demo:tiny\ndataset_name: demo\noptim: adafactor\n", TESTBED,
+     "grpo.optim: 'adafactor' is not supported"),
+    ("lr-scheduler-kwargs", None, [*TESTBED, "grpo.lr_scheduler_type=cosine", "grpo.lr_scheduler_kwargs={power: 2}"],
+     "grpo.lr_scheduler_kwargs: power not taken by lr_scheduler_type 'cosine' (takes only num_cycles)"),
+    ("importance-sampling-level", None, [*TESTBED, "grpo.importance_sampling_level=seq"],
+     "grpo.importance_sampling_level: expected one of 'token', 'sequence'"),
+    ("multi-objective-aggregation", None, [*TESTBED, "grpo.multi_objective_aggregation=sum"],
+     "grpo.multi_objective_aggregation: expected one of"),
+    ("min-p", None, [*TESTBED, "grpo.min_p=2"], "grpo.min_p: must be in [0, 1] or null"),
+    ("repetition-penalty", None, [*TESTBED, "grpo.repetition_penalty=0"], "grpo.repetition_penalty: must be > 0"),
+    ("generation-kwargs", None, [*TESTBED, "grpo.generation_kwargs=3"], "grpo.generation_kwargs: expected a mapping"),
+    ("sync-ref-model-no-beta", None, [*TESTBED, "grpo.sync_ref_model=true"], "grpo.sync_ref_model: needs beta > 0"),
+    ("ref-model-mixup-alpha", None, [*TESTBED, "grpo.beta=0.1", "grpo.sync_ref_model=true",
+                                     "grpo.ref_model_mixup_alpha=1.5"], "grpo.ref_model_mixup_alpha: must be in (0, 1]"),
     ("output-dir-not-model", "checkpoint:\n  output_dir: /etc\n", TESTBED,
      "checkpoint.output_dir (TRL's output_dir): /etc holds files that are not a model"),
+    # Model and data the job could not load (more in FILE_CASES below, with files made by the test)
+    ("model-missing", None, [*TESTBED, "model.path=./no-such-model"], "model.path: ./no-such-model does not exist"),
+    ("model-hub-not-cached", None, [*TESTBED, "model.path=no-such-org/no-such-model"],
+     "model.path: 'no-such-org/no-such-model' is neither a local directory nor a model in the Hugging Face cache"),
+    ("data-missing", None, [*TESTBED, "data.path=/tmp/no-such-dir/prompts.jsonl"],
+     "data.path: /tmp/no-such-dir/prompts.jsonl does not exist"),
+    ("data-glob-empty", None, [*TESTBED, "data.path=no-such-dir/*.parquet"], "data.path: no file matches"),
+    ("data-hub-not-cached", "model_name_or_path: demo:tiny\ndataset_name: no-such-org/no-such-data\n", TESTBED,
+     "`huggingface-cli download --repo-type dataset no-such-org/no-such-data`"),
 ]
 
 
@@ -149,3 +174,42 @@ def test_bad_user_site_file(hpcrl, tmp_path):
         r = hpcrl("render", "--site", name, env={"HPCRL_SITES_PATH": str(sites)})
         assert r.returncode == 2 and expect in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
         assert list(hpcrl.work.iterdir()) == []
+
+
+# (id, files to make under a fresh directory {inputs}, arguments after `hpcrl submit`, text the error must contain)
+FILE_CASES = [
+    ("model-no-weights", {"m/config.json": "{}", "m/tokenizer.json": "{}"}, ["model.path={inputs}/m"],
+     "model.path: {inputs}/m has no weights (*.safetensors, *.bin"),
+    ("model-no-config", {"m/model.safetensors": ""}, ["model.path={inputs}/m"], "has no config.json"),
+    ("model-no-tokenizer", {"m/config.json": "{}", "m/model.safetensors": ""}, ["model.path={inputs}/m"],
+     "model.path: {inputs}/m has no tokenizer files (tokenizer.json, tokenizer_config.json"),
+    ("tokenizer-no-files", {"t/README.md": "x"}, ["model.tokenizer={inputs}/t"],
+     "model.tokenizer: {inputs}/t has no tokenizer files"),
+    ("data-no-prompt-column", {"q.jsonl": '{"question": "1+1=", "answer": "2"}\n'}, ["data.path={inputs}/q.jsonl"],
+     "data.prompt_column: no 'prompt' column in {inputs}/q.jsonl (first row's columns: question, answer)"),
+    ("data-split-single-file", {"p.jsonl": '{"prompt": "1+1="}\n'}, ["data.path={inputs}/p.jsonl", "data.split=test"],
+     "data.split: 'test': data.path is a file or files, whose only split is \"train\""),
+    ("data-first-row-not-json", {"p.jsonl": "{prompt: 1\n"}, ["data.path={inputs}/p.jsonl"], "p.jsonl: line 1 is not JSON"),
+    ("data-dir-empty", {"d/notes.txt": "x"}, ["data.path={inputs}/d"], "holds no data files"),
+    ("data-eval-split-missing", {"d/train.jsonl": '{"prompt": "1+1="}\n'},
+     ["data.path={inputs}/d", "grpo.eval_strategy=steps"], "data.eval_split: no file in {inputs}/d is named for split 'test'"),
+    ("reward-model-not-a-model", {"rm/README.md": "x"}, ["rewards=[{{model: {inputs}/rm}}]"],
+     "rewards[0].model: {inputs}/rm is not a Hugging Face model directory"),
+    ("data-files-and-path", {"p.jsonl": '{"prompt": "1+1="}\n'},
+     ["data.path={inputs}/p.jsonl", "data.data_files=[{inputs}/p.jsonl]"], "data.data_files: give data.path or"),
+]
+
+
+@pytest.mark.parametrize("case_id,files,args,expect", FILE_CASES, ids=[c[0] for c in FILE_CASES])
+def test_bad_input_files(hpcrl, tmp_path, case_id, files, args, expect):
+    """A model or dataset the login node can see but the job could not use: refused before anything is written."""
+    made = tmp_path / "inputs"
+    for name, text in files.items():
+        (made / name).parent.mkdir(parents=True, exist_ok=True)
+        (made / name).write_text(text)
+    r = hpcrl("submit", *TESTBED, *(a.format(inputs=made) for a in args))
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hpcrl: error: ") and expect.format(inputs=made) in lines[0], r.stderr
+    assert "Traceback" not in r.stderr + r.stdout and r.stdout == ""
+    assert list(hpcrl.work.iterdir()) == [], "something was written"

@@ -187,3 +187,18 @@ def test_scancel_ends_the_job_as_cancelled_without_a_requeue(testbed, hpcrl, can
     assert _latest_checkpoint_step(run_dir) is not None
     # Stopping slurmctld while `hpcrl status` runs: tests/test_submit_status.py
     # (test_status_when_slurmctld_does_not_answer).
+
+
+def test_a_trl_users_config_on_two_nodes(testbed, hpcrl, cancel_after, tmp_path):
+    """The YAML `hpcrl run` takes in tests/test_trl_config.py, submitted as it is to 2 nodes."""
+    from test_trl_config import check_trl_user_run, write_trl_user_files
+
+    cfg = write_trl_user_files(tmp_path)
+    r = hpcrl("submit", "--site", "testbed", cfg, "-N", "2", *TWO_TASKS, "-t", "15", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    job_id, run_dir = r.stdout.strip(), Path(r.stderr.rsplit("run directory ", 1)[1].strip())
+    cancel_after(job_id)
+    info = _wait(hpcrl, job_id, lambda i: i["state"] in FINAL, 900)
+    assert info["state"] == "COMPLETED", info
+    # Two trainers: 4 prompts a generation over the 12, so 3 steps.
+    check_trl_user_run(run_dir, tmp_path / "out", 3)

@@ -41,6 +41,9 @@ def _model(tmp_path, name: str, cfg: dict) -> str:
     d = tmp_path / name
     d.mkdir(exist_ok=True)
     (d / "config.json").write_text(json.dumps(cfg))
+    # What render's look at a model directory wants beside it (hpcrl.login.inputs); no weights' bytes.
+    (d / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+    (d / "tokenizer.json").write_text("{}")
     return str(d)
 
 

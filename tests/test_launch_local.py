@@ -191,7 +191,7 @@ def test_small_broadcasts_travel_through_the_hub(verdicts):
 def _spec(tmp_path, *overrides, nodes=1, site="local") -> JobSpec:
     # Mesh choices for models no demo batch fits: the fit check is tests/test_fit.py's.
     return compose(None, site, list(overrides), {"resources.nodes": nodes}, str(tmp_path / f"r-{uuid.uuid4().hex[:6]}"),
-                   check_fit=False)
+                   check_fit=False, check_inputs=False)
 
 
 def test_mesh_choice(tmp_path):
@@ -391,3 +391,41 @@ def test_run_refuses_a_slurm_site(tmp_path):
     proc = subprocess.run([PY, "-m", "hpcrl", "run", "--site", "testbed", "--run-dir", str(tmp_path / "x")],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "hpcrl submit --site testbed" in proc.stderr
+
+
+def test_console_leaves_tracebacks_and_the_mpich_banner_to_the_log():
+    from hpcrl.login.local import ConsoleFilter
+
+    out = ["Traceback (most recent call last):\n", '  File "x.py", line 1, in f\n', "    f()\n",
+           "ValueError: inner\n", "\n", "The above exception was the direct cause of the following exception:\n", "\n",
+           "Traceback (most recent call last):\n", '  File "y.py", line 2, in g\n',
+           "hpcrl: rank 1 (node 0, server): rank 0 is gone; exiting\n", "    g()\n", "ValueError: outer\n",
+           "[hpcrl 10:00:00 rank 0 node 0 trainer] next\n"]
+    banner = ["=" * 83 + "\n", "=   BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES\n", "=   EXIT CODE: 9\n",
+              "=" * 83 + "\n", "YOUR APPLICATION TERMINATED WITH THE EXIT STRING: Killed (signal 9)\n",
+              "This typically refers to a problem with your application.\n",
+              "Please see the FAQ page for debugging suggestions\n"]
+    console = ConsoleFilter()
+    assert [line for line in out if console.show(line, "stderr")] == [out[9], out[12]]
+    assert [line for line in banner if console.show(line, "stdout")] == []
+    assert console.tracebacks == 1
+
+
+@needs_mpi
+def test_a_job_failing_on_its_data_ends_with_its_one_line(tmp_path):
+    """A corrupt row past the first passes the login node's look at the data; the job fails on
+    it and `hpcrl run` ends with the failure in one line, the tracebacks left to run.log."""
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "1+1="}\n{"prompt": broken\n')
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([PY, "-m", "hpcrl", "run", f"data.path={data}", "model.path=demo:tiny:random",
+                           "grpo.max_steps=1", "--run-dir", str(run_dir)],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode != 0
+    reason = rundir.read_failure(run_dir)
+    assert reason and f"data.path: {data} line 2 is not JSON" in reason, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == f"hpcrl: error: {reason}"
+    assert "BAD TERMINATION" not in proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    log = (run_dir / rundir.LOCAL_LOG_FILE).read_text()
+    assert "Traceback (most recent call last)" in log       # hydra's banner too, when the rank was killed

@@ -94,20 +94,21 @@ def test_a_trl_config_translates(trl_yaml, tmp_path):
     assert r.logging.tensorboard is True and r.inference.engine == "transformers"
     assert r.checkpoint.output_dir == str(tmp_path / "out" / "grpo")
     assert t.moved["output_dir"] == "checkpoint.output_dir" and t.moved["beta"] == "grpo.beta"
-    assert set(t.inert) >= {"logging_steps", "use_vllm", "vllm_mode", "save_strategy", "per_device_eval_batch_size",
-                            "lora_r", "optim", "eval_strategy", "use_peft"}
+    assert set(t.inert) >= {"logging_steps", "use_vllm", "vllm_mode", "save_strategy", "lora_r", "use_peft"}
+    assert t.moved["optim"] == "grpo.optim" and g.optim == "adamw_torch"
+    assert t.moved["eval_strategy"] == "grpo.eval_strategy" and r.grpo.per_device_eval_batch_size == 4
 
 
 def test_every_unimplemented_key_is_named_in_one_error(trl_yaml):
     trl_yaml.write_text(trl_yaml.read_text() + "use_liger_kernel: true\ntop_entropy_quantile: 0.2\n"
-                        "reward_model_name_or_path: rm\nlearnin_rate: 3\ngrpo:\n  betta: 1\n")
+                        "push_to_hub: true\nlearnin_rate: 3\ngrpo:\n  betta: 1\n")
     with pytest.raises(UserError) as e:
         compose.build_recipe(str(trl_yaml))
     lines = str(e.value).splitlines()
     assert lines[0] == "5 fields are not accepted (nothing was written):"
     text = "\n".join(lines)
     for name in ("use_liger_kernel: not implemented", "top_entropy_quantile: not implemented",
-                 "reward_model_name_or_path: reward models are not supported yet",
+                 "push_to_hub: compute nodes have no internet",
                  'learnin_rate: unknown field (did you mean "learning_rate"?)',
                  'grpo.betta: unknown field (did you mean "beta"?)'):
         assert name in text, text
@@ -157,27 +158,31 @@ def test_warmup_steps_as_transformers():
     assert warmup_steps(100, 0.1) == 10 and warmup_steps(100, 7) == 7 and warmup_steps(100, 0) == 0
 
 
-@pytest.mark.slow
-def test_hpcrl_run_takes_a_trl_config(tmp_path):
-    """A TRL CLI YAML with a model, dataset file and reward of the user's, run as it is: epochs
-    counted as TRL counts them, the model written to TRL's output_dir."""
-    from conftest import run_to_the_end
+def write_trl_user_files(tmp_path: Path) -> Path:
+    """What a TRL user brings, made here: a Hugging Face model with its tokenizer and chat template,
+    a reward model, a conversational dataset with train and test splits (save_to_disk) and an
+    answer column, a reward module beside the `trl grpo --config` YAML using TRL 1.x's extras, a
+    TRL helper reward, evaluation every 3 steps. Returns the YAML's path."""
+    import datasets
 
     from hpcrl.compute.models.tiny import make_tiny_model
+    from test_reward_model import make_reward_model
 
     model = make_tiny_model(tmp_path / "my-model", size="tiny", seed=0)
-    # Conversational, as TRL's think_format_reward requires.
+    make_reward_model(tmp_path / "my-rm", model)
     rows = [{"prompt": [{"role": "user", "content": f"{a}+{b}="}], "answer": str(a + b)} for a in range(3) for b in range(4)]
-    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    # A reward module beside the configuration, as TRL's CLI finds it, using TRL 1.x's extras.
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows), "test": datasets.Dataset.from_list(rows[:5])}
+                         ).save_to_disk(str(tmp_path / "sums"))
     (tmp_path / "my_rewards.py").write_text(
         "def correct(prompts, completions, answer, trainer_state, log_metric, **kwargs):\n"
         "    log_metric('my/global_step', trainer_state.global_step)\n"
         "    return [1.0 if c[0]['content'].strip().startswith(a) else 0.0 for c, a in zip(completions, answer)]\n")
-    (tmp_path / "cfg.yaml").write_text(f"""\
-model_name_or_path: {Path(model).name}
-dataset_name: train.jsonl
+    (tmp_path / "cfg.yaml").write_text("""\
+model_name_or_path: my-model
+dataset_name: sums
 reward_funcs: [my_rewards.correct, think_format_reward]
+reward_model_name_or_path: my-rm
+reward_weights: [0.1, 1.0, 0.5]
 num_train_epochs: 1
 per_device_train_batch_size: 8
 num_generations: 4
@@ -186,20 +191,59 @@ learning_rate: 1.0e-4
 save_steps: 4
 output_dir: out
 logging_steps: 1
+eval_strategy: steps
+eval_steps: 3
+num_generations_eval: 2
 use_vllm: true
 attn_implementation: eager
-inference: {{engine: transformers, max_model_len: 64}}
+inference: {engine: transformers, max_model_len: 64}
 """)
-    proc = run_to_the_end([sys.executable, "-m", "hpcrl", "run", "cfg.yaml", "--run-dir", "run"], tmp_path, 600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    steps = 12 // 2                                  # 12 prompts, 2 a generation (8 completions / 4)
-    assert f"finished: step {steps} of {steps}" in proc.stdout, proc.stdout
-    out = tmp_path / "out"
-    assert f"model     {out}" in proc.stdout
-    assert (out / "config.json").is_file() and (out / "checkpoint-4" / "config.json").is_file()
-    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    return tmp_path / "cfg.yaml"
+
+
+def check_trl_user_run(run_dir: Path, out: Path, steps: int) -> None:
+    """What write_trl_user_files' configuration must leave behind after `steps` optimizer steps."""
+    from transformers import AutoModelForCausalLM
+
+    assert (out / "config.json").is_file() and (out / "checkpoint-4" / "config.json").is_file() == (steps > 4)
+    assert AutoModelForCausalLM.from_pretrained(out) is not None
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, steps + 1)) and metrics[-1]["max_steps"] == steps
     # trainer_state as TRL's: the step being trained is global_step + 1 when the rewards are scored.
     assert [m["my/global_step"] for m in metrics] == list(range(steps))
-    assert "rewards/think_format_reward" in metrics[-1]
-    assert (tmp_path / "run" / "rewards" / "my_rewards.py").is_file()
+    assert "rewards/think_format_reward" in metrics[-1] and "rewards/my-rm" in metrics[-1]
+    assert (run_dir / "rewards" / "my_rewards.py").is_file()
+    # Evaluation on the test split every 3 steps and at the end: 5 prompts x 2 completions.
+    evaluated = {m["step"]: m for m in metrics if "eval/reward" in m}
+    assert sorted(evaluated) == sorted({*range(3, steps + 1, 3), steps})
+    assert evaluated[steps]["eval/completions"] == 10
+    assert {"eval/rewards/correct", "eval/rewards/think_format_reward", "eval/rewards/my-rm"} <= set(evaluated[steps])
+
+
+@pytest.mark.slow
+def test_hpcrl_run_takes_a_trl_config(tmp_path):
+    """The TRL user's YAML, run as it is: epochs counted as TRL counts them (12 prompts, 2 a
+    generation: 6 steps), the model written to TRL's output_dir."""
+    from conftest import run_to_the_end
+
+    cfg = write_trl_user_files(tmp_path)
+    proc = run_to_the_end([sys.executable, "-m", "hpcrl", "run", cfg.name, "--run-dir", "run"], tmp_path, 600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "finished: step 6 of 6" in proc.stdout, proc.stdout
+    assert f"model     {tmp_path / 'out'}" in proc.stdout and "  eval      reward " in proc.stdout
+    check_trl_user_run(tmp_path / "run", tmp_path / "out", 6)
+
+
+def test_evaluation_schedule_as_transformers():
+    from hpcrl.compute.train.evaluation import eval_due, eval_every, summarize
+
+    g = GRPOConfig(eval_strategy="steps", eval_steps=None, max_steps=25)
+    assert eval_every(g) == 10 and [s for s in range(26) if eval_due(g, s)] == [10, 20, 25]
+    g = GRPOConfig(eval_strategy="steps", eval_steps=0.5, max_steps=10, eval_on_start=True)
+    assert [s for s in range(11) if eval_due(g, s)] == [0, 5, 10]
+    assert not any(eval_due(GRPOConfig(max_steps=10), s) for s in range(11))
+    # sums: reward, reward^2, completions, tokens, truncated; then per function sum, count (None left out)
+    out = summarize([3.0, 5.0, 4, 40, 1, 2.0, 4, 1.0, 2], ["a", "b"])
+    assert out["eval/reward"] == 0.75 and out["eval/rewards/a"] == 0.5 and out["eval/rewards/b"] == 0.5
+    assert out["eval/completion_len_mean"] == 10 and out["eval/truncated_frac"] == 0.25
+    assert math.isclose(out["eval/reward_std"], math.sqrt(5 / 4 - 0.75 ** 2))

@@ -16,6 +16,10 @@ from hpcrl.job.errors import UserError
 
 # As hpcrl.compute.train.grpo.LOSS_TYPES (TRL 1.16); kept here because the login side never imports torch.
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+# grpo.optim: the TRL (transformers) names of the AdamW that hpcrl runs.
+OPTIMS = ("adamw_torch", "adamw_torch_fused")
+# grpo.lr_scheduler_kwargs each lr_scheduler_type takes (transformers' schedule functions' own arguments).
+SCHEDULER_KWARGS = {"constant": (), "constant_with_warmup": (), "linear": (), "cosine": ("num_cycles",)}
 # A reward function or other import path: "package.module:function" or "package.module.function".
 IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?$")
 
@@ -55,9 +59,18 @@ def engine_dtype(inference_dtype: str, model_dtype: str) -> str:
 
 @dataclass(frozen=True)
 class DataConfig:
-    # Local jsonl/parquet file or a datasets save_to_disk directory; "demo" = the built-in task.
+    # What datasets.load_dataset(path) reads, as TRL's dataset_name: a local .jsonl/.json/.parquet/.csv
+    # file or a glob of them, a directory of such files, a datasets save_to_disk directory, or a hub
+    # dataset id already in the Hugging Face cache (compute nodes run offline); "demo" = the built-in task.
     path: str = "demo"
+    # The dataset's configuration (TRL's dataset_config; load_dataset's name); "" = its default.
+    config: str = ""
+    # Local data files or globs, as load_dataset's data_files, instead of data.path (leave path unset).
+    data_files: tuple[str, ...] = ()
+    # A single file, a glob or data_files have one split, "train".
     split: str = "train"
+    # The split grpo.eval_strategy evaluates on (TRL's dataset_test_split); the demo task has one.
+    eval_split: str = "test"
     prompt_column: str = "prompt"
     shuffle: bool = True
 
@@ -83,13 +96,25 @@ class RewardSpec:
     ("my_rewards:correct", copied into the run directory), or one of TRL_REWARDS by name. With
     ``kwargs`` the imported object is a factory called with them to make the function (TRL's
     get_soft_overlong_punishment). ``name``: the one its metrics take (rewards/<name>); "" = the
-    function's own, as TRL names it."""
-    func: str
+    function's own, as TRL names it.
+
+    ``model`` instead of ``func``: a local Hugging Face sequence-classification model directory
+    (TRL's reward_model_name_or_path); its first logit for prompt + completion is the reward. It
+    runs on the trainers, sharded like the reference model (hpcrl.compute.train.reward_model)."""
+    func: str = ""
     weight: float = 1.0
     name: str = ""
     kwargs: Optional[dict[str, Any]] = None
+    model: str = ""
 
     def validate(self, where: str) -> None:
+        if bool(self.func) == bool(self.model):
+            raise UserError(f"{where}: give func (a reward function) or model (a reward model's directory), "
+                            f"{'not both' if self.func else 'one of them'}")
+        if self.model:
+            if self.kwargs is not None:
+                raise UserError(f"{where}.kwargs: only for a func (a factory's arguments), not a reward model")
+            return
         if not IMPORT_PATH.match(self.func):
             raise UserError(f"{where}.func: {self.func!r} is not an import path like \"package.module:function\"")
         if "." not in self.func and ":" not in self.func and self.func not in TRL_REWARDS:
@@ -128,6 +153,13 @@ class GRPOConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: Optional[float] = None           # None = off
+    repetition_penalty: float = 1.0         # 1.0 = off
+    # Passed as is to the engine's sampling call (vLLM's SamplingParams, transformers' generate),
+    # after and over the settings above, as TRL does.
+    generation_kwargs: Optional[dict[str, Any]] = None
+    # Passed to the tokenizer's apply_chat_template when conversational prompts are rendered.
+    chat_template_kwargs: Optional[dict[str, Any]] = None
     beta: float = 0.0
     epsilon: float = 0.2
     epsilon_high: Optional[float] = None
@@ -135,6 +167,23 @@ class GRPOConfig:
     loss_type: str = "dapo"
     scale_rewards: Literal["group", "batch", "none"] = "group"
     mask_truncated_completions: bool = False
+    importance_sampling_level: Literal["token", "sequence"] = "token"    # "sequence": GSPO
+    delta: Optional[float] = None           # two-sided clipping (INTELLECT-2): the ratio is capped at delta
+    off_policy_mask_threshold: Optional[float] = None    # DeepSeek-V3.2's off-policy sequence mask
+    use_bias_correction_kl: bool = True
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    entropy_coef: float = 0.0               # static entropy bonus: loss - entropy_coef * mean token entropy
+    # Every ref_model_sync_steps optimizer steps: reference = alpha * policy + (1 - alpha) * reference.
+    sync_ref_model: bool = False
+    ref_model_mixup_alpha: float = 0.6
+    ref_model_sync_steps: int = 512
+    disable_dropout: bool = False           # every dropout module of policy and reference gets p = 0
     # Reweights each completion by pi_trainer / pi_sampler (the engine's numerics, and the lag of
     # inference.overlap_generation). It costs a forward pass a step (README: what it did on the demo).
     vllm_importance_sampling_correction: bool = True
@@ -149,6 +198,9 @@ class GRPOConfig:
     # Linear warmup: a whole number of steps, or a fraction (< 1) of all steps, as transformers'.
     warmup_steps: float = 0.0
     lr_scheduler_type: Literal["constant", "cosine", "linear", "constant_with_warmup"] = "linear"
+    # transformers.get_scheduler's scheduler_specific_kwargs (cosine: num_cycles).
+    lr_scheduler_kwargs: Optional[dict[str, Any]] = None
+    optim: str = "adamw_torch_fused"        # AdamW: "adamw_torch" (torch's default kernel) or fused
     max_grad_norm: float = 1.0
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
@@ -161,6 +213,15 @@ class GRPOConfig:
     # Optimizer steps between Hugging Face model directories <output_dir>/checkpoint-<step>/
     # (checkpoint.output_dir); 0 = only the final one.
     save_steps: int = 500
+    # Evaluation on the data's eval_split (hpcrl.compute.train.evaluation): "steps" = every
+    # eval_steps optimizer steps (None: 10, TRL's logging_steps; a fraction < 1 of max_steps) and
+    # after the last; per_device_eval_batch_size completions per trainer and request,
+    # num_generations_eval (None: num_generations) per prompt.
+    eval_strategy: Literal["no", "steps"] = "no"
+    eval_steps: Optional[float] = None
+    eval_on_start: bool = False
+    per_device_eval_batch_size: int = 8
+    num_generations_eval: Optional[int] = None
 
     def validate(self, where: str) -> None:
         positive = ("learning_rate", "per_device_train_batch_size", "gradient_accumulation_steps",
@@ -193,6 +254,13 @@ class GRPOConfig:
             raise UserError(f"{where}.max_steps: must be > 0, or -1 for num_train_epochs, got {self.max_steps}")
         if self.max_steps == -1 and self.num_train_epochs <= 0:
             raise UserError(f"{where}.num_train_epochs: must be > 0 when max_steps is -1, got {self.num_train_epochs}")
+        if self.eval_steps is not None and (self.eval_steps <= 0 or (self.eval_steps >= 1 and not float(self.eval_steps).is_integer())):
+            raise UserError(f"{where}.eval_steps: must be a whole number of steps or a fraction in (0, 1), "
+                            f"got {self.eval_steps}")
+        if self.per_device_eval_batch_size < 1:
+            raise UserError(f"{where}.per_device_eval_batch_size: must be at least 1, got {self.per_device_eval_batch_size}")
+        if self.num_generations_eval is not None and self.num_generations_eval < 1:
+            raise UserError(f"{where}.num_generations_eval: must be at least 1, got {self.num_generations_eval}")
         if self.warmup_steps < 0 or (self.warmup_steps >= 1 and not float(self.warmup_steps).is_integer()):
             raise UserError(f"{where}.warmup_steps: must be a whole number of steps or a fraction in [0, 1), "
                             f"got {self.warmup_steps}")
@@ -200,6 +268,36 @@ class GRPOConfig:
             from hpcrl.job.config import closest
             raise UserError(f"{where}.loss_type: {self.loss_type!r} is not one of "
                             f"{', '.join(LOSS_TYPES)}{closest(self.loss_type, LOSS_TYPES)}")
+        self._validate_more(where)
+
+    def _validate_more(self, where: str) -> None:
+        if self.optim not in OPTIMS:
+            raise UserError(f"{where}.optim: {self.optim!r} is not supported; hpcrl's optimizer is AdamW: "
+                            f"one of {', '.join(OPTIMS)}")
+        allowed = SCHEDULER_KWARGS[self.lr_scheduler_type]
+        unknown = sorted(set(self.lr_scheduler_kwargs or {}) - set(allowed))
+        if unknown:
+            takes = f"takes only {', '.join(allowed)}" if allowed else "takes none"
+            raise UserError(f"{where}.lr_scheduler_kwargs: {', '.join(unknown)} not taken by lr_scheduler_type "
+                            f"{self.lr_scheduler_type!r} ({takes})")
+        if self.min_p is not None and not 0 <= self.min_p <= 1:
+            raise UserError(f"{where}.min_p: must be in [0, 1] or null, got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise UserError(f"{where}.repetition_penalty: must be > 0, got {self.repetition_penalty}")
+        if self.delta is not None and self.delta <= 0:     # TRL recommends above 1 + epsilon
+            raise UserError(f"{where}.delta: must be > 0 or null, got {self.delta}")
+        if self.off_policy_mask_threshold is not None and self.off_policy_mask_threshold < 0:
+            raise UserError(f"{where}.off_policy_mask_threshold: must be >= 0 or null, "
+                            f"got {self.off_policy_mask_threshold}")
+        for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
+            if getattr(self, name) <= 0:
+                raise UserError(f"{where}.{name}: must be > 0, got {getattr(self, name)}")
+        if not 0 < self.ref_model_mixup_alpha <= 1:
+            raise UserError(f"{where}.ref_model_mixup_alpha: must be in (0, 1], got {self.ref_model_mixup_alpha}")
+        if self.ref_model_sync_steps < 1:
+            raise UserError(f"{where}.ref_model_sync_steps: must be at least 1, got {self.ref_model_sync_steps}")
+        if self.sync_ref_model and self.beta == 0:
+            raise UserError(f"{where}.sync_ref_model: needs beta > 0 (with beta 0 there is no reference model)")
 
 
 # The built-in demo task's values, tuned on the warmed-up "demo:tiny" model: its demo_correct reward

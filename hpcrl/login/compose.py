@@ -18,6 +18,7 @@ from hpcrl import __version__
 from hpcrl.job import rundir
 from hpcrl.job.config import build, closest, deep_merge, problems_error, set_dotted, unknown_fields
 from hpcrl.job.errors import UserError
+from hpcrl.job.hfcache import is_glob
 from hpcrl.job.placement import Plan, make_plan
 from hpcrl.job.recipe import DEMO_GRPO, DataConfig, Recipe
 from hpcrl.job.recipe import TRL_REWARDS_MATH_VERIFY, expand_shorthands, reward_import_path
@@ -198,10 +199,11 @@ def for_slurm(args) -> JobSpec:
 
 def compose(recipe_path: str | None, site_name: str, assignments: list[str] = (),
             flags: dict[str, Any] | None = None, run_dir: str | None = None, *,
-            check_fit: bool = True, for_plan: bool = False) -> JobSpec:
+            check_fit: bool = True, for_plan: bool = False, check_inputs: bool = True) -> JobSpec:
     """Recipe file + key=value + flags + site -> a validated JobSpec (nothing is written).
 
     `check_fit`: refuse a job whose memory estimate is over its GPUs' (unknown sizes never are).
+    `check_inputs`: refuse a model, tokenizer or dataset the job could not load (hpcrl.login.inputs).
     `for_plan`: `hpcrl plan`'s spec: no account needed, no run directory (run_dir is ""), no refusal."""
     recipe = build_recipe(recipe_path, assignments, flags).recipe
     site = profiles.load(site_name, recipe.site)
@@ -214,6 +216,10 @@ def compose(recipe_path: str | None, site_name: str, assignments: list[str] = ()
     plan = make_plan(site, recipe.resources.nodes, recipe.inference.gpus)   # server GPUs vs GPUs per node
     python = sys.executable if site.python == "auto" else site.python
     reward_modules = _reward_modules(recipe, recipe_path, check_installed=python == sys.executable)
+    if check_inputs and not for_plan and recipe.mode == "train":
+        from hpcrl.login.inputs import check_inputs     # model, tokenizer and data, as the job will find them
+
+        check_inputs(recipe, site)
     if for_plan:
         return JobSpec(SPEC_VERSION, __version__, time.time(), "", site, recipe, time_s, python)
     run_path = Path(run_dir) if run_dir else default_run_dir(site, recipe.name)
@@ -264,11 +270,13 @@ def build_recipe(recipe_path: str | None, assignments: list[str] = (),
     problems = (translation.problems if translation else []) + unknown_fields(Recipe, data)
     if problems:
         raise problems_error(problems)
-    if (data.get("data") or {}).get("path", DataConfig.path) == DataConfig.path:
+    if (data.get("data") or {}).get("path", DataConfig.path) == DataConfig.path \
+            and not (data.get("data") or {}).get("data_files"):
         # The built-in task trains with its own tuned values where the recipe says nothing.
         data["grpo"] = {**DEMO_GRPO, **(data.get("grpo") or {})}
+    data = expand_shorthands(data)
     _local_paths(data)
-    return ResolvedRecipe(build(Recipe, expand_shorthands(data)), translation)
+    return ResolvedRecipe(build(Recipe, data), translation)
 
 
 def _local_paths(data: dict) -> None:
@@ -280,8 +288,18 @@ def _local_paths(data: dict) -> None:
         if not isinstance(value, str) or not value or value == "demo" or value.startswith("demo:") or Path(value).is_absolute():
             continue
         path = Path(value).expanduser()
-        if not must_exist or path.exists():
+        if not must_exist or path.exists() or (section, key) == ("data", "path") and is_glob(value):
             data[section][key] = str(path.absolute())
+    files = (data.get("data") or {}).get("data_files")
+    if isinstance(files, str):
+        files = data["data"]["data_files"] = [files]       # one file, as load_dataset's data_files takes it
+    if isinstance(files, list):
+        data["data"]["data_files"] = [str(Path(f).expanduser().absolute()) if isinstance(f, str) else f
+                                      for f in files]
+    for reward in data.get("rewards") or ():
+        model = reward.get("model") if isinstance(reward, dict) else None
+        if isinstance(model, str) and model and not Path(model).is_absolute() and Path(model).expanduser().exists():
+            reward["model"] = str(Path(model).expanduser().absolute())
 
 
 def _check_fit(spec: JobSpec, plan: Plan) -> None:
@@ -336,6 +354,11 @@ def _reward_modules(recipe, recipe_path: str | None, check_installed: bool) -> t
     local: dict[str, None] = {}         # in order, once each
     needs_math_verify = {f"trl.rewards.{name}" for name in TRL_REWARDS_MATH_VERIFY}
     for i, reward in enumerate(recipe.rewards):
+        if reward.model:
+            if not (Path(reward.model) / "config.json").is_file():
+                raise UserError(f"rewards[{i}].model: {reward.model} is not a Hugging Face model directory "
+                                f"(no config.json there); a reward model is loaded from disk, as the policy")
+            continue
         path = reward_import_path(reward.func)
         top = path.partition(":")[0].split(".")[0]
         own = _own_module(top, dirs)

@@ -100,17 +100,72 @@ def run(args) -> int:
     print(f"hpcrl: run directory {run_dir}; {plan.world_size} tasks ({plan.num_trainers} trainer(s), "
           f"{plan.nodes} server(s))", file=sys.stderr, flush=True)
     grace = spec.recipe.launch.peer_failure_timeout_s + AFTER_FAILURE_GRACE_S
+    console = ConsoleFilter()
     if spec.recipe.mode != "train":
-        return supervise(cmd, env, run_dir / LOCAL_LOG_FILE, grace)
+        code = supervise(cmd, env, run_dir / LOCAL_LOG_FILE, grace, console=console)
+        print_failure(run_dir, code, console)
+        return code
     progress = Progress(run_dir, spec.recipe.grpo.max_steps)
     t0 = time.monotonic()
     try:
-        code = supervise(cmd, env, run_dir / LOCAL_LOG_FILE, grace, progress)
+        code = supervise(cmd, env, run_dir / LOCAL_LOG_FILE, grace, progress, console=console)
     finally:
         progress.close()
     print_summary(run_dir, spec.recipe.grpo.max_steps, time.monotonic() - t0, code,
                   output_dir=spec.recipe.checkpoint.output_dir)
+    print_failure(run_dir, code, console)
     return code
+
+
+class ConsoleFilter:
+    """Which of the job's lines reach the console: all but Python tracebacks and MPICH's "BAD
+    TERMINATION" banner, which run.log keeps. A failed run's cause is printed last instead, in the
+    one line the job wrote to failure.txt (:func:`print_failure`). One per run; its state is per
+    stream (the ranks' tracebacks come on stderr, hydra's banner on stdout)."""
+
+    BANNER = re.compile(r"^(={20,}\s*$|=   |YOUR APPLICATION TERMINATED WITH THE EXIT STRING|"
+                        r"This typically refers to a problem with your application|"
+                        r"Please see the FAQ page for debugging suggestions)")
+    CHAINED = ("The above exception was the direct cause", "During handling of the above exception")
+
+    def __init__(self) -> None:
+        self.tracebacks = 0
+        self._state: dict[str, str] = {}          # stream -> "", "traceback", "after" or "banner"
+
+    def show(self, line: str, stream: str = "stderr") -> bool:
+        text = line.rstrip("\r\n")
+        state = self._state.get(stream, "")
+        if self.BANNER.match(text):
+            self._state[stream] = "banner"
+            return False
+        if text.startswith("Traceback (most recent call last):"):
+            if state not in ("traceback", "after"):
+                self.tracebacks += 1
+            self._state[stream] = "traceback"
+            return False
+        if state == "traceback":
+            if not text.strip() or text[:1].isspace():
+                return False
+            if text.startswith(("hpcrl: ", "[hpcrl ")):         # another rank's line, mid-traceback
+                return True
+            self._state[stream] = "after"                       # the exception's own line ends it
+            return False
+        if state in ("after", "banner") and (not text.strip() or text.startswith(self.CHAINED)):
+            return False
+        self._state[stream] = ""
+        return True
+
+
+def print_failure(run_dir: Path, code: int, console: ConsoleFilter, file=None) -> None:
+    """After everything else: where the whole output is, then why the run failed, in one line."""
+    file = file or sys.stderr
+    log = run_dir / LOCAL_LOG_FILE
+    reason = rundir.read_failure(run_dir) if code != 0 else None
+    if reason:
+        print(f"hpcrl: the job's whole output, tracebacks included, is in {log}", file=file)
+        print(f"hpcrl: error: {reason}", file=file, flush=True)
+    elif console.tracebacks:
+        print(f"hpcrl: {console.tracebacks} traceback(s) from the job are in {log} only", file=file, flush=True)
 
 
 class Progress:
@@ -242,13 +297,20 @@ def print_summary(run_dir: Path, max_steps: int, wall_s: float, code: int, file=
     of = f" of {max_steps}" if max_steps > 0 else ""
     lines = [f"hpcrl: {'finished' if code == 0 and done >= max_steps else 'stopped'}: step {done}{of} "
              f"in {format_walltime(wall_s)}{ending}"]
-    if steps:
-        k = max(1, min(10, len(steps) // 5))
-        start, start_where = _mean_over(steps[:k])
-        end, end_where = _mean_over(steps[-k:])
-        fmt = lambda v: "-" if v is None else f"{v:.3f}"          # noqa: E731
+    fmt = lambda v: "-" if v is None else f"{v:.3f}"          # noqa: E731
+    trained = [s for s in steps if s["step"] >= 1]      # step 0: an evaluation before training (eval_on_start)
+    if trained:
+        k = max(1, min(10, len(trained) // 5))
+        start, start_where = _mean_over(trained[:k])
+        end, end_where = _mean_over(trained[-k:])
         lines.append(f"  reward    {fmt(start)} at the start ({start_where}) -> "
                      f"{fmt(end)} at the end ({end_where})")
+    evaluated = [s for s in steps if isinstance(s.get("eval/reward"), (int, float))]
+    if evaluated:
+        first, last = evaluated[0], evaluated[-1]
+        lines.append(f"  eval      reward {fmt(first['eval/reward'])} at step {first['step']} -> "
+                     f"{fmt(last['eval/reward'])} at step {last['step']} ({last.get('eval/completions', '?')} "
+                     f"completions of the eval split)")
     lines.append(f"  metrics   {run_dir / METRICS_FILE}")
     if code == 0 and steps:
         try:
@@ -270,18 +332,21 @@ def print_summary(run_dir: Path, max_steps: int, wall_s: float, code: int, file=
 
 
 def supervise(cmd: list[str], env: dict, log_path: Path, after_failure_s: float,
-              progress: Progress | None = None) -> int:
-    """Run `cmd` in its own session, tee its output, and bound every way of ending it."""
+              progress: Progress | None = None, console: ConsoleFilter | None = None) -> int:
+    """Run `cmd` in its own session, tee its output (every line to `log_path`, those `console`
+    lets through to this process's stdout/stderr), and bound every way of ending it."""
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)
     failed_at: list[float] = []
     lock = threading.Lock()
     with open(log_path, "ab") as log:
         def pump(src, dst) -> None:
+            stream = "stdout" if dst is sys.stdout else "stderr"
             for line in iter(src.readline, b""):
                 with lock, (progress.writing() if progress is not None else contextlib.nullcontext()):
-                    dst.buffer.write(line)
-                    dst.flush()
+                    if console is None or console.show(line.decode(errors="replace"), stream):
+                        dst.buffer.write(line)
+                        dst.flush()
                     log.write(line)
                     log.flush()
                 if not failed_at and _FATAL_LINE.match(line.decode(errors="replace")):

@@ -28,6 +28,7 @@ BARS_UP_TO = 60           # the step-time split as bars up to this many steps, a
 
 # One colour per meaning, the same in every plot (colour-blind safe, Okabe-Ito).
 C_REWARD = "#1f3b73"
+C_EVAL = "#c0392b"          # the eval split's reward (grpo.eval_strategy)
 C_FUNCS = ("#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442", "#999999")
 C_KL = "#8e44ad"
 C_LEN = "#0072B2"
@@ -209,6 +210,11 @@ def write_plot(run_dir: str | Path, output: Optional[str | Path] = None) -> Path
         line(ax_r, rew, C_REWARD, label=mean_label, lw=2.4)
         for i, (name, ys) in enumerate(series.items()):
             line(ax_r, ys, C_FUNCS[i % len(C_FUNCS)], label=name, lw=1.4, raw_too=False, z=3.5)
+        evals = [(rec["step"], _num(rec.get("eval/reward"))) for rec in steps]
+        evals = [(s, v) for s, v in evals if not math.isnan(v)]
+        if evals:                       # grpo.eval_strategy: the eval split's reward, never smoothed
+            ax_r.plot(*zip(*evals), color=C_EVAL, lw=1.6, ls="--", marker="D", ms=5, mec="white", mew=0.8,
+                      label="eval reward (eval split)", zorder=4)
         ax_r.set_ylabel("reward")
         handles, labels = ax_r.get_legend_handles_labels()
         order = sorted(range(len(labels)), key=lambda i: (labels[i] != mean_label, labels[i] != "reward ± std", i))

@@ -33,6 +33,8 @@ RENAMED = {
     "attn_implementation": "model.attn_implementation",
     "dataset_name": "data.path",
     "dataset_train_split": "data.split",
+    "dataset_config": "data.config",
+    "dataset_test_split": "data.eval_split",
     "shuffle_dataset": "data.shuffle",
     "output_dir": "checkpoint.output_dir",
     "vllm_gpu_memory_utilization": "inference.gpu_memory_utilization",
@@ -75,11 +77,10 @@ _LORA = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_ta
          "lora_modules_to_save", "lora_task_type", "use_rslora", "use_dora")
 # Where TRL itself ignores a key unless another one switches it on.
 _ONLY_WITH = {
-    "eval_strategy": ("no", ("dataset_test_split", "eval_steps", "eval_delay", "eval_on_start",
-                             "per_device_eval_batch_size", "eval_accumulation_steps", "num_generations_eval",
-                             "eval_do_concat_batches", "eval_use_gather_object", "batch_eval_metrics",
-                             "bf16_full_eval", "fp16_full_eval", "prediction_loss_only", "do_eval",
-                             "metric_for_best_model", "greater_is_better", "load_best_model_at_end")),
+    "eval_strategy": ("no", ("eval_delay", "eval_accumulation_steps", "eval_do_concat_batches",
+                             "eval_use_gather_object", "batch_eval_metrics", "bf16_full_eval", "fp16_full_eval",
+                             "prediction_loss_only", "do_eval", "metric_for_best_model", "greater_is_better",
+                             "load_best_model_at_end")),
     "use_peft": (False, _LORA),
     "load_in_4bit": (False, ("bnb_4bit_quant_type", "use_bnb_nested_quant", "bnb_4bit_quant_storage")),
     "push_to_hub": (False, ("hub_model_id", "hub_strategy", "hub_token", "hub_private_repo", "hub_always_push",
@@ -87,19 +88,15 @@ _ONLY_WITH = {
 }
 # What to do instead, for TRL keys hpcrl does not implement.
 NOT_IMPLEMENTED = {
-    "reward_model_name_or_path": "reward models are not supported yet; score with reward functions (reward_funcs)",
     "use_peft": "LoRA is not supported yet: hpcrl trains every weight",
     "load_in_4bit": "quantized training is not supported", "load_in_8bit": "quantized training is not supported",
     "deepspeed": "hpcrl shards the model with FSDP2 itself (the trainer: section)",
     "fsdp": "hpcrl shards the model with FSDP2 itself (trainer.mesh)",
     "fsdp_config": "hpcrl shards the model with FSDP2 itself (trainer.mesh)",
-    "eval_strategy": "evaluation is not implemented yet; remove eval_strategy",
     "fp16": "fp16 training is not supported; use bf16",
-    "optim": "hpcrl's optimizer is AdamW (adamw_torch or adamw_torch_fused)",
     "resume_from_checkpoint": "resume a run with `hpcrl submit --resume RUN_DIR`",
     "push_to_hub": "compute nodes have no internet; upload the model directory from a login node",
     "datasets": "dataset mixtures are not supported yet; name one dataset with dataset_name",
-    "dataset_config": "dataset configurations are not supported yet: dataset_name is a local file or directory",
     "dataset_streaming": "streamed datasets are not supported: the prompts are read at start",
     "reward_weights": "reward_weights needs reward_funcs, one weight each",
     "save_strategy": 'hpcrl saves every save_steps ("steps") or only at the end ("no")',
@@ -110,7 +107,6 @@ NOT_IMPLEMENTED = {
     "report_to": 'hpcrl reports to "wandb" (offline) and "tensorboard"',
     **{name: "LoRA is not supported yet: hpcrl trains every weight" for name in _LORA},
 }
-_OPTIMS = ("adamw_torch", "adamw_torch_fused")
 _REPORTERS = {"wandb": "logging.wandb", "tensorboard": "logging.tensorboard"}
 
 
@@ -172,26 +168,41 @@ def _put(out: dict, dotted: str, value: Any, key: str, t: Translation) -> None:
     t.moved[key] = dotted
 
 
+def _is_model_path(name: str) -> bool:
+    # TRL takes a string in reward_funcs that is no function for a reward model's name or path.
+    return "/" in name or name.startswith(".") or Path(name).expanduser().is_dir()
+
+
 def _rewards(data: dict, t: Translation, out: dict) -> None:
     funcs, weights = data.get("reward_funcs"), data.get("reward_weights")
-    if funcs is None:
+    reward_model = data.get("reward_model_name_or_path")
+    if funcs is None and reward_model is None:
         if weights is not None:
             t.problems.append(f"reward_weights: {NOT_IMPLEMENTED['reward_weights']}")
         return
     if isinstance(funcs, str):
         funcs = [funcs]
+    funcs = funcs or []
     if not isinstance(funcs, list) or not all(isinstance(f, str) for f in funcs):
         t.problems.append(f"reward_funcs: expected a list of names or import paths, got {funcs!r}")
         return
+    if reward_model is not None:
+        if not isinstance(reward_model, str) or not reward_model:
+            t.problems.append(f"reward_model_name_or_path: expected a model directory, got {reward_model!r}")
+            return
+        funcs = [reward_model, *funcs]          # first, as TRL's CLI puts it
+        t.moved["reward_model_name_or_path"] = "rewards[0].model"
     if weights is not None and (not isinstance(weights, list) or len(weights) != len(funcs)):
         t.problems.append(f"reward_weights: expected one weight per reward function ({len(funcs)}), got {weights!r}")
         return
     if "rewards" in out:
         t.problems.append("reward_funcs: the recipe also has rewards:; keep one of them")
         return
-    out["rewards"] = [{"func": f, **({} if weights is None else {"weight": w})} for f, w in
-                      zip(funcs, weights or [None] * len(funcs))]
-    t.moved["reward_funcs"] = "rewards[].func"
+    out["rewards"] = [{("model" if _is_model_path(f) or (i == 0 and reward_model) else "func"): f,
+                       **({} if weights is None else {"weight": w})}
+                      for i, (f, w) in enumerate(zip(funcs, weights or [None] * len(funcs)))]
+    if data.get("reward_funcs") is not None:
+        t.moved["reward_funcs"] = "rewards[].func (a model's path: rewards[].model)"
     if weights is not None:
         t.moved["reward_weights"] = "rewards[].weight"
 
@@ -226,7 +237,7 @@ def translate(data: dict, whole: bool = True) -> Translation:
                     if _same(flat.get(switch, fields[switch]), off) for name in names}
     _rewards(flat, t, out)
     for key, value in flat.items():
-        if key in ("reward_funcs", "reward_weights"):
+        if key in ("reward_funcs", "reward_weights", "reward_model_name_or_path"):
             continue
         if key not in fields:
             hint = closest(key, [*fields, *sections])
@@ -243,8 +254,6 @@ def translate(data: dict, whole: bool = True) -> Translation:
                 _put(out, "grpo.save_steps", 0, key, t)
             else:
                 t.inert[key] = "checkpoint-<step> directories are written every save_steps"
-        elif key == "optim" and value in _OPTIMS:
-            t.inert[key] = "hpcrl's AdamW is fused where the device has the kernel"
         elif key == "log_completions" and isinstance(value, bool):
             count = flat.get("num_completions_to_print")
             _put(out, "logging.log_completions", (count or 8) if value else 0, key, t)
@@ -259,6 +268,10 @@ def translate(data: dict, whole: bool = True) -> Translation:
         else:
             why = NOT_IMPLEMENTED.get(key) or f"not implemented by hpcrl yet; remove it (TRL's default: {fields[key]!r})"
             t.problems.append(f"{key}: {why}")
+    if flat.get("eval_strategy") == "steps" and "eval_steps" not in flat and "logging_steps" in flat:
+        # transformers evaluates every logging_steps when eval_steps is unset
+        _put(out, "grpo.eval_steps", flat["logging_steps"], "logging_steps", t)
+        t.inert.pop("logging_steps", None)
     # A configuration with TRL's keys must say what TRL requires (a typo alone does not make one).
     whole = whole and any(key in fields for key in flat)
     if whole and "model_name_or_path" not in flat and "path" not in out.get("model", {}):

@@ -50,15 +50,17 @@ class TransformersEngine:
         # engine's seed and its call count.
         seed = sampling.seed if sampling.seed is not None else self._seed * 1_000_003 + self._calls
         greedy = sampling.temperature == 0
+        kwargs = dict(do_sample=not greedy, temperature=None if greedy else sampling.temperature,
+                      top_p=None if greedy else sampling.top_p, top_k=None if greedy else sampling.top_k,
+                      min_p=None if greedy else sampling.min_p, repetition_penalty=sampling.repetition_penalty,
+                      max_new_tokens=sampling.max_tokens, num_return_sequences=sampling.n,
+                      pad_token_id=pad, eos_token_id=list(self.stop_tokens))
+        kwargs.update(sampling.generation_kwargs or {})     # TRL's: over the settings above
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             out = self.model.generate(
                 input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                do_sample=not greedy, temperature=None if greedy else sampling.temperature,
-                top_p=None if greedy else sampling.top_p, top_k=None if greedy else sampling.top_k,
-                max_new_tokens=sampling.max_tokens, num_return_sequences=sampling.n,
-                output_scores=True, return_dict_in_generate=True, pad_token_id=pad,
-                eos_token_id=list(self.stop_tokens))
+                output_scores=True, return_dict_in_generate=True, **kwargs)
         new = out.sequences[:, width:].cpu()
         # `scores` are the processed logits (after temperature/top-k/top-p): the sampling distribution.
         logp = torch.stack(out.scores, dim=1).float().log_softmax(-1).cpu() if out.scores else None

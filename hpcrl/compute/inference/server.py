@@ -152,8 +152,7 @@ class Server:
             for i, p in enumerate(msg["prompts"]):
                 prompts.append(p)
                 # A per-prompt seed keeps each trainer's draws independent of how requests batch.
-                samplings.append(Sampling(sampling.n, sampling.max_tokens, sampling.temperature, sampling.top_p,
-                                          sampling.top_k, None if sampling.seed is None else sampling.seed * 1009 + i))
+                samplings.append(replace(sampling, seed=None if sampling.seed is None else sampling.seed * 1009 + i))
                 owners.append((rank, i))
         if self.engine.name == "vllm":
             completions = self.engine.generate(prompts, samplings)

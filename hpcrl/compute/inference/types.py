@@ -8,7 +8,7 @@ The same types travel over the node-local channel (pickled) and come out of in-p
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 
 @dataclass(frozen=True)
@@ -19,6 +19,18 @@ class Sampling:
     top_p: float = 1.0
     top_k: int = 0              # 0 = off
     seed: int | None = None
+    min_p: float | None = None  # None = off
+    repetition_penalty: float = 1.0
+    # The engine's own sampling arguments (vLLM's SamplingParams, transformers' generate), applied
+    # last, over the ones above (grpo.generation_kwargs, as TRL passes it).
+    generation_kwargs: Mapping[str, Any] | None = None
+
+    @classmethod
+    def of(cls, grpo, n: int, seed: int) -> "Sampling":
+        """A recipe's grpo sampling fields, for ``n`` completions a prompt (training's and evaluation's)."""
+        return cls(n=n, max_tokens=grpo.max_completion_length, temperature=grpo.temperature, top_p=grpo.top_p,
+                   top_k=grpo.top_k, seed=seed, min_p=grpo.min_p, repetition_penalty=grpo.repetition_penalty,
+                   generation_kwargs=grpo.generation_kwargs)
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,15 @@ def vllm_options(model_dir: str, inference: InferenceConfig, model: ModelConfig,
     return options
 
 
+def sampling_params(s: Sampling) -> dict:
+    """The keyword arguments of vLLM's SamplingParams for ``s``: TRL's, with its generation_kwargs last."""
+    params = dict(n=s.n, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
+                  top_k=s.top_k if s.top_k > 0 else -1, min_p=0.0 if s.min_p is None else s.min_p,
+                  repetition_penalty=s.repetition_penalty, logprobs=0, seed=s.seed)
+    params.update(s.generation_kwargs or {})
+    return params
+
+
 class VLLMEngine:
     name = "vllm"
 
@@ -77,9 +86,7 @@ class VLLMEngine:
                           for i in range(len(prompts))]
         else:
             per_prompt = list(sampling)
-        params = [SamplingParams(n=s.n, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
-                                 top_k=s.top_k if s.top_k > 0 else -1, logprobs=0, seed=s.seed)
-                  for s in per_prompt]
+        params = [SamplingParams(**sampling_params(s)) for s in per_prompt]
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
         completions = []
         for i, out in enumerate(outputs):

@@ -34,37 +34,154 @@ __all__ = [
 # Loading
 
 
-def load_prompts(source: str | os.PathLike, split: str | None = None, prompt_column: str = "prompt"):
-    """Load a prompt dataset from a local ``.jsonl``/``.json`` file, a ``.parquet`` file, or a directory
-    written by ``datasets``' ``save_to_disk`` (a ``DatasetDict`` needs ``split``, default "train").
-    ``prompt_column`` is renamed to "prompt" (what the trainer and reward functions see).
+def load_prompts(source: str | os.PathLike, split: str | None = None, prompt_column: str = "prompt", *,
+                 config: str = "", data_files: Sequence[str] = (), split_field: str = "data.split"):
+    """Load a prompt dataset as TRL's ``load_dataset(dataset_name, dataset_config)`` finds it:
 
-    Returns a ``datasets.Dataset`` held in memory (no cache files next to the data or in $HOME).
+    - a local ``.jsonl``/``.json``/``.parquet``/``.csv`` file, a glob of them, or ``data_files`` (a
+      list of files or globs, ``source`` then unused): one split, "train";
+    - a directory of such files (``datasets.load_dataset(dir)``: splits from the file names);
+    - a directory written by ``datasets``' ``save_to_disk`` (a ``DatasetDict`` is selected by ``split``);
+    - a hub dataset id in the Hugging Face cache: a snapshot downloaded with ``huggingface-cli download
+      --repo-type dataset ID``, or one ``datasets.load_dataset(ID)`` prepared before (compute nodes
+      run offline).
+
+    ``config`` is the dataset's configuration (load_dataset's ``name``); ``split`` (default "train")
+    is checked for every form. ``prompt_column`` is renamed to "prompt" (what the trainer and reward
+    functions see). Every error is one line naming the recipe field. Returns a ``datasets.Dataset``
+    held in memory.
     """
     import datasets
 
-    path = Path(source)
-    if path.is_dir():
-        ds = datasets.load_from_disk(str(path), keep_in_memory=True)
+    from hpcrl.job import hfcache
+
+    split = split or "train"
+    text = str(source)
+    path = Path(os.path.expanduser(text))
+    if data_files or hfcache.is_glob(text) or path.is_file() or path.suffix in hfcache.DATA_FILE_BUILDERS:
+        where = "data.data_files" if data_files else "data.path"
+        files = hfcache.expand_data_files(list(data_files) or [text], where)
+        if split != "train":
+            raise ValueError(f"{split_field}: {split!r}: {where} is a file or files, whose only split is \"train\"")
+        builder = hfcache.DATA_FILE_BUILDERS[files[0].suffix]
+        reader = {"json": datasets.Dataset.from_json, "parquet": datasets.Dataset.from_parquet,
+                  "csv": datasets.Dataset.from_csv}[builder]
+        what = str(files[0]) if len(files) == 1 else f"{len(files)} files ({files[0]}, ...)"
+        bad_line = (lambda: _first_bad_json_line(files)) if builder == "json" else None
+        ds = _reading(where, what, lambda: reader([str(f) for f in files], keep_in_memory=True), bad_line)
+    elif path.is_dir() and hfcache.is_saved_dataset(path):
+        ds = _reading("data.path", str(path), lambda: datasets.load_from_disk(str(path), keep_in_memory=True))
         if isinstance(ds, datasets.DatasetDict):
-            split = split or "train"
-            if split not in ds:
-                raise ValueError(f"{path}: no split {split!r} (splits: {', '.join(ds)})")
-            ds = ds[split]
-    elif path.suffix in (".jsonl", ".json"):
-        ds = datasets.Dataset.from_json(str(path), keep_in_memory=True)
-    elif path.suffix == ".parquet":
-        ds = datasets.Dataset.from_parquet(str(path), keep_in_memory=True)
-    elif not path.exists():
-        raise FileNotFoundError(f"prompt dataset {path} does not exist")
+            ds = _select_split(ds, split, split_field, str(path))
+        elif split not in ("train", str(ds.split or "train")):
+            raise ValueError(f"{split_field}: {split!r}: {path} is a single saved Dataset "
+                             f"(split {str(ds.split or 'train')!r})")
+    elif path.is_dir():
+        if not hfcache.data_files_in(path):
+            raise FileNotFoundError(f"data.path: {path} holds no data files ({', '.join(hfcache.DATA_FILE_BUILDERS)}) "
+                                    f"and is no save_to_disk directory")
+        ds = _select_split(_load_dataset(str(path), config, str(path)), split, split_field, str(path))
+    elif path.exists():
+        raise ValueError(f"data.path: {path}: unknown dataset format (want {', '.join(hfcache.DATA_FILE_BUILDERS)}, "
+                         f"a directory of them, a save_to_disk directory or a cached hub dataset id)")
+    elif hfcache.is_hub_id(text):
+        ds = _select_split(_load_hub_dataset(text, config), split, split_field, text)
     else:
-        raise ValueError(f"{path}: unknown dataset format (want .jsonl, .json, .parquet or a save_to_disk dir)")
+        raise FileNotFoundError(f"data.path: {text} does not exist")
     if prompt_column not in ds.column_names:
-        raise ValueError(f"{path}: no {prompt_column!r} column (data.prompt_column; columns: "
+        raise ValueError(f"data.prompt_column: no {prompt_column!r} column in {text} (columns: "
                          f"{', '.join(ds.column_names)})")
     if prompt_column != "prompt":
         ds = ds.rename_column(prompt_column, "prompt")
     return ds
+
+
+def _root_cause(e: BaseException) -> BaseException:
+    seen = set()
+    while (e.__cause__ or e.__context__) is not None and id(e) not in seen:
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return e
+
+
+def _reading(where: str, what: str, load, explain=None):
+    """``load()``, with a corrupt file's error as one line naming the field and the root cause
+    (``explain()``'s, when it finds one: the first line of JSON lines that is not JSON)."""
+    try:
+        return load()
+    except Exception as e:
+        root = _root_cause(e)
+    found = explain() if explain is not None else None
+    if found:
+        raise ValueError(f"{where}: {found}") from root
+    msg = str(root).strip().splitlines()[0] if str(root).strip() else type(root).__name__
+    raise ValueError(f"{where}: cannot read {what}: {type(root).__name__}: {msg}") from root
+
+
+def _first_bad_json_line(files: Sequence[Path]) -> str | None:
+    """"FILE line N is not JSON (why)" for the first such line of JSON lines files (a .json file
+    holding one JSON document is not looked at); None if every line parses."""
+    import json
+
+    for file in files:
+        try:
+            with open(file, encoding="utf-8") as f:
+                for number, line in enumerate(f, 1):
+                    if number == 1 and file.suffix == ".json" and line.lstrip().startswith("["):
+                        break
+                    if not line.strip():
+                        continue
+                    try:
+                        json.loads(line)
+                    except ValueError as e:
+                        return f"{file} line {number} is not JSON ({e})"
+        except (OSError, UnicodeDecodeError) as e:
+            return f"{file}: {e}"
+    return None
+
+
+def _select_split(ds, split: str, split_field: str, what: str):
+    import datasets
+
+    if not isinstance(ds, datasets.DatasetDict):
+        return ds
+    if split not in ds:
+        raise ValueError(f"{split_field}: {what} has no split {split!r} (splits: {', '.join(ds)})")
+    return ds[split]
+
+
+def _load_dataset(target: str, config: str, what: str):
+    """datasets.load_dataset(target, config): every split, in memory; a bad config named as data.config."""
+    import datasets
+
+    try:
+        return datasets.load_dataset(target, name=config or None, keep_in_memory=True)
+    except ValueError as e:
+        if config and config in str(e):
+            raise ValueError(f"data.config: {config!r}: {str(e).splitlines()[0]}") from None
+        raise ValueError(f"data.path: cannot read {what}: {str(e).splitlines()[0]}") from e
+
+
+def _load_hub_dataset(repo_id: str, config: str):
+    """A hub dataset from the cache, never the network: its downloaded snapshot (read as a directory
+    of data files), else what datasets.load_dataset prepared before (in offline mode)."""
+    from hpcrl.job import hfcache
+
+    hub_cache, datasets_cache = hfcache.hub_cache_dirs(os.environ)
+    snapshot = hfcache.cached_snapshot(repo_id, "dataset", hub_cache)
+    if snapshot is not None:
+        return _load_dataset(str(snapshot), config, f"{repo_id} (cached at {snapshot})")
+    if hfcache.cached_prepared_dataset(repo_id, datasets_cache) is None:
+        raise FileNotFoundError(f"data.path: {repo_id} is neither a local path nor a dataset in the Hugging Face "
+                                f"cache ({hub_cache}, {datasets_cache}); {hfcache.download_hint(repo_id, 'dataset')}")
+    import datasets
+
+    offline = datasets.config.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = True       # the prepared copy, without asking the hub for a newer one
+    try:
+        return _load_dataset(repo_id, config, f"{repo_id} (cached in {datasets_cache})")
+    finally:
+        datasets.config.HF_HUB_OFFLINE = offline
 
 
 # --------------------------------------------------------------------------------------------------

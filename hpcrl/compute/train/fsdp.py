@@ -40,6 +40,8 @@ __all__ = [
     "apply_fsdp",
     "load_sharded_model",
     "load_policy_and_reference",
+    "disable_dropout",
+    "mix_into_reference",
     "local_param_bytes",
     "global_param_bytes",
     "param_devices",
@@ -245,6 +247,7 @@ def load_sharded_model(
     trust_remote_code: bool = False,
     load_timeout_s: Optional[float] = None,
     attn_implementation: Optional[str] = None,
+    auto_class: str = "AutoModelForCausalLM",
 ) -> nn.Module:
     """A Hugging Face causal LM from ``model_dir``, sharded with :func:`apply_fsdp` on ``mesh``.
 
@@ -252,14 +255,16 @@ def load_sharded_model(
     reads the checkpoint; the others receive their slices. ``load_timeout_s`` bounds the others'
     wait for rank 0's read (None: the collective timeout of the mesh's group).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    import transformers
+    from transformers import AutoConfig
 
+    model_class = getattr(transformers, auto_class)      # a reward model: AutoModelForSequenceClassification
     device = torch.device(device)
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     config.use_cache = False            # the trainer only runs whole sequences
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code,
-                                                 attn_implementation=attn_implementation)
+        model = model_class.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code,
+                                        attn_implementation=attn_implementation)
     apply_fsdp(model, mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                reshard_after_forward=reshard_after_forward,
                activation_checkpointing=activation_checkpointing, offload=offload)
@@ -275,8 +280,8 @@ def load_sharded_model(
         _load_group(group, load_timeout_s)    # made before rank 0 reads: its making is a rendezvous too
     source = None
     if dist.get_rank(group) == 0:
-        source = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, trust_remote_code=trust_remote_code,
-                                                      attn_implementation=attn_implementation)
+        source = model_class.from_pretrained(model_dir, dtype=dtype, trust_remote_code=trust_remote_code,
+                                             attn_implementation=attn_implementation)
     _stream_from_rank0(model, source, device, group, what=model_dir, load_timeout_s=load_timeout_s)
     del source
     return model
@@ -317,6 +322,28 @@ def load_policy_and_reference(model_dir: str, mesh: DeviceMesh, device: torch.de
     reference.requires_grad_(False)
     _check_devices(reference, device, offload=bool(trainer.reference_offload), what="reference")
     return policy, reference
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """grpo.disable_dropout: every dropout module's p set to 0 (TRL's disable_dropout_in_model)."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0
+
+
+@torch.no_grad()
+def mix_into_reference(reference: nn.Module, policy: nn.Module, alpha: float) -> None:
+    """grpo.sync_ref_model: ``reference = alpha * policy + (1 - alpha) * reference`` (TRL's
+    SyncRefModelCallback), shard by shard: policy and reference are sharded alike on the same mesh
+    (load_policy_and_reference), so each rank mixes its own shards and nothing is gathered. The
+    reference keeps its own dtype and device (model.dtype, trainer.reference_offload)."""
+    pairs = list(zip(reference.parameters(), policy.parameters(), strict=True))
+    for ref, pol in pairs:
+        r, p = _local(ref), _local(pol)
+        if r.shape != p.shape:
+            raise RuntimeError(f"reference shard {tuple(r.shape)} and policy shard {tuple(p.shape)} differ: "
+                               "the two models are not sharded alike")
+        r.mul_(1.0 - alpha).add_(p.to(device=r.device, dtype=r.dtype), alpha=alpha)
 
 
 # ----------------------------------------------------------------------------------------------

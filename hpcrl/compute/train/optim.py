@@ -63,21 +63,27 @@ def _fused_ok(params: list[torch.Tensor]) -> bool:
 
 
 def build_optimizer(model: nn.Module, grpo: GRPOConfig, *, implementation: str = "auto") -> torch.optim.AdamW:
-    """AdamW from a recipe's ``grpo`` section (learning_rate, adam_beta1/2, adam_epsilon, weight_decay).
+    """AdamW from a recipe's ``grpo`` section (learning_rate, adam_beta1/2, adam_epsilon, weight_decay, optim).
 
-    ``implementation``: "auto" (fused where supported, else foreach), "fused", "foreach" or "for".
+    ``implementation``: "auto" (``grpo.optim``: "adamw_torch_fused" is fused where supported, else
+    foreach; "adamw_torch" is torch's own default, as transformers builds it), "fused", "foreach",
+    "for" or "default" (torch's choice).
     """
     groups = param_groups(model, grpo.weight_decay)
     params = [p for g in groups for p in g["params"]]
     if not params:
         raise ValueError("build_optimizer: the model has no trainable parameters")
     if implementation == "auto":
-        implementation = "fused" if _fused_ok(params) else "foreach"
+        if grpo.optim not in ("adamw_torch", "adamw_torch_fused"):
+            raise ValueError(f"grpo.optim {grpo.optim!r}: hpcrl's optimizer is AdamW (adamw_torch, adamw_torch_fused)")
+        implementation = "default" if grpo.optim == "adamw_torch" else "fused" if _fused_ok(params) else "foreach"
     kw = {"fused": implementation == "fused", "foreach": implementation == "foreach"}
-    if implementation not in ("fused", "foreach", "for"):
+    if implementation not in ("fused", "foreach", "for", "default"):
         raise ValueError(f"unknown AdamW implementation {implementation!r}")
     if implementation == "for":
         kw = {"fused": False, "foreach": False}
+    elif implementation == "default":
+        kw = {}
     return torch.optim.AdamW(groups, lr=grpo.learning_rate, betas=(grpo.adam_beta1, grpo.adam_beta2),
                              eps=grpo.adam_epsilon, **kw)
 
@@ -89,7 +95,8 @@ def warmup_steps(max_steps: int, warmup: float) -> int:
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, grpo: GRPOConfig) -> torch.optim.lr_scheduler.LRScheduler:
-    """``transformers.get_scheduler(grpo.lr_scheduler_type, ...)`` over ``grpo.max_steps`` steps.
+    """``transformers.get_scheduler(grpo.lr_scheduler_type, ...)`` over ``grpo.max_steps`` steps, with
+    ``grpo.lr_scheduler_kwargs`` as its scheduler_specific_kwargs.
 
     Call ``scheduler.step()`` once after each ``optimizer.step()``; ``state_dict()`` is what the
     checkpoint keeps.
@@ -98,7 +105,8 @@ def build_scheduler(optimizer: torch.optim.Optimizer, grpo: GRPOConfig) -> torch
 
     return get_scheduler(grpo.lr_scheduler_type, optimizer,
                          num_warmup_steps=warmup_steps(grpo.max_steps, grpo.warmup_steps),
-                         num_training_steps=grpo.max_steps)
+                         num_training_steps=grpo.max_steps,
+                         scheduler_specific_kwargs=dict(grpo.lr_scheduler_kwargs or {}))
 
 
 @torch.no_grad()

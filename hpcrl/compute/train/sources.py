@@ -1,10 +1,13 @@
-"""Where the model and the prompts come from: a local Hugging Face directory or dataset, or the
-built-in demo (a tiny model made locally, the addition task), resolved the same on every task."""
+"""Where the model and the prompts come from: a local Hugging Face directory or dataset, a hub id
+in the Hugging Face cache, or the built-in demo (a tiny model made locally, the addition task),
+resolved the same on every task."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+from hpcrl.job import hfcache
 from hpcrl.job.recipe import DataConfig, ModelConfig
 
 DEMO_PREFIX = "demo:"
@@ -28,17 +31,27 @@ def resolve_model(path: str, run_dir: str | Path, seed: int = 0) -> str:
         size, warm = parse_demo_model(path)
         out = Path(run_dir) / (f"model-{size}" if warm else f"model-{size}-random")
         return str(make_tiny_model(out, size=size, seed=seed, warmup=DEMO_WARMUP if warm else None))
-    if not Path(path).is_dir():
-        raise FileNotFoundError(f"model.path: {path} is not a directory (compute nodes load models from disk)")
-    return path
+    return _local_or_cached(path, "model.path")
+
+
+def _local_or_cached(path: str, where: str) -> str:
+    """A local directory as it is; a hub id as its snapshot in the Hugging Face cache (compute nodes
+    run offline: never downloaded here)."""
+    if Path(path).is_dir():
+        return path
+    if hfcache.is_hub_id(path):
+        hub_cache, _ = hfcache.hub_cache_dirs(os.environ)
+        snapshot = hfcache.cached_snapshot(path, "model", hub_cache)
+        if snapshot is not None:
+            return str(snapshot)
+        raise FileNotFoundError(f"{where}: {path} is neither a local directory nor a model in the Hugging Face "
+                                f"cache ({hub_cache}); {hfcache.download_hint(path)}")
+    raise FileNotFoundError(f"{where}: {path} is not a directory (compute nodes load models from disk)")
 
 
 def tokenizer_dir(model: ModelConfig, model_dir: str) -> str:
     """model.tokenizer, else the model's directory."""
-    if model.tokenizer and not Path(model.tokenizer).is_dir():
-        raise FileNotFoundError(f"model.tokenizer: {model.tokenizer} is not a directory "
-                                f"(compute nodes load tokenizers from disk)")
-    return model.tokenizer or model_dir
+    return _local_or_cached(model.tokenizer, "model.tokenizer") if model.tokenizer else model_dir
 
 
 def load_tokenizer(model: ModelConfig, model_dir: str):
@@ -47,9 +60,22 @@ def load_tokenizer(model: ModelConfig, model_dir: str):
     return AutoTokenizer.from_pretrained(tokenizer_dir(model, model_dir), trust_remote_code=model.trust_remote_code)
 
 
-def load_dataset(data_cfg: DataConfig, seed: int = 0):
+def load_eval_dataset(data_cfg: DataConfig, seed: int = 0):
+    """data.eval_split of the same data (grpo.eval_strategy); the demo task's is 64 sums drawn apart
+    from its training prompts' seed."""
     from hpcrl.compute.train import data
 
-    if data_cfg.path == "demo":
+    if data_cfg.path == "demo" and not data_cfg.data_files:
+        return data.demo_dataset(n=64, seed=seed + 1)
+    return load_dataset(data_cfg, seed, split=data_cfg.eval_split, split_field="data.eval_split")
+
+
+def load_dataset(data_cfg: DataConfig, seed: int = 0, split: str | None = None, split_field: str = "data.split"):
+    """The recipe's prompts: data.split's, or `split`'s (named `split_field` in errors, e.g.
+    data.eval_split), from any form data.path or data.data_files take (data.load_prompts)."""
+    from hpcrl.compute.train import data
+
+    if data_cfg.path == "demo" and not data_cfg.data_files:
         return data.demo_dataset(n=2000, seed=seed)
-    return data.load_prompts(data_cfg.path, data_cfg.split, data_cfg.prompt_column)
+    return data.load_prompts(data_cfg.path, split or data_cfg.split, data_cfg.prompt_column, config=data_cfg.config,
+                             data_files=data_cfg.data_files, split_field=split_field if split else "data.split")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -35,7 +35,9 @@ from hpcrl.job.recipe import Recipe
 from hpcrl.job.rundir import FINISHED_MARKER
 from hpcrl.compute.train import checkpoint as ckpt
 from hpcrl.compute.train import data as data_mod
+from hpcrl.compute.train import fsdp as fsdp_mod
 from hpcrl.compute.train import grpo
+from hpcrl.compute.train.evaluation import Evaluator, eval_due
 from hpcrl.compute.train.optim import build_optimizer, build_scheduler, clip_grad_norm, current_lr
 from hpcrl.compute.train.rewards import (RewardFunction, RewardLog, as_completions, load_reward_functions,
                                          new_trainer_state, score_completions)
@@ -59,6 +61,9 @@ class TrainerSetup:
     log: Callable[[str], None] = print
     on_metrics: Callable[[int, dict], None] | None = None    # rank 0: where a step's metrics go
     on_completions: Callable[[list[dict]], None] | None = None     # rank 0: logging.log_completions' rows
+    eval_dataset: Any = None         # data.eval_split, when grpo.eval_strategy evaluates
+    # rewards[i].model's scorers (hpcrl.compute.train.reward_model), by i: sharded, so loaded with the mesh
+    reward_models: dict[int, Callable] = field(default_factory=dict)
     on_heartbeat: Callable[[int, str], None] | None = None
     collective_timeout_s: float = 600.0
     # The source model directory (config, generation config, code) of the Hugging Face model
@@ -180,14 +185,15 @@ def pack_batch(prompt_ids: list[list[int]], completions: list[Completion], pad_i
 
 
 def completion_logps(model, batch: dict, temperature: float, rows=slice(None),
-                     chunk_tokens: int = grpo.DEFAULT_LOGPROB_CHUNK_TOKENS) -> torch.Tensor:
+                     chunk_tokens: int = grpo.DEFAULT_LOGPROB_CHUNK_TOKENS, *, return_entropy: bool = False):
     """The completion tokens' log-probabilities under ``model`` for the rows ``rows`` of ``batch``,
-    computed ``chunk_tokens`` tokens at a time (trainer.logprob_chunk_tokens)."""
+    computed ``chunk_tokens`` tokens at a time (trainer.logprob_chunk_tokens); with
+    ``return_entropy``, ``(logps, entropies)``."""
     t = batch["completion_ids"].shape[1]
     out = model(input_ids=batch["input_ids"][rows], attention_mask=batch["attention_mask"][rows],
                 position_ids=batch["position_ids"][rows], logits_to_keep=t + 1, use_cache=False)
     return grpo.completion_logprobs(out.logits, batch["completion_ids"][rows], temperature,
-                                    chunk_tokens=chunk_tokens)
+                                    chunk_tokens=chunk_tokens, return_entropy=return_entropy)
 
 
 def epoch_steps(grpo, prompts: int, prompts_per_generation: int) -> int:
@@ -210,7 +216,9 @@ class Trainer:
         self.grpo = grpo
         self.generator = generator
         self.rewards: list[RewardFunction] = load_reward_functions(
-            [{"func": r.func, "weight": r.weight, "name": r.name, "kwargs": r.kwargs} for r in self.recipe.rewards],
+            [{"func": setup.reward_models[i], "weight": r.weight, "name": r.name} if r.model else
+             {"func": r.func, "weight": r.weight, "name": r.name, "kwargs": r.kwargs}
+             for i, r in enumerate(self.recipe.rewards)],
             module_dir=setup.run_dir / rundir.REWARDS_DIR)
         # What the reward functions get as trainer_state, and what they logged with log_extra on
         # the generation scored last: this rank's columns, a value per completion, for its log.
@@ -218,6 +226,10 @@ class Trainer:
                                 / (self.grpo.num_iterations * max(1, len(setup.dataset))))
         self.trainer_state = new_trainer_state(self.grpo, 1 / self.epochs_per_step, setup.trainer_rank == 0)
         self.completion_extra: dict[str, list] = {}
+        if self.grpo.disable_dropout:
+            for model in (setup.policy, setup.reference):
+                if model is not None:
+                    fsdp_mod.disable_dropout(model)
         self.optimizer = build_optimizer(setup.policy, self.grpo)
         self.scheduler = build_scheduler(self.optimizer, self.grpo)
         self.sampler = data_mod.PromptSampler(setup.dataset, self.prompts_per_rank * setup.num_trainers,
@@ -234,12 +246,18 @@ class Trainer:
         self.next: Requested | None = None      # asked for ahead of its turn (overlap_generation)
         self.ckpt_dir = Path(self.recipe.checkpoint.dir or setup.run_dir / rundir.CHECKPOINTS_DIR)
         self.logprob_chunk_tokens = self.recipe.trainer.logprob_chunk_tokens
+        self.evaluator = None if setup.eval_dataset is None else Evaluator(
+            setup.eval_dataset, setup.tokenizer, generator, self.rewards, self.grpo, setup.trainer_rank,
+            setup.num_trainers, setup.group)
         self.flag = STOP
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> str:
         """Train to max_steps; returns "finished" or "stopped" (a signal asked for a checkpoint)."""
         self._start()
+        if self.step == 0 and self._eval_due() and self.setup.on_metrics:
+            self.setup.on_metrics(0, {"step": 0, "max_steps": self.grpo.max_steps, "time": time.time(),
+                                      **self._evaluate()})
         while self.step < self.grpo.max_steps:
             if self._stop_requested():
                 self.save()
@@ -288,6 +306,8 @@ class Trainer:
                     sync_s = self._sync_weights()
             metrics = self._step_metrics(generation, losses, first=first, train_s=train_s, sync_s=sync_s,
                                          started=started)
+            if self._eval_due():
+                metrics.update(self._evaluate())
             started = time.perf_counter()
             if self.setup.on_metrics:
                 self.setup.on_metrics(self.step, metrics)
@@ -317,8 +337,25 @@ class Trainer:
         self.generation = Generation.from_state(state, self.setup.device)
         self.generation_steps_done = 0 if state is None else int(state["done"])
         self.next = Requested.from_state(extra.get("next"))
+        self._load_reference_shards(extra.get("reference"))
         self.setup.log(f"resumed from {latest} at step {self.step}")
         return True
+
+    def _reference_shards(self) -> list[torch.Tensor] | None:
+        if not (self.grpo.sync_ref_model and self.setup.reference is not None):
+            return None
+        return [fsdp_mod._local(p).detach().to("cpu", copy=True) for p in self.setup.reference.parameters()]
+
+    @torch.no_grad()
+    def _load_reference_shards(self, shards: list[torch.Tensor] | None) -> None:
+        if shards is None or not (self.grpo.sync_ref_model and self.setup.reference is not None):
+            return
+        local = [fsdp_mod._local(p) for p in self.setup.reference.parameters()]
+        if len(local) != len(shards) or any(a.shape != b.shape for a, b in zip(local, shards)):
+            raise RuntimeError("the checkpoint's reference model (grpo.sync_ref_model) was sharded over another "
+                               "number of trainers; resume with the trainers it was written with")
+        for p, s in zip(local, shards):
+            p.copy_(s)
 
     def save(self) -> Path:
         t0 = time.perf_counter()
@@ -331,7 +368,9 @@ class Trainer:
                                 "generation": generation,
                                 # A generation asked for ahead is kept whole: the sampler is past
                                 # its prompts, and a resume trains on exactly these completions.
-                                "next": None if self.next is None else self.next.state_dict()},
+                                "next": None if self.next is None else self.next.state_dict(),
+                                # grpo.sync_ref_model moves the reference: this rank's shards of it.
+                                "reference": self._reference_shards()},
                          keep=self.recipe.checkpoint.keep,
                          timeout_s=self.setup.collective_timeout_s)
         if self.setup.trainer_rank == 0:
@@ -376,11 +415,11 @@ class Trainer:
     def _request(self, first_step: int) -> Requested:
         """Ask for the generation that training starts on at optimizer step `first_step`."""
         idx = next(self.sampler)
-        batch = data_mod.make_batch(self.setup.dataset, idx, self.setup.tokenizer)
+        batch = data_mod.make_batch(self.setup.dataset, idx, self.setup.tokenizer,
+                                    **(self.grpo.chat_template_kwargs or {}))
         # A seed per (step, rank): generation is reproducible, so a resumed run repeats itself.
-        sampling = Sampling(n=self.grpo.num_generations, max_tokens=self.grpo.max_completion_length,
-                            temperature=self.grpo.temperature, top_p=self.grpo.top_p, top_k=self.grpo.top_k,
-                            seed=self.grpo.seed * 100_003 + first_step * 1_009 + self.setup.trainer_rank)
+        sampling = Sampling.of(self.grpo, self.grpo.num_generations,
+                               seed=self.grpo.seed * 100_003 + first_step * 1_009 + self.setup.trainer_rank)
         t0 = time.perf_counter()
         pending = self.generator.submit(batch.prompt_ids, sampling)
         return Requested(batch, self.weight_version, pending, wait_s=time.perf_counter() - t0)
@@ -449,7 +488,8 @@ class Trainer:
         self.completion_extra = dict(log.extra)
         # Whole groups live on one rank (spec validation), so advantages are local.
         advantages, local = grpo.compute_advantages(per_func, self.grpo.num_generations,
-                                                    [rf.weight for rf in self.rewards], self.grpo.scale_rewards)
+                                                    [rf.weight for rf in self.rewards], self.grpo.scale_rewards,
+                                                    self.grpo.multi_objective_aggregation)
         stats = {**self._logged_metrics(log.metrics), **self._reward_stats(per_func, local["frac_reward_zero_std"])}
         self._log_completions(batch.prompts, texts, per_func, advantages)
         return advantages, stats
@@ -544,7 +584,10 @@ class Trainer:
         loss_sum = 0.0
         for start in range(0, rows, micro):
             sl = slice(start, start + micro)
-            logps = completion_logps(model, batch, cfg.temperature, sl, self.logprob_chunk_tokens)
+            # Entropies only for the entropy bonus (grpo.entropy_coef): they cost a pass over the vocabulary.
+            logps = completion_logps(model, batch, cfg.temperature, sl, self.logprob_chunk_tokens,
+                                     return_entropy=cfg.entropy_coef != 0.0)
+            logps, entropies = logps if cfg.entropy_coef != 0.0 else (logps, None)
             weights = None
             if cfg.vllm_importance_sampling_correction:
                 weights, is_metrics = grpo.sampling_importance_ratio(
@@ -558,7 +601,14 @@ class Trainer:
                 loss_type=cfg.loss_type, beta=cfg.beta, epsilon_low=cfg.epsilon, epsilon_high=cfg.epsilon_high,
                 max_completion_length=cfg.max_completion_length, num_items_in_batch=generation.loss_tokens,
                 num_processes=self.setup.num_trainers, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-                importance_weights=weights)
+                importance_weights=weights, delta=cfg.delta, importance_sampling_level=cfg.importance_sampling_level,
+                # The engines always return the sampled tokens' log-probabilities (TRL's with vLLM).
+                sampling_per_token_logps=batch["sampling_logps"][sl],
+                off_policy_mask_threshold=cfg.off_policy_mask_threshold,
+                use_bias_correction_kl=cfg.use_bias_correction_kl,
+                sapo_temperature_pos=cfg.sapo_temperature_pos, sapo_temperature_neg=cfg.sapo_temperature_neg,
+                vespo_k_pos=cfg.vespo_k_pos, vespo_lambda_pos=cfg.vespo_lambda_pos, vespo_k_neg=cfg.vespo_k_neg,
+                vespo_lambda_neg=cfg.vespo_lambda_neg, entropies=entropies, entropy_coef=cfg.entropy_coef)
             loss.backward()
             loss_sum += loss.item()
             _merge(metrics, m)
@@ -569,6 +619,9 @@ class Trainer:
             self.setup.log(f"step {self.step + 1}: non-finite gradient norm {grad_norm}; step skipped")
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if cfg.sync_ref_model and self.setup.reference is not None and (self.step + 1) % cfg.ref_model_sync_steps == 0:
+            # TRL's SyncRefModelCallback at the end of optimizer step self.step + 1.
+            fsdp_mod.mix_into_reference(self.setup.reference, model, cfg.ref_model_mixup_alpha)
         out = grpo.reduce_metrics(metrics, self.setup.group)
         loss_t = _global_sum([loss_sum], self.setup.group)[0]
         out.update(loss=loss_t, grad_norm=grad_norm)
@@ -602,6 +655,22 @@ class Trainer:
         return metrics
 
     # ------------------------------------------------------------------ weights to generation
+    def _eval_due(self) -> bool:
+        return self.evaluator is not None and eval_due(self.grpo, self.step)
+
+    def _evaluate(self) -> dict:
+        """eval/... metrics of the weights as they are after this step (TRL evaluates the model it
+        trains): the server gets them first if it has older ones."""
+        if self.next is not None:
+            self.next.take()        # one conversation with the server at a time
+        if self.weight_version != self.step:
+            self._sync_weights()
+        self._heartbeat("evaluating")
+        t0 = time.perf_counter()
+        metrics = self.evaluator.run(self.trainer_state)
+        metrics["time_eval_s"] = time.perf_counter() - t0
+        return metrics
+
     def _sync_due(self) -> bool:
         """After a generation is spent: every inference.sync_every generations, unless training is over."""
         return (self.step < self.grpo.max_steps
@@ -656,7 +725,8 @@ def run_trainer(ctx: LaunchContext) -> int:
     from hpcrl.compute.inference.client import ServerGenerator
     from hpcrl.compute.metrics import MetricsWriter
     from hpcrl.compute.train.fsdp import describe, load_policy_and_reference
-    from hpcrl.compute.train.sources import load_dataset, load_tokenizer, resolve_model
+    from hpcrl.compute.train.reward_model import load_reward_model
+    from hpcrl.compute.train.sources import load_dataset, load_eval_dataset, load_tokenizer, resolve_model
 
     recipe = ctx.spec.recipe
     threads = recipe.trainer.threads or max(1, len(ctx.task.cores))
@@ -673,14 +743,17 @@ def run_trainer(ctx: LaunchContext) -> int:
         ctx.log(describe(policy))
     writer = MetricsWriter(ctx.run_dir, 0, tensorboard=recipe.logging.tensorboard,
                            wandb=recipe.logging.wandb, run_name=recipe.name) if rank0 else None
+    reward_models = {i: load_reward_model(r.model, ctx.mesh, device, recipe)
+                     for i, r in enumerate(recipe.rewards) if r.model}
     generator = ServerGenerator(ctx, policy)
     setup = TrainerSetup(
         recipe=recipe, run_dir=Path(ctx.run_dir), device=device, policy=policy, reference=reference,
         tokenizer=load_tokenizer(recipe.model, model_dir), dataset=load_dataset(recipe.data, recipe.grpo.seed),
+        eval_dataset=load_eval_dataset(recipe.data, recipe.grpo.seed) if recipe.grpo.eval_strategy != "no" else None,
         trainer_rank=ctx.task.trainer_rank, num_trainers=ctx.plan.num_trainers, log=ctx.log,
         collective_timeout_s=ctx.launch.collective_timeout_s, model_dir=model_dir,
         on_metrics=(lambda step, m: (writer.log(step, m), _print_step(ctx, step, m))) if rank0 else None,
-        on_completions=writer.log_completions if rank0 else None,
+        on_completions=writer.log_completions if rank0 else None, reward_models=reward_models,
         on_heartbeat=(lambda step, phase: writer.heartbeat(step, phase, servers=_server_health(ctx.run_dir)))
         if rank0 else None,
     )
@@ -706,6 +779,13 @@ def _print_step(ctx: LaunchContext, step: int, m: dict) -> None:
     def f(key, fmt):
         v = m.get(key)
         return "-" if v is None else format(v, fmt)
+    if "eval/reward" in m:
+        per_func = "  ".join(f"{k.removeprefix('eval/rewards/')} {v:.3f}" for k, v in m.items()
+                             if k.startswith("eval/rewards/") and isinstance(v, float))
+        ctx.log(f"eval {step:>4}  reward {f('eval/reward', '.3f')}  {per_func}  len {f('eval/completion_len_mean', '.1f')}"
+                f"  in {f('time_eval_s', '.1f')}s")
+        if step == 0:
+            return          # eval_on_start: no training step to show
     ctx.log(f"step {step:>4}  reward {f('reward', '.3f')}  kl {f('kl', '.4f')}  loss {f('loss', '.4f')}  "
             f"len {f('completion_len_mean', '.1f')}  gen {f('time_generation_s', '.2f')}s  "
             f"train {f('time_train_s', '.2f')}s  sync {f('time_sync_s', '.3f')}s")

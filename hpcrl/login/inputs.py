@@ -1,0 +1,287 @@
+"""The recipe's model, tokenizer and dataset, checked on the login node before a job waits in a
+queue: each mistake is one UserError naming the field (hpcrl.login.compose calls `check_inputs`).
+
+Light and fast: no torch, no datasets. Files are looked at, not loaded: a model directory's
+config.json and weight file names, a tokenizer's file names, a dataset's first row (the first
+line of a .jsonl, a .csv header, a parquet schema when pyarrow happens to be importable, the
+features a save_to_disk directory lists in its JSON). What only loading can find (a corrupt row
+further on, weights that do not match their config) fails on the compute nodes, in one line.
+
+Only what this machine can see is checked: a path on a file system it does not mount (its top
+directory is absent here) is left to the compute nodes. Hub ids must be in the Hugging Face cache
+the job will read (the site's HF_HOME/HF_HUB_CACHE, else this environment's): compute nodes run
+offline. A cache the site puts where this machine cannot see (Frontier's node-local NVMe) is not
+checked.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+from pathlib import Path
+
+from hpcrl.job import hfcache
+from hpcrl.job.errors import UserError
+from hpcrl.job.recipe import Recipe
+from hpcrl.job.site import Site
+
+DEMO_DATA = "demo"
+DEMO_MODEL_PREFIX = "demo:"
+WHOLE_JSON_MAX_BYTES = 32 << 20         # a .json file is parsed whole only up to this size
+# Split names datasets infers from file names, beyond the split's own name.
+SPLIT_WORDS = {"train": ("training",), "validation": ("valid", "val", "dev"), "test": ("testing", "eval", "evaluation")}
+
+
+def check_inputs(recipe: Recipe, site: Site) -> None:
+    env = _job_env(site)
+    _check_model(recipe, env)
+    _check_data(recipe, env)
+
+
+# ---------------------------------------------------------------------------- where the job looks
+def _job_env(site: Site) -> dict[str, str | None]:
+    """This environment with the site's variables on top, as the job gets it; a site's cache
+    variable pointing where this machine cannot look becomes None (not checked)."""
+    env: dict[str, str | None] = dict(os.environ)
+    for key, value in site.env.items():
+        expanded = os.path.expandvars(str(value))
+        env[key] = expanded
+        if key.startswith("HF_") and ("$" in expanded or not Path(expanded).expanduser().exists()):
+            env[key] = None
+    return env
+
+
+def _caches(env: dict[str, str | None]) -> tuple[Path | None, Path | None]:
+    """(hub cache, datasets cache) the job reads; None for one this machine cannot see."""
+    unseen = {k for k, v in env.items() if v is None}
+    hub, data = hfcache.hub_cache_dirs({k: v for k, v in env.items() if v is not None})
+    # HF_HOME unseen: so is every cache under it, unless its own variable names another place.
+    hub_unseen = bool(unseen & {"HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"}) or \
+        ("HF_HOME" in unseen and not env.get("HF_HUB_CACHE"))
+    data_unseen = "HF_DATASETS_CACHE" in unseen or ("HF_HOME" in unseen and not env.get("HF_DATASETS_CACHE"))
+    return (None if hub_unseen else hub), (None if data_unseen else data)
+
+
+# ---------------------------------------------------------------------------- model and tokenizer
+def _check_model(recipe: Recipe, env) -> None:
+    model = recipe.model
+    if model.path.startswith(DEMO_MODEL_PREFIX):
+        if model.tokenizer:
+            _tokenizer_dir(model.tokenizer, "model.tokenizer", env)
+        return
+    model_dir = _model_dir(model.path, "model.path", env)
+    if model_dir is not None:
+        if not (model_dir / "config.json").is_file():
+            raise UserError(f"model.path: {_shown(model.path, model_dir)} has no config.json: not a Hugging Face "
+                            f"model directory")
+        if not any(next(model_dir.glob(p), None) for p in hfcache.WEIGHT_PATTERNS):
+            raise UserError(f"model.path: {_shown(model.path, model_dir)} has no weights "
+                            f"({', '.join(hfcache.WEIGHT_PATTERNS)})")
+    if model.tokenizer:
+        _tokenizer_dir(model.tokenizer, "model.tokenizer", env)
+    elif model_dir is not None and not _has_tokenizer(model_dir):
+        raise UserError(f"model.path: {_shown(model.path, model_dir)} has no tokenizer files "
+                        f"({', '.join(hfcache.TOKENIZER_FILES[:4])}, ...); set model.tokenizer to the "
+                        f"tokenizer's directory")
+
+
+def _shown(name: str, path: Path) -> str:
+    return name if str(path) == name else f"{name} (cached at {path})"
+
+
+def unseen_here(path: Path) -> bool:
+    """A path on a file system this machine does not have (its top directory, /lustre or
+    /mnt/bb, is absent here), or with a variable only the job expands: only compute nodes can tell."""
+    if "$" in str(path):
+        return True
+    parts = path.absolute().parts
+    return len(parts) > 1 and not Path(parts[0], parts[1]).exists()
+
+
+def _model_dir(name: str, where: str, env) -> Path | None:
+    """The directory `name` means: itself, or a hub id's cached snapshot; None where this machine
+    cannot look (a file system or cache only compute nodes have)."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise UserError(f"{where}: {name} is a file, not a directory")
+    if not hfcache.is_hub_id(name):
+        if unseen_here(path):
+            return None
+        raise UserError(f"{where}: {name} does not exist")
+    hub_cache, _ = _caches(env)
+    if hub_cache is None:
+        return None
+    snapshot = hfcache.cached_snapshot(name, "model", hub_cache)
+    if snapshot is None:
+        raise UserError(f"{where}: {name!r} is neither a local directory nor a model in the Hugging Face cache "
+                        f"({hub_cache}); {hfcache.download_hint(name)}")
+    return snapshot
+
+
+def _has_tokenizer(directory: Path) -> bool:
+    return any((directory / f).is_file() for f in hfcache.TOKENIZER_FILES)
+
+
+def _tokenizer_dir(name: str, where: str, env) -> None:
+    directory = _model_dir(name, where, env)
+    if directory is not None and not _has_tokenizer(directory):
+        raise UserError(f"{where}: {_shown(name, directory)} has no tokenizer files "
+                        f"({', '.join(hfcache.TOKENIZER_FILES[:4])}, ...)")
+
+
+# ---------------------------------------------------------------------------- data
+def _check_data(recipe: Recipe, env) -> None:
+    _check_split(recipe, env, recipe.data.split)
+    if recipe.grpo.eval_strategy != "no":
+        try:
+            _check_split(recipe, env, recipe.data.eval_split)
+        except UserError as e:      # the same checks, for the split evaluation reads
+            raise UserError(str(e).replace("data.split:", "data.eval_split:", 1)) from None
+
+
+def _check_split(recipe: Recipe, env, split: str) -> None:
+    data = recipe.data
+    if data.data_files:
+        if data.path != DEMO_DATA:
+            raise UserError("data.data_files: give data.path or data.data_files, not both")
+        return _check_files(list(data.data_files), "data.data_files", split, data.prompt_column)
+    if data.path == DEMO_DATA:
+        return None
+    text = data.path
+    path = Path(text).expanduser()
+    if hfcache.is_glob(text) or path.is_file():
+        return _check_files([text], "data.path", split, data.prompt_column)
+    if path.is_dir():
+        if hfcache.is_saved_dataset(path):
+            return _check_saved(path, text, split, data.prompt_column)
+        return _check_data_dir(path, text, split, data.prompt_column)
+    if unseen_here(path) and not hfcache.is_hub_id(text):
+        return None
+    if path.exists():
+        raise UserError(f"data.path: {text} is neither a file nor a directory")
+    if not hfcache.is_hub_id(text):
+        raise UserError(f"data.path: {text} does not exist")
+    hub_cache, datasets_cache = _caches(env)
+    if hub_cache is None or datasets_cache is None:
+        return None
+    snapshot = hfcache.cached_snapshot(text, "dataset", hub_cache)
+    if snapshot is not None:
+        if hfcache.data_files_in(snapshot) and not data.config:
+            _check_data_dir(snapshot, f"{text} (cached at {snapshot})", split, data.prompt_column)
+        return None
+    prepared = hfcache.cached_prepared_dataset(text, datasets_cache)
+    if prepared is None:
+        raise UserError(f"data.path: {text!r} is neither a local path nor a dataset in the Hugging Face cache "
+                        f"({hub_cache}, {datasets_cache}); {hfcache.download_hint(text, 'dataset')}")
+    return None
+
+
+def _check_files(patterns: list[str], where: str, split: str, column: str) -> None:
+    if split != "train":
+        raise UserError(f"data.split: {split!r}: {where} is a file or files, whose only split is \"train\"")
+    if any(unseen_here(Path(p).expanduser()) for p in patterns):
+        return
+    try:
+        files = hfcache.expand_data_files(patterns, where)
+    except (OSError, ValueError) as e:
+        raise UserError(str(e)) from None
+    _check_column(files[0], column)
+
+
+def _check_saved(path: Path, name: str, split: str, column: str) -> None:
+    """A save_to_disk directory: its split and features, from its JSON files."""
+    dict_file = path / hfcache.SAVED_DATASET_DICT_FILE
+    if dict_file.is_file():
+        splits = _read_json(dict_file, "data.path").get("splits") or []
+        if split not in splits:
+            raise UserError(f"data.split: {name} has no split {split!r} (splits: {', '.join(map(str, splits))})")
+        path = path / split
+    else:
+        own = _read_json(path / "state.json", "data.path").get("_split") or "train"
+        if split not in ("train", own):
+            raise UserError(f"data.split: {split!r}: {name} is a single saved Dataset (split {own!r})")
+    info = path / "dataset_info.json"
+    features = _read_json(info, "data.path").get("features") if info.is_file() else None
+    if isinstance(features, dict) and features and column not in features:
+        raise UserError(f"data.prompt_column: no {column!r} column in {name} (columns: {', '.join(features)})")
+
+
+def _check_data_dir(path: Path, name: str, split: str, column: str) -> None:
+    files = hfcache.data_files_in(path)
+    if not files:
+        raise UserError(f"data.path: {name} holds no data files ({', '.join(hfcache.DATA_FILE_BUILDERS)}) "
+                        f"and is no save_to_disk directory")
+    words = (split, *SPLIT_WORDS.get(split, ()))
+    named = [f for f in files if any(re.search(rf"(^|[\W_]){re.escape(w)}($|[\W_])", str(f.relative_to(path)))
+                                     for w in words)]
+    if split != "train" and not named:
+        raise UserError(f"data.split: no file in {name} is named for split {split!r} "
+                        f"(files: {', '.join(str(f.relative_to(path)) for f in files[:5])})")
+    _check_column((named or files)[0], column)
+
+
+def _read_json(path: Path, where: str) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise UserError(f"{where}: cannot read {path}: {e}") from None
+    return data if isinstance(data, dict) else {}
+
+
+def _check_column(file: Path, column: str) -> None:
+    columns = first_row_columns(file)
+    if columns is not None and column not in columns:
+        raise UserError(f"data.prompt_column: no {column!r} column in {file} (first row's columns: "
+                        f"{', '.join(map(str, columns)) or 'none'})")
+
+
+def first_row_columns(file: Path) -> list[str] | None:
+    """The columns of a data file's first row, read cheaply; None where that would take more
+    (a big JSON array, parquet without pyarrow). A first row that cannot be read is an error."""
+    where = f"data.path: {file}"
+    try:
+        if file.suffix == ".csv":
+            with open(file, newline="", encoding="utf-8") as f:
+                return next(csv.reader(f), [])
+        if file.suffix == ".parquet":
+            try:
+                import pyarrow.parquet as pq      # not a login-side dependency: used when present
+            except ImportError:
+                return None
+            try:
+                return list(pq.read_schema(file).names)
+            except Exception as e:                # noqa: BLE001 - any unreadable file, in one line
+                raise UserError(f"{where}: not a readable parquet file ({str(e).splitlines()[0]})") from None
+        if file.suffix == ".json" and file.stat().st_size <= WHOLE_JSON_MAX_BYTES:
+            text = file.read_text(encoding="utf-8")
+            try:
+                whole = json.loads(text)
+            except ValueError:
+                whole = None                      # JSON lines in a .json file
+            if isinstance(whole, list):
+                return list(whole[0]) if whole and isinstance(whole[0], dict) else None
+            if isinstance(whole, dict):
+                return list(whole) if all(isinstance(v, list) for v in whole.values()) else None
+        with open(file, encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if line.strip():
+                    break
+            else:
+                raise UserError(f"{where}: the file is empty")
+    except UnicodeDecodeError:
+        raise UserError(f"{where}: not a UTF-8 text file") from None
+    except OSError as e:
+        raise UserError(f"{where}: cannot read it: {e.strerror or e}") from None
+    try:
+        row = json.loads(line)
+    except ValueError as e:
+        if file.suffix == ".json":
+            return None                           # too big to parse whole, not JSON lines: the job reads it
+        raise UserError(f"{where}: line {number} is not JSON ({e})") from None
+    if not isinstance(row, dict):
+        raise UserError(f"{where}: line {number} is not a JSON object (a row of named columns)")
+    return list(row)
