@@ -254,7 +254,7 @@ def _w_trainer(rank, world, model_dir, run_dir):
     plain = loss()
     assert loss() == plain          # nothing moves between calls
     for fields in ({"importance_sampling_level": "sequence"}, {"delta": 1.05}, {"off_policy_mask_threshold": 0.0},
-                   {"use_bias_correction_kl": False}, {"entropy_coef": 0.5}):
+                   {"use_bias_correction_kl": False}, {"entropy_coef": 0.5}, {"top_entropy_quantile": 0.3}):
         assert not math.isclose(loss(**fields), plain, rel_tol=1e-6), fields
     for loss_type, fields in (("sapo", {"sapo_temperature_pos": 3.0, "sapo_temperature_neg": 0.3}),
                               ("vespo", {"vespo_k_pos": 1.0, "vespo_lambda_pos": 0.5, "vespo_k_neg": 1.0,
@@ -286,3 +286,26 @@ def _w_trainer(rank, world, model_dir, run_dir):
 
 def test_trainer_wires_the_fields(model_dir, tmp_path):
     spawn(_w_trainer, tmp_path, model_dir, str(tmp_path / "run"), timeout=300)
+
+
+def test_top_entropy_quantile_masks_as_trl():
+    """grpo.top_entropy_quantile: the mask equals TRL's get_high_entropy_mask (one process), and
+    only the masked tokens carry policy gradient."""
+    from trl import GRPOTrainer
+
+    from hpcrl.compute.train import grpo
+
+    torch.manual_seed(0)
+    entropies = torch.rand(4, 6)
+    mask = torch.ones(4, 6)
+    mask[1, 4:] = 0
+    accelerator = SimpleNamespace(pad_across_processes=lambda t, dim, pad_index: t, gather=lambda t: t)
+    for q in (0.2, 0.5, 0.9):
+        theirs = GRPOTrainer.get_high_entropy_mask(SimpleNamespace(accelerator=accelerator), entropies, mask, 1 - q)
+        ours = grpo.high_entropy_mask(entropies, mask, 1 - q)
+        assert torch.equal(ours, theirs), q
+    keep = grpo.high_entropy_mask(entropies, mask, 0.5)
+    logps = torch.full((4, 6), -1.0, requires_grad=True)
+    loss, _ = grpo.grpo_loss(logps, None, None, torch.tensor([1.0, -1.0, 0.5, 2.0]), mask, entropy_mask=keep)
+    loss.backward()
+    assert torch.equal(logps.grad != 0, keep)

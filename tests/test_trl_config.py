@@ -100,14 +100,14 @@ def test_a_trl_config_translates(trl_yaml, tmp_path):
 
 
 def test_every_unimplemented_key_is_named_in_one_error(trl_yaml):
-    trl_yaml.write_text(trl_yaml.read_text() + "use_liger_kernel: true\ntop_entropy_quantile: 0.2\n"
+    trl_yaml.write_text(trl_yaml.read_text() + "use_liger_kernel: true\nuse_adaptive_entropy: true\n"
                         "push_to_hub: true\nlearnin_rate: 3\ngrpo:\n  betta: 1\n")
     with pytest.raises(UserError) as e:
         compose.build_recipe(str(trl_yaml))
     lines = str(e.value).splitlines()
     assert lines[0] == "5 fields are not accepted (nothing was written):"
     text = "\n".join(lines)
-    for name in ("use_liger_kernel: not implemented", "top_entropy_quantile: not implemented",
+    for name in ("use_liger_kernel: not implemented", "use_adaptive_entropy: not implemented",
                  "push_to_hub: compute nodes have no internet",
                  'learnin_rate: unknown field (did you mean "learning_rate"?)',
                  'grpo.betta: unknown field (did you mean "beta"?)'):
@@ -117,9 +117,9 @@ def test_every_unimplemented_key_is_named_in_one_error(trl_yaml):
 
 
 def test_a_key_at_trls_default_is_accepted(trl_yaml):
-    trl_yaml.write_text(trl_yaml.read_text() + "use_liger_kernel: false\ntop_entropy_quantile: 1.0\n")
+    trl_yaml.write_text(trl_yaml.read_text() + "use_liger_kernel: false\nuse_adaptive_entropy: false\n")
     t = compose.build_recipe(str(trl_yaml)).trl
-    assert t.inert["use_liger_kernel"] == "TRL's default" and t.inert["top_entropy_quantile"] == "TRL's default"
+    assert t.inert["use_liger_kernel"] == "TRL's default" and t.inert["use_adaptive_entropy"] == "TRL's default"
 
 
 def test_the_demo_task_keeps_its_tuned_values_and_user_data_gets_trls():
@@ -148,8 +148,14 @@ def test_epochs_count_steps_as_trl():
     from hpcrl.compute.train.trainer import epoch_steps
 
     g = GRPOConfig(num_train_epochs=3.0, num_iterations=2)
-    assert epoch_steps(g, prompts=100, prompts_per_generation=8) == math.ceil(300 / 8) * 2
-    assert epoch_steps(GRPOConfig(num_train_epochs=0.5), prompts=10, prompts_per_generation=4) == 2
+    assert epoch_steps(g, prompts=100, prompts_per_generation=8, steps_per_generation=2) == math.ceil(300 / 8) * 2
+    assert epoch_steps(GRPOConfig(num_train_epochs=0.5), 10, 4, steps_per_generation=1) == 2
+    # TRL's steps_per_generation: a generation of 4 micro-batches, 2 a step, twice over: 4 steps.
+    g = GRPOConfig(steps_per_generation=4, gradient_accumulation_steps=2, num_iterations=2)
+    assert g.micro_batches_per_generation(3) == 4 and g.optimizer_steps_per_generation(3) == 4
+    g = GRPOConfig(generation_batch_size=48, per_device_train_batch_size=8)
+    assert g.micro_batches_per_generation(2) == 3 and g.optimizer_steps_per_generation(2) == 3
+    assert GRPOConfig().optimizer_steps_per_generation(4) == 1
 
 
 def test_warmup_steps_as_transformers():
@@ -232,6 +238,35 @@ def test_hpcrl_run_takes_a_trl_config(tmp_path):
     assert "finished: step 6 of 6" in proc.stdout, proc.stdout
     assert f"model     {tmp_path / 'out'}" in proc.stdout and "  eval      reward " in proc.stdout
     check_trl_user_run(tmp_path / "run", tmp_path / "out", 6)
+    _export_decodes_as_the_trained_weights(tmp_path / "run", tmp_path / "my-model", tmp_path / "out", tmp_path)
+
+
+def _export_decodes_as_the_trained_weights(run_dir: Path, source: Path, out: Path, tmp_path: Path) -> None:
+    """The exported model, in transformers and in a fresh vLLM engine, decodes greedily as the
+    trainer's final weights do (its last training checkpoint put into the source model)."""
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hpcrl.job import rundir
+    from test_export import _vllm_greedy, greedy
+
+    trained = AutoModelForCausalLM.from_pretrained(source)
+    sd = trained.state_dict()
+    dcp.load({"model": sd}, checkpoint_id=str(run_dir / rundir.CHECKPOINTS_DIR / "step-6"), no_dist=True)
+    trained.load_state_dict(sd)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                             add_generation_prompt=True) for q in ("1+2=", "2+3=", "0+1=")]
+    assert greedy(AutoModelForCausalLM.from_pretrained(out), tokenizer, prompts) == greedy(trained, tokenizer, prompts)
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return
+    reference = tmp_path / "trained-reference"
+    trained.save_pretrained(reference)
+    tokenizer.save_pretrained(reference)
+    got = _vllm_greedy(out, prompts)
+    assert got == _vllm_greedy(reference, prompts) and all(got)
 
 
 def test_evaluation_schedule_as_transformers():

@@ -164,6 +164,12 @@ class GRPOConfig:
     epsilon: float = 0.2
     epsilon_high: Optional[float] = None
     num_iterations: int = 1
+    # One generation, TRL's way: steps_per_generation micro-batches of per_device_train_batch_size
+    # completions per trainer (or generation_batch_size completions over all trainers); neither:
+    # gradient_accumulation_steps, one optimizer step's worth. A generation larger than that trains
+    # several optimizer steps, each on its own slice (num_iterations times over).
+    steps_per_generation: Optional[int] = None
+    generation_batch_size: Optional[int] = None
     loss_type: str = "dapo"
     scale_rewards: Literal["group", "batch", "none"] = "group"
     mask_truncated_completions: bool = False
@@ -179,6 +185,9 @@ class GRPOConfig:
     vespo_k_neg: float = 3.0
     vespo_lambda_neg: float = 2.0
     entropy_coef: float = 0.0               # static entropy bonus: loss - entropy_coef * mean token entropy
+    # Train only on the tokens whose entropy is in this top fraction of the micro-batch's (over every
+    # trainer), as TRL's "Beyond the 80/20 rule" option; 1.0 = every token.
+    top_entropy_quantile: float = 1.0
     # Every ref_model_sync_steps optimizer steps: reference = alpha * policy + (1 - alpha) * reference.
     sync_ref_model: bool = False
     ref_model_mixup_alpha: float = 0.6
@@ -298,6 +307,30 @@ class GRPOConfig:
             raise UserError(f"{where}.ref_model_sync_steps: must be at least 1, got {self.ref_model_sync_steps}")
         if self.sync_ref_model and self.beta == 0:
             raise UserError(f"{where}.sync_ref_model: needs beta > 0 (with beta 0 there is no reference model)")
+        if not 0 < self.top_entropy_quantile <= 1:
+            raise UserError(f"{where}.top_entropy_quantile: must be in (0, 1], got {self.top_entropy_quantile}")
+        if self.steps_per_generation is not None and self.generation_batch_size is not None:
+            raise UserError(f"{where}.generation_batch_size: give it or steps_per_generation, not both (as TRL)")
+        for name in ("steps_per_generation", "generation_batch_size"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise UserError(f"{where}.{name}: must be at least 1, got {getattr(self, name)}")
+        if self.steps_per_generation and self.steps_per_generation % self.gradient_accumulation_steps:
+            raise UserError(f"{where}.steps_per_generation: {self.steps_per_generation} is not a multiple of "
+                            f"gradient_accumulation_steps ({self.gradient_accumulation_steps}); hpcrl trains a "
+                            f"whole number of optimizer steps on each generation")
+
+    def micro_batches_per_generation(self, num_trainers: int) -> int:
+        """TRL's steps_per_generation: micro-batches of per_device_train_batch_size completions one
+        generation holds per trainer (compose checks that generation_batch_size divides evenly)."""
+        if self.steps_per_generation:
+            return self.steps_per_generation
+        if self.generation_batch_size:
+            return self.generation_batch_size // (self.per_device_train_batch_size * num_trainers)
+        return self.gradient_accumulation_steps
+
+    def optimizer_steps_per_generation(self, num_trainers: int) -> int:
+        """Optimizer steps trained on one generation: its slices, num_iterations times over."""
+        return self.num_iterations * self.micro_batches_per_generation(num_trainers) // self.gradient_accumulation_steps
 
 
 # The built-in demo task's values, tuned on the warmed-up "demo:tiny" model: its demo_correct reward

@@ -130,13 +130,21 @@ def _validate_resources(site: Site, recipe: Recipe, need_account: bool = True) -
     return time_s
 
 
-def _validate_batch(recipe: Recipe) -> None:
+def _validate_batch(recipe: Recipe, num_trainers: int) -> None:
     g = recipe.grpo
-    per_rank = g.per_device_train_batch_size * g.gradient_accumulation_steps
+    if g.generation_batch_size is not None:
+        step = g.per_device_train_batch_size * num_trainers
+        micro = g.generation_batch_size // step
+        if g.generation_batch_size % step or micro % g.gradient_accumulation_steps:
+            raise UserError(f"grpo.generation_batch_size: {g.generation_batch_size} is not a whole number of "
+                            f"optimizer steps of per_device_train_batch_size x gradient_accumulation_steps x "
+                            f"{num_trainers} trainer(s) ({step * g.gradient_accumulation_steps} completions)")
+    per_rank = g.per_device_train_batch_size * g.micro_batches_per_generation(num_trainers)
     # Each trainer generates whole groups, so group-relative advantages need no cross-rank gather.
     if per_rank % g.num_generations:
         raise UserError(f"grpo.num_generations: {g.num_generations} does not divide the {per_rank} completions "
-                        f"each trainer takes per step (per_device_train_batch_size x gradient_accumulation_steps)")
+                        f"each trainer generates at once (per_device_train_batch_size x steps_per_generation, "
+                        f"which is gradient_accumulation_steps unless set)")
     if recipe.inference.max_model_len <= g.max_completion_length:
         raise UserError(f"inference.max_model_len: {recipe.inference.max_model_len} leaves no room for prompts "
                         f"beside grpo.max_completion_length={g.max_completion_length}")
@@ -212,8 +220,8 @@ def compose(recipe_path: str | None, site_name: str, assignments: list[str] = ()
     recipe = replace(recipe, resources=replace(res, partition=res.partition or site.partition,
                                                qos=res.qos or site.qos))
     time_s = _validate_resources(site, recipe, need_account=not for_plan)
-    _validate_batch(recipe)
     plan = make_plan(site, recipe.resources.nodes, recipe.inference.gpus)   # server GPUs vs GPUs per node
+    _validate_batch(recipe, plan.num_trainers)
     python = sys.executable if site.python == "auto" else site.python
     reward_modules = _reward_modules(recipe, recipe_path, check_installed=python == sys.executable)
     if check_inputs and not for_plan and recipe.mode == "train":

@@ -507,6 +507,30 @@ def sampling_importance_ratio(
     return ratio, metrics
 
 
+def high_entropy_mask(entropies: Tensor, mask: Tensor, threshold: float, group=None) -> Tensor:
+    """TRL's get_high_entropy_mask (top_entropy_quantile = 1 - threshold): the loss tokens whose
+    entropy is at least the ``threshold`` quantile of every trainer's loss tokens in this micro-batch.
+    A collective of the trainers when they are more than one."""
+    local = entropies[mask.bool()].float()
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        world = dist.get_world_size(group)
+        sizes = [torch.zeros(1, dtype=torch.long) for _ in range(world)]
+        dist.all_gather(sizes, torch.tensor([local.numel()]), group=group)
+        longest = int(max(s.item() for s in sizes))
+        padded = torch.full((longest,), -1e9)          # no entropy is negative: a sentinel
+        padded[:local.numel()] = local.cpu()
+        parts = [torch.empty(longest) for _ in range(world)]
+        dist.all_gather(parts, padded, group=group)
+        gathered = torch.cat(parts)
+        gathered = gathered[gathered != -1e9]
+    else:
+        gathered = local.cpu()
+    if gathered.numel() == 0:
+        return torch.zeros_like(entropies, dtype=torch.bool)
+    cut = torch.quantile(gathered, threshold).to(entropies.device)
+    return ((entropies * mask.float()) >= cut) & mask.bool()
+
+
 def off_policy_mask(
     advantages: Tensor, per_token_logps: Tensor, sampling_per_token_logps: Tensor, mask: Tensor, threshold: float
 ) -> Tensor:
@@ -577,6 +601,7 @@ def grpo_loss(
     vespo_lambda_neg: float = 2.0,
     entropies: Tensor | None = None,
     entropy_coef: float = 0.0,
+    entropy_mask: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Metric]]:
     """TRL's GRPO loss of one micro-batch, ready for ``backward()``; returns ``(loss, metrics)``.
 
@@ -595,7 +620,8 @@ def grpo_loss(
           micro-batch's count, i.e. a local token mean.
     ``importance_weights`` is :func:`sampling_importance_ratio`'s output (vLLM correction).
     ``entropies`` ([B, T], from :func:`token_logprobs`) feed the ``entropy`` metric and, with
-    ``entropy_coef``, TRL's static entropy bonus.
+    ``entropy_coef``, TRL's static entropy bonus. ``entropy_mask`` (:func:`high_entropy_mask`,
+    top_entropy_quantile) keeps the policy gradient, and the bonus, to the high-entropy tokens.
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"Unknown loss type: {loss_type}. Must be one of {LOSS_TYPES}.")
@@ -646,6 +672,8 @@ def grpo_loss(
 
     if off_policy_mask_threshold is not None:
         per_token_loss = per_token_loss * keep
+    if entropy_mask is not None:
+        per_token_loss = per_token_loss * entropy_mask
     if importance_weights is not None and loss_type != "vespo":  # vespo folded them into phi
         per_token_loss = per_token_loss * importance_weights
     if beta != 0.0:
@@ -676,8 +704,9 @@ def grpo_loss(
     if entropy_coef != 0.0:
         if entropies is None:
             raise ValueError("entropy_coef != 0 needs entropies")
-        # Mean entropy over the loss tokens, independent of the loss type's normalisation.
-        loss = loss - entropy_coef * (entropies * mask).sum() / mask.sum().clamp(min=1.0) / accum
+        # Mean entropy over the tokens the gradient acts on, independent of the loss type's normalisation.
+        acting = mask if entropy_mask is None else mask * entropy_mask
+        loss = loss - entropy_coef * (entropies * acting).sum() / acting.sum().clamp(min=1.0) / accum
 
     metrics = _loss_metrics(
         loss_type, mask, advantages, coef_1, epsilon_low, epsilon_high,

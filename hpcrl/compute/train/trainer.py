@@ -5,8 +5,10 @@ A plain loop in the manner of torchtitan. Everything it needs comes in through `
 through the `Generator` interface (hpcrl.compute.inference.types): the node's server in a job, an
 in-process engine in tests.
 
-Steps count optimizer steps (TRL's global_step). With num_iterations = mu, one generation feeds mu
-optimizer steps; weights are pushed to generation before the next generation is due.
+Steps count optimizer steps (TRL's global_step). One generation holds steps_per_generation
+micro-batches per trainer (gradient_accumulation_steps unless set: one optimizer step's worth); its
+optimizer steps take its slices in turn, num_iterations times over. Weights are pushed to generation
+before the next generation is due.
 
 With inference.overlap_generation the next generation is asked for as soon as the current one is
 in hand, so the server samples it while the trainers train: its completions come from the weights
@@ -101,7 +103,7 @@ class Requested:
 
 @dataclass(frozen=True)
 class Generation:
-    """A generation scored and ready to train on: what its num_iterations optimizer steps share.
+    """A generation scored and ready to train on: what its optimizer steps share.
 
     The counts (completion tokens, loss tokens, completions, truncated ones) are over all trainers,
     the tensors this rank's. ``wait_s`` and ``logps_s`` are the time this process spent waiting for its
@@ -196,22 +198,28 @@ def completion_logps(model, batch: dict, temperature: float, rows=slice(None),
                                     chunk_tokens=chunk_tokens, return_entropy=return_entropy)
 
 
-def epoch_steps(grpo, prompts: int, prompts_per_generation: int) -> int:
+def epoch_steps(grpo, prompts: int, prompts_per_generation: int, steps_per_generation: int) -> int:
     """Optimizer steps of grpo.num_train_epochs passes over ``prompts`` (grpo.max_steps -1), as TRL
-    counts them: every generation of ``prompts_per_generation`` prompts trains num_iterations steps,
-    and a fraction of an epoch is rounded up to whole generations."""
+    counts them: every generation of ``prompts_per_generation`` prompts trains
+    ``steps_per_generation`` optimizer steps, and a fraction of an epoch is rounded up to whole
+    generations."""
     generations = math.ceil(grpo.num_train_epochs * prompts / prompts_per_generation)
-    return max(1, generations * grpo.num_iterations)
+    return max(1, generations * steps_per_generation)
 
 
 class Trainer:
     def __init__(self, setup: TrainerSetup, generator: Generator):
         self.setup = setup
         grpo = setup.recipe.grpo
-        per_rank = grpo.per_device_train_batch_size * grpo.gradient_accumulation_steps
-        self.prompts_per_rank = per_rank // grpo.num_generations
+        # A generation: this many completions per trainer, sliced into optimizer steps of step_rows.
+        self.step_rows = grpo.per_device_train_batch_size * grpo.gradient_accumulation_steps
+        generation_rows = grpo.per_device_train_batch_size * grpo.micro_batches_per_generation(setup.num_trainers)
+        self.slices = generation_rows // self.step_rows
+        self.steps_per_generation = grpo.optimizer_steps_per_generation(setup.num_trainers)
+        self.prompts_per_rank = generation_rows // grpo.num_generations
         if grpo.max_steps == -1:
-            grpo = replace(grpo, max_steps=epoch_steps(grpo, len(setup.dataset), self.prompts_per_rank * setup.num_trainers))
+            grpo = replace(grpo, max_steps=epoch_steps(grpo, len(setup.dataset), self.prompts_per_rank * setup.num_trainers,
+                                                       self.steps_per_generation))
         self.recipe = replace(setup.recipe, grpo=grpo)
         self.grpo = grpo
         self.generator = generator
@@ -223,7 +231,7 @@ class Trainer:
         # What the reward functions get as trainer_state, and what they logged with log_extra on
         # the generation scored last: this rank's columns, a value per completion, for its log.
         self.epochs_per_step = (self.prompts_per_rank * setup.num_trainers
-                                / (self.grpo.num_iterations * max(1, len(setup.dataset))))
+                                / (self.steps_per_generation * max(1, len(setup.dataset))))
         self.trainer_state = new_trainer_state(self.grpo, 1 / self.epochs_per_step, setup.trainer_rank == 0)
         self.completion_extra: dict[str, list] = {}
         if self.grpo.disable_dropout:
@@ -237,7 +245,7 @@ class Trainer:
                                               rank=setup.trainer_rank, world_size=setup.num_trainers)
         self.step = 0
         self.weight_version = 0        # the version generation serves; bumped by every push
-        # The generation being trained on (num_iterations > 1) and how many of its optimizer steps
+        # The generation being trained on (more than one step each) and how many of its optimizer steps
         # are done. A checkpoint taken in its middle keeps both, so a resume finishes it.
         self.generation: Generation | None = None
         self.generation_steps_done = 0
@@ -283,9 +291,10 @@ class Trainer:
         return _any_true(self.flag.raised, self.setup.group)
 
     def _train_on(self, generation: Generation, started: float) -> None:
-        """The optimizer steps still due on `generation`: num_iterations in all, fewer where
-        max_steps comes first. `started`: when the first of them began (generating counts in it)."""
-        mu = self.grpo.num_iterations
+        """The optimizer steps still due on `generation`: its slices, num_iterations times over
+        (steps_per_generation in all), fewer where max_steps comes first. `started`: when the first
+        of them began (generating counts in it)."""
+        mu = self.steps_per_generation
         self._heartbeat("training")
         self._ask_ahead(mu - self.generation_steps_done)       # (a resume in the middle of a generation)
         for it in range(self.generation_steps_done, mu):
@@ -295,7 +304,8 @@ class Trainer:
             # this process has a first step, which carries the time spent making it.
             first = it == 0
             t0 = time.perf_counter()
-            losses = self._optimizer_step(generation)
+            start = it % self.slices * self.step_rows
+            losses = self._optimizer_step(generation, slice(start, start + self.step_rows))
             self.step += 1
             self.generation_steps_done = it + 1
             train_s = time.perf_counter() - t0 + (generation.logps_s if first else 0.0)
@@ -438,7 +448,7 @@ class Trainer:
         requested = self.next or self._request(self.step)
         self.next = None
         completions = requested.take()
-        self._ask_ahead(self.grpo.num_iterations)
+        self._ask_ahead(self.steps_per_generation)
         batch = requested.batch.repeat(self.grpo.num_generations)
         lag = self.weight_version - requested.version
         advantages, reward_stats = self._score(batch, completions)
@@ -462,7 +472,7 @@ class Trainer:
         correction, the ratio is 1 and they are not needed) and the reference model's (the KL's)."""
         setup = self.setup
         old_logps = None
-        if self.grpo.num_iterations > 1 or self.grpo.vllm_importance_sampling_correction:
+        if self.steps_per_generation > 1 or self.grpo.vllm_importance_sampling_correction:
             setup.policy.eval()
             old_logps = self._micro_batched_logps(setup.policy, tensors)
         ref_logps = self._micro_batched_logps(setup.reference, tensors) if setup.reference is not None else None
@@ -570,24 +580,30 @@ class Trainer:
         return out
 
     # ------------------------------------------------------------------ one optimizer step
-    def _optimizer_step(self, generation: Generation) -> dict:
-        """Forward and backward over the generation in micro-batches, then one optimizer step;
-        returns the step's loss metrics, reduced over all trainers."""
+    def _optimizer_step(self, generation: Generation, rows: slice | None = None) -> dict:
+        """Forward and backward over the generation's ``rows`` (all: one step's worth) in
+        micro-batches, then one optimizer step; returns the step's loss metrics, reduced over all
+        trainers."""
         cfg = self.grpo
         model = self.setup.policy
         batch, advantages = generation.tensors, generation.advantages
         old_logps, ref_logps = generation.old_logps, generation.ref_logps
         model.train()
-        rows = batch["input_ids"].shape[0]
+        rows = rows or slice(0, batch["input_ids"].shape[0])
         micro = cfg.per_device_train_batch_size
         metrics: dict[str, grpo.Metric] = {}
         loss_sum = 0.0
-        for start in range(0, rows, micro):
+        for start in range(rows.start, min(rows.stop, batch["input_ids"].shape[0]), micro):
             sl = slice(start, start + micro)
-            # Entropies only for the entropy bonus (grpo.entropy_coef): they cost a pass over the vocabulary.
+            # Entropies only for the entropy bonus and mask: they cost a pass over the vocabulary.
+            want_entropy = cfg.entropy_coef != 0.0 or cfg.top_entropy_quantile < 1.0
             logps = completion_logps(model, batch, cfg.temperature, sl, self.logprob_chunk_tokens,
-                                     return_entropy=cfg.entropy_coef != 0.0)
-            logps, entropies = logps if cfg.entropy_coef != 0.0 else (logps, None)
+                                     return_entropy=want_entropy)
+            logps, entropies = logps if want_entropy else (logps, None)
+            entropy_mask = None
+            if cfg.top_entropy_quantile < 1.0:
+                entropy_mask = grpo.high_entropy_mask(entropies.detach(), batch["completion_mask"][sl],
+                                                      1 - cfg.top_entropy_quantile, self.setup.group)
             weights = None
             if cfg.vllm_importance_sampling_correction:
                 weights, is_metrics = grpo.sampling_importance_ratio(
@@ -601,6 +617,7 @@ class Trainer:
                 loss_type=cfg.loss_type, beta=cfg.beta, epsilon_low=cfg.epsilon, epsilon_high=cfg.epsilon_high,
                 max_completion_length=cfg.max_completion_length, num_items_in_batch=generation.loss_tokens,
                 num_processes=self.setup.num_trainers, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+                steps_per_generation=self.slices * cfg.gradient_accumulation_steps,
                 importance_weights=weights, delta=cfg.delta, importance_sampling_level=cfg.importance_sampling_level,
                 # The engines always return the sampled tokens' log-probabilities (TRL's with vLLM).
                 sampling_per_token_logps=batch["sampling_logps"][sl],
@@ -608,7 +625,8 @@ class Trainer:
                 use_bias_correction_kl=cfg.use_bias_correction_kl,
                 sapo_temperature_pos=cfg.sapo_temperature_pos, sapo_temperature_neg=cfg.sapo_temperature_neg,
                 vespo_k_pos=cfg.vespo_k_pos, vespo_lambda_pos=cfg.vespo_lambda_pos, vespo_k_neg=cfg.vespo_k_neg,
-                vespo_lambda_neg=cfg.vespo_lambda_neg, entropies=entropies, entropy_coef=cfg.entropy_coef)
+                vespo_lambda_neg=cfg.vespo_lambda_neg, entropies=entropies, entropy_coef=cfg.entropy_coef,
+                entropy_mask=entropy_mask)
             loss.backward()
             loss_sum += loss.item()
             _merge(metrics, m)
@@ -674,7 +692,7 @@ class Trainer:
     def _sync_due(self) -> bool:
         """After a generation is spent: every inference.sync_every generations, unless training is over."""
         return (self.step < self.grpo.max_steps
-                and (self.step // self.grpo.num_iterations) % self.recipe.inference.sync_every == 0)
+                and (self.step // self.steps_per_generation) % self.recipe.inference.sync_every == 0)
 
     def _sync_weights(self) -> float:
         """Push the policy to generation; returns the seconds the push took."""
