@@ -97,6 +97,7 @@ def test_trainer_parts_by_hand(tmp_path):
     expected = {
         "training_state": math.ceil(p * 16 / 7),                       # 31.4 GiB: the issue's "~34 GB"
         "reference": math.ceil(p * 2 / 7),                             # bf16, sharded alike
+        "reward_models": 0,
         "gathered_layers": 2 * layer * 2 + layer * 4 + root * 2 + v * h * 2,
         "activations": tokens * (48 * h * 2 + per_layer + 6 * h),     # layer inputs + one layer + final norm
         "logits": 2 * 8 * 1025 * v * 2,                               # bf16 logits and their gradient
@@ -119,7 +120,7 @@ def test_trainer_parts_is_the_benchmarks_formula(tmp_path):
                           checkpointing=False, logprob_chunk_tokens=64, overhead_bytes=0)
     h, v, p = 1536, 151936, 1_543_656_960
     per_layer = 2 * 8 * h + 5 * 12 * 128 * 4 + 12 * 4 + 4 * 8960 * 4
-    assert parts == {"training_state": p * 16, "reference": 0,
+    assert parts == {"training_state": p * 16, "reference": 0, "reward_models": 0,
                      "gathered_layers": 2 * shape.layer_params * 4 + shape.layer_params * 4
                      + (v * h + h) * 4 + v * h * 4,
                      "activations": 512 * (28 * per_layer + 8 * h), "logits": 2 * 2 * 129 * v * 4,
@@ -176,7 +177,7 @@ def test_14b_full_fine_tuning_on_one_frontier_node_does_not_fit(tmp_path):
                          "trainer.activation_checkpointing=true", *BATCH, *BIGGER_BATCH))
     t = fit.trainer
     assert {k: round(v / GIB, 1) for k, v in t.parts.items()} == {
-        "training_state": 31.4, "reference": 3.9, "gathered_layers": 6.4, "activations": 22.8,
+        "training_state": 31.4, "reference": 3.9, "reward_models": 0.0, "gathered_layers": 6.4, "activations": 22.8,
         "logits": 9.3, "logprob_chunk": 2.3, "overhead": 2.0}
     assert t.est_gb == 78.1 and t.fits is False and fit.fits is False
     # What fixes it: half the micro-batch (the completions per step kept), or a second node (FSDP
@@ -334,3 +335,17 @@ def test_unknown_sizes_never_refuse(hpcrl):
     assert r.returncode == 0 and "run directory:" in r.stdout, r.stderr
     r = hpcrl("run", "--dry-run")
     assert r.returncode == 0 and "hpcrl.compute.launch" in r.stdout, r.stderr
+
+
+def test_a_reward_model_counts_like_the_reference(tmp_path):
+    """rewards[i].model is sharded and stored as the reference model: its parameters in the
+    reference's dtype over the shard."""
+    from hpcrl.job.fit import count_parameters
+
+    path, rm = _model(tmp_path, "q14", QWEN_14B), _model(tmp_path, "rm", QWEN_1_5B)
+    base = _spec("frontier", 1, f"model.path={path}", *BATCH)
+    with_rm = _spec("frontier", 1, f"model.path={path}", *BATCH, f"rewards=[{{model: {rm}}}]")
+    base_fit, rm_fit = estimate(base, base.plan()), estimate(with_rm, with_rm.plan())
+    assert base_fit.trainer.parts["reward_models"] == 0
+    shard = rm_fit.mesh.shard
+    assert rm_fit.trainer.parts["reward_models"] == math.ceil(count_parameters(rm) * 2 / shard) > 0

@@ -194,7 +194,8 @@ per_device_train_batch_size: 8
 num_generations: 4
 max_completion_length: 8
 learning_rate: 1.0e-4
-save_steps: 4
+save_steps: 2
+save_total_limit: 1
 output_dir: out
 logging_steps: 1
 eval_strategy: steps
@@ -211,7 +212,10 @@ def check_trl_user_run(run_dir: Path, out: Path, steps: int) -> None:
     """What write_trl_user_files' configuration must leave behind after `steps` optimizer steps."""
     from transformers import AutoModelForCausalLM
 
-    assert (out / "config.json").is_file() and (out / "checkpoint-4" / "config.json").is_file() == (steps > 4)
+    from hpcrl.job import rundir
+
+    # Saved every 2 steps (the last step's model is the final one), save_total_limit 1: the newest stays.
+    assert (out / "config.json").is_file() and rundir.model_checkpoint_steps(out) == [max(range(2, steps, 2))]
     assert AutoModelForCausalLM.from_pretrained(out) is not None
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, steps + 1)) and metrics[-1]["max_steps"] == steps

@@ -12,6 +12,7 @@ Trainer, per GPU (FSDP2 with the mixed precision of hpcrl.compute.train.fsdp):
   training state   16 B/param (fp32 master weights, fp32 gradients, two fp32 Adam moments) / shard
   reference        params x model.dtype ("auto": the compute dtype) / shard, when grpo.beta > 0 and not
                    trainer.reference_offload
+  reward models    rewards[i].model's params, stored and sharded as the reference
   gathered layers  two decoder layers unsharded in the compute dtype (the one computing and the one
                    prefetched) + one layer's unsharded fp32 gradients (reduce dtype), + the root group
                    (embeddings, final norm, LM head) unsharded in the compute dtype with the head's
@@ -229,11 +230,14 @@ def layer_activation_bytes(shape: ModelShape, compute_bytes: int) -> int:
 def trainer_parts(shape: ModelShape, *, micro_batch: int, seq_len: int, completion_len: int, shard: int = 1,
                   compute_dtype: str = "bfloat16", reference: bool = False, checkpointing: bool = False,
                   logprob_chunk_tokens: int = TrainerConfig.logprob_chunk_tokens, params: int | None = None,
-                  overhead_bytes: int = TRAINER_OVERHEAD_GPU, reference_dtype: str | None = None) -> dict[str, int]:
+                  overhead_bytes: int = TRAINER_OVERHEAD_GPU, reference_dtype: str | None = None,
+                  reward_model_params: int = 0) -> dict[str, int]:
     """One trainer's peak memory in bytes, by part, for a training step in the given setting: the
     formula `hpcrl plan` and the render checks use, callable by a benchmark that measures the same
     step (pass overhead_bytes=0 to compare with torch's own allocation counters, which see no
-    context or fragmentation). `params` overrides the shape's count (a model's exact numel)."""
+    context or fragmentation). `params` overrides the shape's count (a model's exact numel).
+    `reward_model_params`: the recipe's reward models (rewards[i].model), sharded and stored as the
+    reference is."""
     c = DTYPE_BYTES[compute_dtype]
     n = params if params is not None else shape.params
     h, v = shape.hidden_size, shape.vocab_size
@@ -248,6 +252,7 @@ def trainer_parts(shape: ModelShape, *, micro_batch: int, seq_len: int, completi
     return {
         "training_state": math.ceil(n * TRAIN_BYTES_PER_PARAM / shard),
         "reference": math.ceil(n * DTYPE_BYTES[reference_dtype or compute_dtype] / shard) if reference else 0,
+        "reward_models": math.ceil(reward_model_params * DTYPE_BYTES[reference_dtype or compute_dtype] / shard),
         "gathered_layers": (GATHERED_LAYERS * shape.layer_params * c + shape.layer_params * 4
                             + shape.root_params * c + v * h * c),
         "activations": activations,
@@ -392,7 +397,10 @@ def _trainer_parts(spec: JobSpec, shape: ModelShape, shard: int) -> dict[str, in
         reference=r.grpo.beta > 0 and not (r.trainer.reference_offload and on_gpu),
         checkpointing=bool(r.trainer.activation_checkpointing or r.grpo.gradient_checkpointing),
         logprob_chunk_tokens=r.trainer.logprob_chunk_tokens,
-        overhead_bytes=TRAINER_OVERHEAD_GPU if on_gpu else TRAINER_OVERHEAD_CPU)
+        overhead_bytes=TRAINER_OVERHEAD_GPU if on_gpu else TRAINER_OVERHEAD_CPU,
+        # A reward model this machine cannot read counts as nothing, as an unknown model does.
+        reward_model_params=0 if r.trainer.reference_offload and on_gpu else
+        sum(count_parameters(x.model) or 0 for x in r.rewards if x.model))
 
 
 def serve_dtype(spec: JobSpec, shape: ModelShape) -> str:
@@ -632,7 +640,7 @@ def _nodes_fix(spec: JobSpec, shape: ModelShape, params: int | None) -> tuple[st
     plan = make_plan(spec.site, spec.nodes, spec.recipe.inference.gpus)
     capacity = task_capacity(spec, plan)
     one = _trainer_parts(spec, shape, 1)
-    sharded = one["training_state"] + one["reference"]
+    sharded = one["training_state"] + one["reference"] + one["reward_models"]
     room = (capacity or 0) - (sum(one.values()) - sharded)
     if room <= 0:
         return None

@@ -222,6 +222,7 @@ class GRPOConfig:
     # Optimizer steps between Hugging Face model directories <output_dir>/checkpoint-<step>/
     # (checkpoint.output_dir); 0 = only the final one.
     save_steps: int = 500
+    save_total_limit: Optional[int] = None  # keep only this many newest checkpoint-<step> directories
     # Evaluation on the data's eval_split (hpcrl.compute.train.evaluation): "steps" = every
     # eval_steps optimizer steps (None: 10, TRL's logging_steps; a fraction < 1 of max_steps) and
     # after the last; per_device_eval_batch_size completions per trainer and request,
@@ -307,6 +308,8 @@ class GRPOConfig:
             raise UserError(f"{where}.ref_model_sync_steps: must be at least 1, got {self.ref_model_sync_steps}")
         if self.sync_ref_model and self.beta == 0:
             raise UserError(f"{where}.sync_ref_model: needs beta > 0 (with beta 0 there is no reference model)")
+        if self.save_total_limit is not None and self.save_total_limit < 1:
+            raise UserError(f"{where}.save_total_limit: must be at least 1 or null, got {self.save_total_limit}")
         if not 0 < self.top_entropy_quantile <= 1:
             raise UserError(f"{where}.top_entropy_quantile: must be in (0, 1], got {self.top_entropy_quantile}")
         if self.steps_per_generation is not None and self.generation_batch_size is not None:

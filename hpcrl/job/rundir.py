@@ -61,6 +61,16 @@ def model_dir(run_dir: str | os.PathLike, step: int | None = None, output_dir: s
     return final if step is None else final / f"{MODEL_CHECKPOINT_PREFIX}{step}"
 
 
+def model_checkpoint_steps(final: str | os.PathLike) -> list[int]:
+    """The steps of the complete checkpoint-<step> model directories inside ``final``, in order."""
+    steps = []
+    for p in Path(final).glob(f"{MODEL_CHECKPOINT_PREFIX}*"):
+        step = p.name.removeprefix(MODEL_CHECKPOINT_PREFIX)
+        if step.isdigit() and is_model_dir(p):
+            steps.append(int(step))
+    return sorted(steps)
+
+
 def is_model_dir(path: str | os.PathLike) -> bool:
     """A complete model directory: it is renamed into place only once its config.json is written."""
     return (Path(path) / "config.json").is_file()

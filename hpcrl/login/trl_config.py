@@ -100,8 +100,6 @@ NOT_IMPLEMENTED = {
     "dataset_streaming": "streamed datasets are not supported: the prompts are read at start",
     "reward_weights": "reward_weights needs reward_funcs, one weight each",
     "save_strategy": 'hpcrl saves every save_steps ("steps") or only at the end ("no")',
-    "save_total_limit": "not supported yet: every checkpoint-<step> model directory is kept "
-                        "(checkpoint.keep bounds the training checkpoints)",
     "model_init_kwargs": "not supported yet: set model.dtype and model.trust_remote_code",
     "log_completions": "set logging.log_completions to the number of completions to print",
     "report_to": 'hpcrl reports to "wandb" (offline) and "tensorboard"',

@@ -20,6 +20,7 @@ new weights, so a sync never meets a generation in flight.
 from __future__ import annotations
 
 import math
+import shutil
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -420,6 +421,17 @@ class Trainer:
         every = self.grpo.save_steps
         if every and self.step % every == 0 and self.step < self.grpo.max_steps:
             self.save_model(self.step)
+            self._prune_model_checkpoints()
+
+    def _prune_model_checkpoints(self) -> None:
+        """grpo.save_total_limit, as TRL's: only the newest checkpoint-<step> model directories stay."""
+        limit = self.grpo.save_total_limit
+        if not limit or self.setup.trainer_rank != 0 or self.setup.model_dir is None:
+            return
+        output_dir = self.recipe.checkpoint.output_dir
+        final = rundir.model_dir(self.setup.run_dir, None, output_dir)
+        for step in rundir.model_checkpoint_steps(final)[:-limit]:
+            shutil.rmtree(rundir.model_dir(self.setup.run_dir, step, output_dir), ignore_errors=True)
 
     # ------------------------------------------------------------------ one generation
     def _request(self, first_step: int) -> Requested:

@@ -72,10 +72,8 @@ def _model(run_dir) -> str | None:
     final = rundir.model_dir(run_dir, output_dir=output_dir)
     if rundir.is_model_dir(final):
         return str(final)
-    saved = [(int(p.name.removeprefix(rundir.MODEL_CHECKPOINT_PREFIX)), p)
-             for p in final.glob(f"{rundir.MODEL_CHECKPOINT_PREFIX}*")
-             if p.name.removeprefix(rundir.MODEL_CHECKPOINT_PREFIX).isdigit() and rundir.is_model_dir(p)]
-    return str(max(saved)[1]) if saved else None
+    saved = rundir.model_checkpoint_steps(final)
+    return str(rundir.model_dir(run_dir, saved[-1], output_dir)) if saved else None
 
 
 def _one(registry: Registry, args) -> int:
