@@ -403,11 +403,12 @@ def _own_module(top: str, dirs: list[str]) -> str | None:
     its checkout). A directory without __init__.py does not count: any directory of that name
     would be copied whole."""
     import importlib.machinery
-    import importlib.metadata
 
     found = importlib.machinery.PathFinder.find_spec(top, dirs)
     if found is None or found.origin in (None, "namespace") or top in sys.stdlib_module_names:
         return None
+    import importlib.metadata       # only here: reading every installed distribution takes a while
+
     if top in importlib.metadata.packages_distributions():
         return None
     return str(Path(found.origin).parent) if found.submodule_search_locations else found.origin
