@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from hpcrl.job.errors import UserError
 from hpcrl.job.recipe import DEMO_GRPO, GRPOConfig
@@ -275,14 +276,16 @@ def _export_decodes_as_the_trained_weights(run_dir: Path, source: Path, out: Pat
 
 def test_evaluation_schedule_as_transformers():
     from hpcrl.compute.train.evaluation import eval_due, eval_every, summarize
+    from hpcrl.compute.train.rewards import reward_sums
 
     g = GRPOConfig(eval_strategy="steps", eval_steps=None, max_steps=25)
     assert eval_every(g) == 10 and [s for s in range(26) if eval_due(g, s)] == [10, 20, 25]
     g = GRPOConfig(eval_strategy="steps", eval_steps=0.5, max_steps=10, eval_on_start=True)
     assert [s for s in range(11) if eval_due(g, s)] == [0, 5, 10]
     assert not any(eval_due(GRPOConfig(max_steps=10), s) for s in range(11))
-    # sums: reward, reward^2, completions, tokens, truncated; then per function sum, count (None left out)
-    out = summarize([3.0, 5.0, 4, 40, 1, 2.0, 4, 1.0, 2], ["a", "b"])
+    # Two functions of weight 1 over 4 completions (b said None twice: left out), 40 tokens, 1 truncated.
+    per_func = torch.tensor([[1.0, 1.0], [1.0, math.nan], [0.0, 0.0], [0.0, math.nan]])
+    out = summarize(reward_sums(per_func, [1.0, 1.0]) + [4, 40, 1], ["a", "b"])
     assert out["eval/reward"] == 0.75 and out["eval/rewards/a"] == 0.5 and out["eval/rewards/b"] == 0.5
     assert out["eval/completion_len_mean"] == 10 and out["eval/truncated_frac"] == 0.25
     assert math.isclose(out["eval/reward_std"], math.sqrt(5 / 4 - 0.75 ** 2))

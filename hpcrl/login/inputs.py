@@ -37,6 +37,7 @@ SPLIT_WORDS = {"train": ("training",), "validation": ("valid", "val", "dev"), "t
 def check_inputs(recipe: Recipe, site: Site) -> None:
     env = _job_env(site)
     _check_model(recipe, env)
+    _check_reward_models(recipe, env)
     _check_data(recipe, env)
 
 
@@ -71,20 +72,34 @@ def _check_model(recipe: Recipe, env) -> None:
         if model.tokenizer:
             _tokenizer_dir(model.tokenizer, "model.tokenizer", env)
         return
-    model_dir = _model_dir(model.path, "model.path", env)
-    if model_dir is not None:
-        if not (model_dir / "config.json").is_file():
-            raise UserError(f"model.path: {_shown(model.path, model_dir)} has no config.json: not a Hugging Face "
-                            f"model directory")
-        if not any(next(model_dir.glob(p), None) for p in hfcache.WEIGHT_PATTERNS):
-            raise UserError(f"model.path: {_shown(model.path, model_dir)} has no weights "
-                            f"({', '.join(hfcache.WEIGHT_PATTERNS)})")
+    model_dir = _weights_dir(model.path, "model.path", env)
     if model.tokenizer:
         _tokenizer_dir(model.tokenizer, "model.tokenizer", env)
     elif model_dir is not None and not _has_tokenizer(model_dir):
         raise UserError(f"model.path: {_shown(model.path, model_dir)} has no tokenizer files "
                         f"({', '.join(hfcache.TOKENIZER_FILES[:4])}, ...); set model.tokenizer to the "
                         f"tokenizer's directory")
+
+
+def _check_reward_models(recipe: Recipe, env) -> None:
+    """rewards[i].model: loaded as the policy is, with the tokenizer of its own directory."""
+    for i, reward in enumerate(recipe.rewards):
+        directory = _weights_dir(reward.model, f"rewards[{i}].model", env) if reward.model else None
+        if directory is not None:
+            _tokenizer_dir(reward.model, f"rewards[{i}].model", env, directory)
+
+
+def _weights_dir(name: str, where: str, env) -> Path | None:
+    """The model directory `name` means, with a config.json and weights; None where this machine
+    cannot look."""
+    model_dir = _model_dir(name, where, env)
+    if model_dir is not None:
+        if not (model_dir / "config.json").is_file():
+            raise UserError(f"{where}: {_shown(name, model_dir)} is not a Hugging Face model directory: it has "
+                            f"no config.json")
+        if not any(next(model_dir.glob(p), None) for p in hfcache.WEIGHT_PATTERNS):
+            raise UserError(f"{where}: {_shown(name, model_dir)} has no weights ({', '.join(hfcache.WEIGHT_PATTERNS)})")
+    return model_dir
 
 
 def _shown(name: str, path: Path) -> str:
@@ -126,8 +141,9 @@ def _has_tokenizer(directory: Path) -> bool:
     return any((directory / f).is_file() for f in hfcache.TOKENIZER_FILES)
 
 
-def _tokenizer_dir(name: str, where: str, env) -> None:
-    directory = _model_dir(name, where, env)
+def _tokenizer_dir(name: str, where: str, env, directory: Path | None = None) -> None:
+    """`name`'s tokenizer files (in `directory`, when the caller has looked `name` up already)."""
+    directory = directory if directory is not None else _model_dir(name, where, env)
     if directory is not None and not _has_tokenizer(directory):
         raise UserError(f"{where}: {_shown(name, directory)} has no tokenizer files "
                         f"({', '.join(hfcache.TOKENIZER_FILES[:4])}, ...)")

@@ -109,14 +109,18 @@ _REPORTERS = {"wandb": "logging.wandb", "tensorboard": "logging.tensorboard"}
 
 
 @cache
+def _table() -> dict[str, Any]:
+    return json.loads((Path(__file__).with_name("trl_fields.json")).read_text())
+
+
+@cache
 def trl_fields() -> dict[str, Any]:
     """TRL's field name -> its default, for every key `trl grpo --config` takes."""
-    data = json.loads((Path(__file__).with_name("trl_fields.json")).read_text())
-    return {name: f["default"] for name, f in data["fields"].items()}
+    return {name: f["default"] for name, f in _table()["fields"].items()}
 
 
 def trl_version() -> str:
-    return json.loads((Path(__file__).with_name("trl_fields.json")).read_text())["trl_version"]
+    return _table()["trl_version"]
 
 
 def _sections() -> set[str]:
@@ -253,6 +257,8 @@ def translate(data: dict, whole: bool = True) -> Translation:
             else:
                 t.inert[key] = "checkpoint-<step> directories are written every save_steps"
         elif key == "log_completions" and isinstance(value, bool):
+            # TRL prints every completion when num_completions_to_print is unset; hpcrl prints 8 on
+            # the console and writes every one to completions.jsonl.
             count = flat.get("num_completions_to_print")
             _put(out, "logging.log_completions", (count or 8) if value else 0, key, t)
         elif key == "num_completions_to_print":

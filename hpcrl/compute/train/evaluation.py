@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from hpcrl.compute.inference.types import Generator, Sampling
 from hpcrl.compute.train import data as data_mod
-from hpcrl.compute.train.rewards import RewardFunction, RewardLog, as_completions, score_completions
+from hpcrl.compute.train.rewards import (RewardFunction, RewardLog, as_completions, reward_statistics,
+                                         reward_sums, score_completions)
 from hpcrl.job.recipe import GRPOConfig
 
 # TRL's logging_steps default: transformers evaluates every logging_steps when eval_steps is unset.
@@ -63,10 +64,9 @@ class Evaluator:
         real = len(rows)
         rows += [rows[0] if rows else 0] * (math.ceil(len(self.dataset) / self.num_trainers) - real)
         per_request = max(1, g.per_device_eval_batch_size // n)
-        weights = torch.tensor([rf.weight for rf in self.rewards])
-        f = len(self.rewards)
-        # sums: reward, reward^2, completions, tokens, truncated, then per function: sum and count
-        sums = torch.zeros(5 + 2 * f, dtype=torch.float64)
+        weights = [rf.weight for rf in self.rewards]
+        # reward_sums' partial sums, then completions, their tokens and the truncated ones
+        sums = torch.zeros(3 * (len(weights) + 1) + 3, dtype=torch.float64)
         for start in range(0, len(rows), per_request):
             idx = rows[start:start + per_request]
             batch = data_mod.make_batch(self.dataset, idx, self.tokenizer, **(g.chat_template_kwargs or {}))
@@ -79,28 +79,18 @@ class Evaluator:
                 log_extra=RewardLog().log_extra, log_metric=RewardLog().log_metric).double()
             kept = max(0, min(len(idx), real - start)) * n      # this request's rows that are no padding
             per_func, completions = per_func[:kept], completions[:kept]
-            total = (per_func * weights).nansum(dim=1)
-            sums[0] += total.sum()
-            sums[1] += (total ** 2).sum()
-            sums[2] += len(completions)
-            sums[3] += sum(len(c.token_ids) for c in completions)
-            sums[4] += sum(c.truncated for c in completions)
-            seen = ~torch.isnan(per_func)
-            sums[5::2] += torch.where(seen, per_func, 0.0).sum(dim=0)
-            sums[6::2] += seen.sum(dim=0)
+            sums += torch.tensor(reward_sums(per_func, weights) + [
+                len(completions), sum(len(c.token_ids) for c in completions), sum(c.truncated for c in completions)],
+                dtype=torch.float64)
         if self.num_trainers > 1:
             dist.all_reduce(sums, group=self.group)
         return summarize(sums.tolist(), [rf.name for rf in self.rewards])
 
 
 def summarize(sums: Sequence[float], names: Sequence[str]) -> dict[str, float]:
-    total, squares, count, tokens, truncated = sums[:5]
-    count = max(1.0, count)
-    mean = total / count
-    out = {"eval/reward": mean, "eval/reward_std": math.sqrt(max(0.0, squares / count - mean ** 2)),
-           "eval/completion_len_mean": tokens / count, "eval/truncated_frac": truncated / count,
-           "eval/completions": int(count)}
-    for i, name in enumerate(names):
-        s, c = sums[5 + 2 * i], sums[6 + 2 * i]
-        out[f"eval/rewards/{name}"] = s / c if c else math.nan
-    return out
+    """``eval/...`` metrics from Evaluator.run's totals: reward_sums', then completions, tokens and
+    truncated completions. The reward statistics are the ones training logs, under "eval/"."""
+    completions, tokens, truncated = sums[-3:]
+    count = max(1.0, completions)
+    return {**reward_statistics(sums[:-3], names, prefix="eval/"), "eval/completion_len_mean": tokens / count,
+            "eval/truncated_frac": truncated / count, "eval/completions": int(completions)}

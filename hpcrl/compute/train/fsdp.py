@@ -40,6 +40,7 @@ __all__ = [
     "apply_fsdp",
     "load_sharded_model",
     "load_policy_and_reference",
+    "frozen_dtype",
     "disable_dropout",
     "mix_into_reference",
     "local_param_bytes",
@@ -287,6 +288,13 @@ def load_sharded_model(
     return model
 
 
+def frozen_dtype(recipe: Recipe, compute_dtype: torch.dtype) -> torch.dtype:
+    """What a frozen model (the reference, a reward model) is stored in. No gradients, no optimizer:
+    model.dtype, by default the compute dtype (the forward of an fp32 copy cast at every all-gather,
+    in half the bytes); it computes in the compute dtype either way."""
+    return compute_dtype if recipe.model.dtype == "auto" else getattr(torch, recipe.model.dtype)
+
+
 def load_policy_and_reference(model_dir: str, mesh: DeviceMesh, device: torch.device, recipe: Recipe
                               ) -> tuple[nn.Module, Optional[nn.Module]]:
     """The trainable policy and (when ``recipe.grpo.beta > 0``) the frozen reference model.
@@ -312,9 +320,7 @@ def load_policy_and_reference(model_dir: str, mesh: DeviceMesh, device: torch.de
     _check_devices(policy, device, offload=False, what="policy")
     if grpo.beta <= 0:
         return policy, None
-    # No gradients, no optimizer: stored in model.dtype, by default in the compute dtype (the forward
-    # of an fp32 copy cast at every all-gather, in half the bytes); it computes in the compute dtype.
-    stored = param_dtype if recipe.model.dtype == "auto" else getattr(torch, recipe.model.dtype)
+    stored = frozen_dtype(recipe, param_dtype)
     reference = load_sharded_model(
         model_dir, mesh, device, dtype=stored, param_dtype=param_dtype, offload=bool(trainer.reference_offload),
         trust_remote_code=trust, load_timeout_s=load_timeout_s, attn_implementation=attention)

@@ -45,15 +45,16 @@ class RewardModel:
         return out
 
 
-def load_reward_model(path: str, mesh, device: torch.device, recipe: Recipe) -> RewardModel:
-    """``path`` sharded on ``mesh`` as the reference model is (every trainer calls this together)."""
+def load_reward_model(path: str, mesh, device: torch.device, recipe: Recipe, name: str | None = None) -> RewardModel:
+    """``path`` sharded on ``mesh`` as the reference model is (every trainer calls this together).
+    ``name``: what its metrics are called, as TRL names a reward model (the last part of the
+    directory or hub id the recipe gave); default: ``path``'s."""
     from transformers import AutoTokenizer
 
-    from hpcrl.compute.train.fsdp import load_sharded_model, mixed_precision_for
+    from hpcrl.compute.train.fsdp import frozen_dtype, load_sharded_model, mixed_precision_for
 
     param_dtype, _ = mixed_precision_for(torch.device(device).type, recipe.grpo.bf16)
-    stored = param_dtype if recipe.model.dtype == "auto" else getattr(torch, recipe.model.dtype)
-    model = load_sharded_model(path, mesh, device, dtype=stored, param_dtype=param_dtype,
+    model = load_sharded_model(path, mesh, device, dtype=frozen_dtype(recipe, param_dtype), param_dtype=param_dtype,
                                offload=bool(recipe.trainer.reference_offload),
                                trust_remote_code=recipe.model.trust_remote_code,
                                load_timeout_s=recipe.launch.model_load_timeout_s,
@@ -65,4 +66,4 @@ def load_reward_model(path: str, mesh, device: torch.device, recipe: Recipe) -> 
         tokenizer.pad_token = tokenizer.eos_token
     model.config.pad_token_id = tokenizer.pad_token_id
     return RewardModel(model, tokenizer, torch.device(device), recipe.grpo.per_device_train_batch_size,
-                       Path(path).name)
+                       name or Path(path).name)

@@ -223,6 +223,33 @@ def _to_tensor(rf: RewardFunction, values: Sequence[float | None], n: int) -> to
     return torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float32)
 
 
+def reward_sums(per_func: torch.Tensor, weights: Sequence[float]) -> list[float]:
+    """Additive partial sums of a batch's rewards ``[B, F]``, for :func:`reward_statistics` (sum
+    them over batches and ranks first): for the weighted total, then each function, the sum, the
+    sum of squares and the count of rows that have a value (None rewards are left out, as TRL's)."""
+    from hpcrl.compute.train.grpo import combine_rewards
+
+    total = combine_rewards(per_func, torch.tensor(list(weights), dtype=per_func.dtype))
+    sums = []
+    for column in [total] + [per_func[:, i] for i in range(per_func.shape[1])]:
+        ok = ~torch.isnan(column)
+        sums += [column[ok].sum().item(), (column[ok] ** 2).sum().item(), ok.sum().item()]
+    return sums
+
+
+def reward_statistics(sums: Sequence[float], names: Sequence[str], prefix: str = "") -> dict[str, float]:
+    """TRL's reward metrics from :func:`reward_sums`' totals: ``reward`` and ``reward_std`` of the
+    weighted total, ``rewards/<name>`` of each function, each under ``prefix`` ("eval/")."""
+    out = {}
+    for k, name in enumerate(["reward"] + [f"rewards/{n}" for n in names]):
+        s, sq, n = sums[3 * k:3 * k + 3]
+        mean = s / n if n else math.nan
+        out[prefix + name] = mean
+        if k == 0:
+            out[prefix + "reward_std"] = math.sqrt(max(0.0, sq / n - mean * mean)) if n else math.nan
+    return out
+
+
 def as_completions(prompts: list, texts: list[str]) -> list:
     """Decoded completions in the form TRL hands to reward functions: message lists when the prompts
     are conversational, plain strings otherwise."""

@@ -31,10 +31,10 @@ def resolve_model(path: str, run_dir: str | Path, seed: int = 0) -> str:
         size, warm = parse_demo_model(path)
         out = Path(run_dir) / (f"model-{size}" if warm else f"model-{size}-random")
         return str(make_tiny_model(out, size=size, seed=seed, warmup=DEMO_WARMUP if warm else None))
-    return _local_or_cached(path, "model.path")
+    return local_or_cached(path, "model.path")
 
 
-def _local_or_cached(path: str, where: str) -> str:
+def local_or_cached(path: str, where: str) -> str:
     """A local directory as it is; a hub id as its snapshot in the Hugging Face cache (compute nodes
     run offline: never downloaded here)."""
     if Path(path).is_dir():
@@ -51,7 +51,7 @@ def _local_or_cached(path: str, where: str) -> str:
 
 def tokenizer_dir(model: ModelConfig, model_dir: str) -> str:
     """model.tokenizer, else the model's directory."""
-    return _local_or_cached(model.tokenizer, "model.tokenizer") if model.tokenizer else model_dir
+    return local_or_cached(model.tokenizer, "model.tokenizer") if model.tokenizer else model_dir
 
 
 def load_tokenizer(model: ModelConfig, model_dir: str):

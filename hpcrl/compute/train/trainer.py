@@ -43,7 +43,7 @@ from hpcrl.compute.train import grpo
 from hpcrl.compute.train.evaluation import Evaluator, eval_due
 from hpcrl.compute.train.optim import build_optimizer, build_scheduler, clip_grad_norm, current_lr
 from hpcrl.compute.train.rewards import (RewardFunction, RewardLog, as_completions, load_reward_functions,
-                                         new_trainer_state, score_completions)
+                                         new_trainer_state, reward_statistics, reward_sums, score_completions)
 
 if TYPE_CHECKING:
     from hpcrl.compute.launch.context import LaunchContext
@@ -571,23 +571,10 @@ class Trainer:
     def _reward_stats(self, per_func: torch.Tensor, frac_zero_std: float) -> dict:
         """Mean/std over all trainers' completions, overall and per reward function, and the share
         of completions whose group's rewards were all alike (no learning signal), as TRL logs them."""
-        weights = torch.tensor([rf.weight for rf in self.rewards])
-        total = grpo.combine_rewards(per_func, weights)
-        cols = [total] + [per_func[:, i] for i in range(per_func.shape[1])]
-        sums = []
-        for c in cols:
-            ok = ~torch.isnan(c)
-            sums += [c[ok].sum().item(), (c[ok] ** 2).sum().item(), ok.sum().item()]
+        sums = reward_sums(per_func, [rf.weight for rf in self.rewards])
         sums += [frac_zero_std, 1.0]        # every rank scores as many completions: average over ranks
         sums = _global_sum(sums, self.setup.group)
-        out = {}
-        names = ["reward"] + [f"rewards/{rf.name}" for rf in self.rewards]
-        for k, name in enumerate(names):
-            s, sq, n = sums[3 * k:3 * k + 3]
-            mean = s / n if n else float("nan")
-            out[name] = mean
-            if k == 0:
-                out["reward_std"] = math.sqrt(max(0.0, sq / n - mean * mean)) if n else float("nan")
+        out = reward_statistics(sums[:-2], [rf.name for rf in self.rewards])
         out["frac_reward_zero_std"] = sums[-2] / sums[-1]
         return out
 
@@ -756,7 +743,8 @@ def run_trainer(ctx: LaunchContext) -> int:
     from hpcrl.compute.metrics import MetricsWriter
     from hpcrl.compute.train.fsdp import describe, load_policy_and_reference
     from hpcrl.compute.train.reward_model import load_reward_model
-    from hpcrl.compute.train.sources import load_dataset, load_eval_dataset, load_tokenizer, resolve_model
+    from hpcrl.compute.train.sources import (load_dataset, load_eval_dataset, load_tokenizer, local_or_cached,
+                                             resolve_model)
 
     recipe = ctx.spec.recipe
     threads = recipe.trainer.threads or max(1, len(ctx.task.cores))
@@ -773,7 +761,9 @@ def run_trainer(ctx: LaunchContext) -> int:
         ctx.log(describe(policy))
     writer = MetricsWriter(ctx.run_dir, 0, tensorboard=recipe.logging.tensorboard,
                            wandb=recipe.logging.wandb, run_name=recipe.name) if rank0 else None
-    reward_models = {i: load_reward_model(r.model, ctx.mesh, device, recipe)
+    # A reward model's hub id resolves to its cached snapshot, as model.path's does.
+    reward_models = {i: load_reward_model(local_or_cached(r.model, f"rewards[{i}].model"), ctx.mesh, device, recipe,
+                                          name=Path(r.model).name)
                      for i, r in enumerate(recipe.rewards) if r.model}
     generator = ServerGenerator(ctx, policy)
     setup = TrainerSetup(
