@@ -89,8 +89,10 @@ CASES = [
     ("inject-srun-option", "resources:\n  srun_options: ['$(id)']\n", TESTBED, "resources.srun_options"),
     ("inject-site-partition", None, [*TESTBED, "site.partition=x$(id)"], "partition/qos"),
     # TRL configurations (`trl grpo --config` YAML)
-    ("trl-not-implemented", "model_name_or_path: m\ndataset_name: d\nuse_peft: true\n", TESTBED,
-     "use_peft: LoRA is not supported yet"),
+    ("trl-not-implemented", "model_name_or_path: m\ndataset_name: d\nuse_peft: true\nlora_modules_to_save: [lm_head]\n",
+     TESTBED, "lora_modules_to_save: hpcrl's LoRA trains adapters on the target modules only"),
+    ("trl-dora", "model_name_or_path: m\ndataset_name: d\nuse_peft: true\nuse_dora: true\n", TESTBED,
+     "use_dora: hpcrl's LoRA is plain LoRA"),
     ("trl-no-dataset", "model_name_or_path: m\nlearning_rate: 1.0e-5\n", TESTBED, "dataset_name: required"),
     ("trl-set-twice", "model_name_or_path: m\ndataset_name: d\nbeta: 0.1\ngrpo: {beta: 0.2}\n", TESTBED,
      "beta: sets grpo.beta, which the recipe also sets"),
@@ -119,6 +121,15 @@ CASES = [
                                      "grpo.ref_model_mixup_alpha=1.5"], "grpo.ref_model_mixup_alpha: must be in (0, 1]"),
     ("output-dir-not-model", "checkpoint:\n  output_dir: /etc\n", TESTBED,
      "checkpoint.output_dir (TRL's output_dir): /etc holds files that are not a model"),
+    # LoRA (model.use_peft)
+    ("lora-rank", None, [*TESTBED, "model.use_peft=true", "model.lora_r=0"], "model.lora_r: the adapters' rank"),
+    ("lora-sync-ref-model", None, [*TESTBED, "model.use_peft=true", "grpo.beta=0.1", "grpo.sync_ref_model=true"],
+     "grpo.sync_ref_model: not with model.use_peft"),
+    ("lora-target-typo", None, [*TESTBED, "model.use_peft=true", "model.lora_target_modules=[q_proj,v_prj]"],
+     "model.lora_target_modules: 'v_prj' matches no module of demo:tiny (did you mean \"v_proj\"?); its linear "
+     "layers: down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj"),
+    ("lora-target-regex", None, [*TESTBED, "model.use_peft=true", "model.lora_target_modules=.*attn\\.qproj"],
+     'model.lora_target_modules: the regular expression ".*attn\\.qproj" matches no module path of demo:tiny'),
     # Model and data the job could not load (more in FILE_CASES below, with files made by the test)
     ("model-missing", None, [*TESTBED, "model.path=./no-such-model"], "model.path: ./no-such-model does not exist"),
     ("model-hub-not-cached", None, [*TESTBED, "model.path=no-such-org/no-such-model"],
@@ -195,6 +206,13 @@ FILE_CASES = [
      ["data.path={inputs}/d", "grpo.eval_strategy=steps"], "data.eval_split: no file in {inputs}/d is named for split 'test'"),
     ("reward-model-not-a-model", {"rm/README.md": "x"}, ["rewards=[{{model: {inputs}/rm}}]"],
      "rewards[0].model: {inputs}/rm is not a Hugging Face model directory"),
+    ("lora-target-not-in-weights", {"m/config.json": "{}", "m/tokenizer.json": "{}", "m/model.safetensors.index.json":
+                                    '{"weight_map": {"model.layers.0.self_attn.qkv_proj.weight": "a.safetensors", '
+                                    '"model.layers.0.mlp.down_proj.weight": "a.safetensors", '
+                                    '"model.norm.weight": "a.safetensors"}}'},
+     ["model.path={inputs}/m", "model.use_peft=true", "model.lora_target_modules=[q_proj,k_proj]"],
+     "model.lora_target_modules: 'q_proj', 'k_proj' match no module of {inputs}/m; its linear layers: down_proj, "
+     "lm_head, qkv_proj"),
     ("data-files-and-path", {"p.jsonl": '{"prompt": "1+1="}\n'},
      ["data.path={inputs}/p.jsonl", "data.data_files=[{inputs}/p.jsonl]"], "data.data_files: give data.path or"),
 ]

@@ -349,3 +349,108 @@ def test_a_reward_model_counts_like_the_reference(tmp_path):
     assert base_fit.trainer.parts["reward_models"] == 0
     shard = rm_fit.mesh.shard
     assert rm_fit.trainer.parts["reward_models"] == math.ceil(count_parameters(rm) * 2 / shard) > 0
+
+
+# ------------------------------------------------------------------------- LoRA (model.use_peft)
+LORA = ["model.use_peft=true"]
+
+
+def test_lora_adapters_count_r_times_in_plus_out(tmp_path):
+    """r x (in_features + out_features) per adapted linear layer, from config.json's shape; the
+    targets as peft matches them against model.layers.N.<self_attn|mlp>.<name>."""
+    from hpcrl.job.fit import LoraTargets
+
+    shape = ModelShape.from_config(QWEN_14B)
+    h, q, kv, inter, layers = 5120, 40 * 128, 8 * 128, 13824, 48
+    # None: peft's default for Qwen2/Llama, q_proj and v_proj.
+    assert LoraTargets.of(shape, None, 16).params == layers * 16 * ((h + q) + (h + kv)) == 12_582_912
+    every = (h + q) + 2 * (h + kv) + (q + h) + 2 * (h + inter) + (inter + h)
+    assert LoraTargets.of(shape, "all-linear", 8).params == layers * 8 * every
+    assert LoraTargets.of(shape, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+                          8).params == layers * 8 * every
+    assert LoraTargets.of(shape, ("mlp.down_proj", "o_proj"), 4).params == layers * 4 * ((inter + h) + (q + h))
+    # One string is a regular expression over whole paths: here the first two layers' q_proj only.
+    assert LoraTargets.of(shape, r"model\.layers\.[01]\.self_attn\.q_proj", 16).params == 2 * 16 * (h + q)
+    assert LoraTargets.of(shape, "q_proj", 16).params == 0           # a regex, not a name: matches no whole path
+    # A head_dim of its own (Qwen3-style: heads x head_dim != hidden).
+    own = ModelShape.from_config(dict(QWEN_1_5B, head_dim=256))
+    assert LoraTargets.of(own, ("q_proj",), 2).params == 28 * 2 * (1536 + 12 * 256)
+
+
+def test_lora_trainer_parts_by_hand(tmp_path):
+    """14B with LoRA on one Frontier node (7 trainers), beta 0.04, checkpointing: the frozen base
+    in bf16 sharded, the adapters' 16 B/param sharded, no reference, no base gradients."""
+    path = _model(tmp_path, "q14", QWEN_14B)
+    fit = estimate(_spec("frontier", 1, f"model.path={path}", "grpo.beta=0.04", "trainer.activation_checkpointing=true",
+                         *BATCH, *LORA))
+    p, layer, h, v = 14_769_689_600, 275_261_440, 5120, 152064
+    adapters_layer = 16 * ((h + 5120) + (h + 1024))                        # q_proj and v_proj, r 16
+    root = 2 * v * h + h
+    # Per token in a layer, against full fine-tuning's 223,392 B: the frozen linear layers keep no
+    # inputs (both norms' outputs, o_proj's and down_proj's: 2 x (5120 + 5120 + 5120 + 13824)); each
+    # adapter keeps its dropped input and mask (5120 x 3 B) and lora_A's output (16 x 2 B).
+    per_layer = 223_392 - 2 * (5120 + 5120 + 5120 + 13824) + 2 * (5120 * 3 + 16 * 2)
+    tokens = 8 * 2048
+    expected = {
+        "frozen_weights": math.ceil(p * 2 / 7),
+        "training_state": math.ceil(48 * adapters_layer * 16 / 7),
+        "reference": 0,
+        "reward_models": 0,
+        "gathered_layers": 2 * (layer + adapters_layer) * 2 + adapters_layer * 4 + root * 2,
+        "activations": tokens * (48 * h * 2 + per_layer + 6 * h),
+        "logits": 2 * 8 * 1025 * v * 2,
+        "logprob_chunk": 4 * 1024 * v * 4,
+        "overhead": 2 * GIB,
+    }
+    assert fit.trainer.parts == expected and fit.trainer.est_bytes == sum(expected.values())
+    assert fit.trainer.facts["lora_params"] == 48 * adapters_layer
+    assert "frozen weights 3.9, training state <0.1, gathered layers 3.9" in fit.trainer.verdict()
+    # model.dtype is what the frozen base is stored in, as the reference model's.
+    fp32 = estimate(_spec("frontier", 1, f"model.path={path}", "trainer.activation_checkpointing=true", *BATCH, *LORA,
+                          "model.dtype=float32"))
+    assert fp32.trainer.parts["frozen_weights"] == math.ceil(p * 4 / 7)
+
+
+def test_lora_is_well_below_full_fine_tuning_and_has_no_reference_copy(tmp_path):
+    path = _model(tmp_path, "q14", QWEN_14B)
+    args = [f"model.path={path}", "trainer.activation_checkpointing=true", *BATCH]
+    full = estimate(_spec("frontier", 1, *args, "grpo.beta=0.04")).trainer
+    lora = estimate(_spec("frontier", 1, *args, "grpo.beta=0.04", *LORA)).trainer
+    assert full.est_gb == 62.1 and lora.est_bytes < 0.5 * full.est_bytes
+    # The state: 31.4 + 3.9 GiB of fp32 weights, gradients, moments and a reference -> 3.9 GiB of bf16 weights.
+    assert lora.parts["frozen_weights"] + lora.parts["training_state"] < 0.13 * (
+        full.parts["training_state"] + full.parts["reference"])
+    # beta > 0 adds a reference copy to full fine-tuning, nothing to LoRA (the adapters switched off).
+    no_kl = estimate(_spec("frontier", 1, *args, "grpo.beta=0", *LORA)).trainer
+    assert lora.parts == no_kl.parts and lora.parts["reference"] == 0
+    assert estimate(_spec("frontier", 1, *args, "grpo.beta=0")).trainer.est_bytes < full.est_bytes
+    # all-linear adapts seven layers instead of two: more adapters, still far below.
+    wide = estimate(_spec("frontier", 1, *args, *LORA, "model.lora_target_modules=all-linear")).trainer
+    assert lora.parts["training_state"] < wide.parts["training_state"] and wide.est_bytes < 0.5 * full.est_bytes
+
+
+def test_lora_fixes_never_offload_the_reference(tmp_path):
+    """70B on one cuda node without checkpointing: LoRA has no reference to offload (the recipe
+    refuses trainer.reference_offload with model.use_peft), so no fix names it."""
+    path = _model(tmp_path, "l70", LLAMA_70B)
+    args = [f"model.path={path}", "grpo.beta=0.04", *BATCH]
+    assert any("reference_offload" in f for f in estimate(_spec("cuda", 1, *args)).trainer.fixes)
+    lora = estimate(_spec("cuda", 1, *args, *LORA)).trainer
+    assert lora.fits is False and lora.fixes and not any("reference_offload" in f for f in lora.fixes)
+    assert lora.fixes[0].startswith("trainer.activation_checkpointing=true")
+    # What the fix names fits: one node with the server on 4 GPUs, where full fine-tuning needs 9.
+    fixed = estimate(_spec("cuda", 1, *args, *LORA, "inference.gpus=4", "trainer.activation_checkpointing=true"))
+    assert fixed.fits is True
+
+
+def test_plan_json_carries_the_lora_estimate(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path = _model(tmp_path, "q14", QWEN_14B)
+    assert cli_main(["plan", "--site", "frontier", f"model.path={path}", "grpo.beta=0.04",
+                     "trainer.activation_checkpointing=true", *BATCH, *LORA, "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    rows = {t["role"]: t["est_memory_gb"] for t in shown["tasks"]}
+    assert rows["trainer"] == shown["memory"]["trainer"]["est_memory_gb"] < 30 and rows["server"] == 30.5
+    trainer = shown["memory"]["trainer"]
+    assert trainer["parts_gb"]["frozen_weights"] == 3.9 and trainer["parts_gb"]["reference"] == 0
+    assert trainer["lora_params"] == 12_582_912 and shown["fits"] is True

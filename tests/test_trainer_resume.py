@@ -49,8 +49,8 @@ def model_dir(tmp_path_factory) -> str:
     return str(make_tiny_model(tmp_path_factory.mktemp("models") / "tiny", size="tiny", seed=0))
 
 
-def _recipe(run_dir: str, every: int, mu: int, overlap: bool):
-    from hpcrl.job.recipe import CheckpointConfig, GRPOConfig, InferenceConfig, Recipe
+def _recipe(run_dir: str, every: int, mu: int, overlap: bool, lora: bool = False):
+    from hpcrl.job.recipe import CheckpointConfig, GRPOConfig, InferenceConfig, ModelConfig, Recipe
 
     grpo = GRPOConfig(
         learning_rate=5e-3, per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4,
@@ -59,7 +59,12 @@ def _recipe(run_dir: str, every: int, mu: int, overlap: bool):
         # Overlapped, the one-step lag is reweighted, with bounds other than the defaults.
         vllm_importance_sampling_correction=overlap, vllm_importance_sampling_mode="token_truncate",
         vllm_importance_sampling_clip_min=0.5, vllm_importance_sampling_clip_max=2.0)
-    return Recipe(grpo=grpo, checkpoint=CheckpointConfig(every=every, keep=2, dir=str(Path(run_dir) / "ckpt")),
+    # LoRA: the checkpoint holds the adapters and their optimizer state only; dropout on the
+    # adapters' inputs makes the restored RNG state matter too.
+    model = ModelConfig(use_peft=True, lora_r=4, lora_alpha=16, lora_dropout=0.1,
+                        lora_target_modules="all-linear") if lora else ModelConfig()
+    return Recipe(model=model, grpo=grpo,
+                  checkpoint=CheckpointConfig(every=every, keep=2, dir=str(Path(run_dir) / "ckpt")),
                   inference=InferenceConfig(overlap_generation=overlap))
 
 
@@ -96,7 +101,7 @@ def record_metrics(rank: int, metrics_path, die_after: int | None):
     return on_metrics
 
 
-def _w_run(rank, world, model_dir, run_dir, metrics_path, every, mu, overlap, die_after, seed):
+def _w_run(rank, world, model_dir, run_dir, metrics_path, every, mu, overlap, die_after, seed, lora=False):
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoTokenizer
@@ -109,7 +114,7 @@ def _w_run(rank, world, model_dir, run_dir, metrics_path, every, mu, overlap, di
     from hpcrl.compute.train.trainer import Trainer, TrainerSetup
 
     torch.manual_seed(seed + rank)
-    recipe = _recipe(run_dir, every, mu, overlap)
+    recipe = _recipe(run_dir, every, mu, overlap, lora)
     ckpt.control_group(60)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
     policy, reference = load_policy_and_reference(model_dir, mesh, torch.device("cpu"), recipe)
@@ -146,19 +151,29 @@ def _differences(a: dict, b: dict) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("mu,overlap", [(1, False), (2, False), (1, True)], ids=["mu1", "mu2", "mu1-overlap"])
-def test_killed_and_resumed_run_repeats_the_uninterrupted_one(tmp_path, model_dir, mu, overlap):
+@pytest.mark.parametrize("mu,overlap,lora", [(1, False, False), (2, False, False), (1, True, False), (2, False, True)],
+                         ids=["mu1", "mu2", "mu1-overlap", "mu2-lora"])
+def test_killed_and_resumed_run_repeats_the_uninterrupted_one(tmp_path, model_dir, mu, overlap, lora):
     runs = {name: tmp_path / name for name in ("whole", "killed")}
     for d in runs.values():
         d.mkdir()
     whole, first, second = tmp_path / "whole.jsonl", tmp_path / "first.jsonl", tmp_path / "second.jsonl"
 
-    spawn(_w_run, tmp_path / "a", model_dir, str(runs["whole"]), str(whole), 0, mu, overlap, None, 100, timeout=300)
-    spawn(_w_run, tmp_path / "b", model_dir, str(runs["killed"]), str(first), K, mu, overlap, K, 100, timeout=300,
-          expect={0: -signal.SIGKILL, 1: -signal.SIGKILL})
+    spawn(_w_run, tmp_path / "a", model_dir, str(runs["whole"]), str(whole), 0, mu, overlap, None, 100, lora,
+          timeout=300)
+    spawn(_w_run, tmp_path / "b", model_dir, str(runs["killed"]), str(first), K, mu, overlap, K, 100, lora,
+          timeout=300, expect={0: -signal.SIGKILL, 1: -signal.SIGKILL})
     ckpt_dir = runs["killed"] / "ckpt"
     assert (ckpt_dir / "latest").read_text().strip() == f"step-{K}"
-    spawn(_w_run, tmp_path / "c", model_dir, str(runs["killed"]), str(second), K, mu, overlap, None, 555, timeout=300)
+    if lora:        # the adapters and their optimizer state, not the frozen base
+        import torch.distributed.checkpoint as dcp
+
+        stored = dcp.FileSystemReader(str(ckpt_dir / f"step-{K}")).read_metadata().state_dict_metadata
+        model_keys = [k for k in stored if k.startswith("model.")]
+        assert model_keys and all(".lora_A." in k or ".lora_B." in k for k in model_keys), model_keys[:5]
+        assert all(".lora_" in k for k in stored if k.startswith("optim.state."))
+    spawn(_w_run, tmp_path / "c", model_dir, str(runs["killed"]), str(second), K, mu, overlap, None, 555, lora,
+          timeout=300)
 
     a, b, c = _read(whole), _read(first), _read(second)
     assert sorted(a) == list(range(1, N_STEPS + 1))

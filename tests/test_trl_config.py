@@ -95,7 +95,8 @@ def test_a_trl_config_translates(trl_yaml, tmp_path):
     assert r.logging.tensorboard is True and r.inference.engine == "transformers"
     assert r.checkpoint.output_dir == str(tmp_path / "out" / "grpo")
     assert t.moved["output_dir"] == "checkpoint.output_dir" and t.moved["beta"] == "grpo.beta"
-    assert set(t.inert) >= {"logging_steps", "use_vllm", "vllm_mode", "save_strategy", "lora_r", "use_peft"}
+    assert set(t.inert) >= {"logging_steps", "use_vllm", "vllm_mode", "save_strategy", "lora_r"}
+    assert t.moved["use_peft"] == "model.use_peft" and r.model.use_peft is False      # lora_r: 8 changes nothing
     assert t.moved["optim"] == "grpo.optim" and g.optim == "adamw_torch"
     assert t.moved["eval_strategy"] == "grpo.eval_strategy" and r.grpo.per_device_eval_batch_size == 4
 
@@ -115,6 +116,77 @@ def test_every_unimplemented_key_is_named_in_one_error(trl_yaml):
         assert name in text, text
     # No hint to a field of another meaning (save_steps used to suggest max_steps).
     assert "did you mean" not in text.split("use_liger_kernel")[1].splitlines()[0]
+
+
+LORA_YAML = """\
+model_name_or_path: demo:tiny
+dataset_name: train.jsonl
+use_peft: true
+lora_r: 8
+lora_alpha: 16
+lora_dropout: 0.0
+lora_target_modules: [q_proj, v_proj]
+use_rslora: true
+lora_task_type: CAUSAL_LM
+use_dora: false
+"""
+
+
+def test_trls_lora_keys_land_on_the_model_section(trl_yaml):
+    trl_yaml.write_text(LORA_YAML)
+    resolved = compose.build_recipe(str(trl_yaml))
+    m, t = resolved.recipe.model, resolved.trl
+    assert (m.use_peft, m.lora_r, m.lora_alpha, m.lora_dropout, m.use_rslora, m.lora_task_type) == \
+        (True, 8, 16, 0.0, True, "CAUSAL_LM")
+    assert m.lora_target_modules == ("q_proj", "v_proj")          # YAML's list, as the recipe holds it
+    for key in ("use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "use_rslora",
+                "lora_task_type"):
+        assert t.moved[key] == f"model.{key}"
+    assert t.inert["use_dora"] == "TRL's default"
+    # One string stays one: "all-linear", or a regular expression over module paths.
+    trl_yaml.write_text(LORA_YAML.replace("[q_proj, v_proj]", "all-linear"))
+    assert compose.build_recipe(str(trl_yaml)).recipe.model.lora_target_modules == "all-linear"
+    # key=value overrides over a configuration that switches LoRA on are not dropped (use_peft is
+    # the configuration's, not the overrides').
+    over = compose.build_recipe(str(trl_yaml), ["lora_r=4", "lora_target_modules=[q_proj]"]).recipe.model
+    assert over.lora_r == 4 and over.lora_target_modules == ("q_proj",)
+    # hpcrl's own model section may switch LoRA on beside TRL's flat keys.
+    trl_yaml.write_text(LORA_YAML.replace("use_peft: true\n", "model: {use_peft: true}\n"))
+    assert compose.build_recipe(str(trl_yaml)).recipe.model.lora_r == 8
+
+
+def test_lora_keys_are_inert_without_use_peft(trl_yaml):
+    trl_yaml.write_text(LORA_YAML.replace("use_peft: true", "use_peft: false")
+                        + "lora_modules_to_save: [lm_head]\nuse_dora: true\n")
+    resolved = compose.build_recipe(str(trl_yaml))
+    m, t = resolved.recipe.model, resolved.trl
+    assert m.use_peft is False and m.lora_r == 16 and m.lora_target_modules is None
+    for key in ("lora_r", "lora_target_modules", "lora_modules_to_save", "use_dora"):
+        assert t.inert[key] == "TRL uses it only with use_peft", key
+    # use_peft left out is TRL's default, false, too.
+    trl_yaml.write_text(LORA_YAML.replace("use_peft: true\n", ""))
+    assert compose.build_recipe(str(trl_yaml)).trl.inert["lora_r"] == "TRL uses it only with use_peft"
+
+
+def test_lora_keys_hpcrl_does_not_implement_are_named(trl_yaml):
+    trl_yaml.write_text(LORA_YAML + "lora_modules_to_save: [lm_head]\n")
+    with pytest.raises(UserError) as e:
+        compose.build_recipe(str(trl_yaml))
+    lines = str(e.value).splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        "lora_modules_to_save: hpcrl's LoRA trains adapters on the target modules only"), lines
+    trl_yaml.write_text(LORA_YAML.replace("use_dora: false", "use_dora: true") + "lora_target_parameters: [w]\n")
+    with pytest.raises(UserError) as e:
+        compose.build_recipe(str(trl_yaml))
+    text = str(e.value)
+    assert "use_dora: hpcrl's LoRA is plain LoRA" in text
+    assert "lora_target_parameters: hpcrl's LoRA adapts modules" in text
+    assert "use_peft" not in trl_config.NOT_IMPLEMENTED
+    # As key=value over a configuration that switches LoRA on: named too, not taken as inert.
+    trl_yaml.write_text(LORA_YAML)
+    with pytest.raises(UserError) as e:
+        compose.build_recipe(str(trl_yaml), ["use_dora=true"])
+    assert str(e.value).startswith("use_dora: hpcrl's LoRA is plain LoRA")
 
 
 def test_a_key_at_trls_default_is_accepted(trl_yaml):

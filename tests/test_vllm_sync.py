@@ -437,6 +437,38 @@ def test_checkpoint_route_reloads_the_same_weights(side, fresh, tmp_path):
     assert _jsonable(engine_outputs(side.llm)) == fresh
 
 
+def test_lora_merged_weights_then_only_the_adapted_blocks(side, tmp_path):
+    """LoRA (hpcrl.compute.train.lora): a first sync of every weight with the adapted ones merged,
+    then, the adapters trained further, a sync of only the blocks they sit in
+    (gather.changing_params): vLLM reloads its fused qkv_proj from q, k and v whole, keeps every
+    other layer, and serves what a fresh engine serves from the merged model."""
+    if not side.tied:
+        pytest.skip("the embedding kind does not matter to which layers move")
+    from transformers import AutoModelForCausalLM
+
+    from hpcrl.compute.sync.gather import changing_params, iter_buckets, iter_full_tensors, sync_named_params
+    from hpcrl.compute.train.lora import add_adapters
+    from hpcrl.job.recipe import ModelConfig
+
+    model = add_adapters(copy.deepcopy(side.model), ModelConfig(
+        use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_target_modules=("q_proj", "v_proj")))
+    train_steps(model, seed=3)
+    entries = sync_named_params(model)
+    side.sender.close()
+    side.sender = side.new_sender(side.client)
+    side.sender.send(iter_buckets(entries, BUCKET, cast_to=torch.bfloat16), version="lora-1")
+    train_steps(model, seed=4)
+    moving = changing_params(entries)
+    assert 0 < len(moving) < len(entries) and all(".self_attn." in n for n, _ in moving)
+    side.sender.send(iter_buckets(moving, BUCKET, cast_to=torch.bfloat16), version="lora-2")
+    assert side.receiver.consistent and side.receiver.version == "lora-2"
+
+    merged = AutoModelForCausalLM.from_pretrained(side.model_dir, dtype=torch.float32)
+    merged.load_state_dict(dict(iter_full_tensors(sync_named_params(model))), strict=False)
+    want = fresh_engine_outputs(save_like_checkpoint(merged, side.model_dir, tmp_path / "merged"))
+    assert _jsonable(engine_outputs(side.llm)) == want
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--fresh"]:
         fresh_engine_main(sys.argv[2])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 from hpcrl.job.config import closest
 from hpcrl.job.errors import UserError
@@ -45,11 +45,47 @@ class ModelConfig:
     # The trainers' and the transformers engine's attention ("eager", "sdpa", "flash_attention_2",
     # ...; "" = transformers' choice). vLLM picks its own attention backend.
     attn_implementation: str = ""
+    # LoRA, with the names and defaults of TRL's ModelConfig (hpcrl.compute.train.lora): adapters
+    # B A on the target modules train in fp32 while the base weights stay frozen in the training
+    # dtype; the reference model is the base (the adapters switched off), and the engines get the
+    # merged weights W + lora_alpha / lora_r * B A (lora_alpha / sqrt(lora_r) with use_rslora).
+    use_peft: bool = False
+    lora_r: int = 16
+    lora_alpha: float = 32
+    lora_dropout: float = 0.05
+    # Module names (a name matches a module whose path ends with it, e.g. "q_proj"), "all-linear"
+    # (every linear layer but the output head), or one regular expression over module paths;
+    # None = peft's choice for the architecture (q_proj and v_proj for Llama and Qwen).
+    lora_target_modules: Union[str, tuple[str, ...], None] = None
+    lora_task_type: str = "CAUSAL_LM"
+    use_rslora: bool = False
 
     def validate(self, where: str) -> None:
         if self.attn_implementation and not re.fullmatch(r"[\w./:-]+", self.attn_implementation):
             raise UserError(f"{where}.attn_implementation: {self.attn_implementation!r} is not an attention "
                             f"implementation's name (eager, sdpa, flash_attention_2, ...)")
+        if not self.use_peft:
+            return
+        if self.lora_r <= 0:
+            raise UserError(f"{where}.lora_r: the adapters' rank must be a positive integer, got {self.lora_r}")
+        if self.lora_alpha <= 0:
+            raise UserError(f"{where}.lora_alpha: must be positive, got {self.lora_alpha}")
+        if not 0 <= self.lora_dropout < 1:
+            raise UserError(f"{where}.lora_dropout: must be in [0, 1), got {self.lora_dropout}")
+        if self.lora_task_type != "CAUSAL_LM":
+            raise UserError(f"{where}.lora_task_type: hpcrl trains causal language models: \"CAUSAL_LM\" "
+                            f"(got {self.lora_task_type!r})")
+        targets = self.lora_target_modules
+        if targets is not None:
+            names = [targets] if isinstance(targets, str) else list(targets)
+            if not names or any(not isinstance(n, str) or not n.strip() for n in names):
+                raise UserError(f"{where}.lora_target_modules: module names, \"all-linear\" or one regular "
+                                f"expression, got {targets!r}")
+            if isinstance(targets, str) and targets != "all-linear":
+                try:
+                    re.compile(targets)
+                except re.error as e:
+                    raise UserError(f"{where}.lora_target_modules: {targets!r} is not a regular expression: {e}")
 
 
 def engine_dtype(inference_dtype: str, model_dtype: str) -> str:
@@ -424,6 +460,9 @@ class CheckpointConfig:
     # The largest safetensors file of a Hugging Face model directory the run writes (<run_dir>/model,
     # grpo.save_steps, `hpcrl export`), in GB of 10^9 bytes as Hugging Face's max_shard_size="5GB".
     model_max_shard_size_gb: float = 5.0
+    # With model.use_peft the model directories are peft adapter directories; this also writes the
+    # merged model (base + adapters, a plain Hugging Face model) into <model directory>/merged.
+    save_merged_model: bool = False
 
     def validate(self, where: str) -> None:
         if self.every < 0:
@@ -503,3 +542,15 @@ class Recipe:
     def validate(self, where: str) -> None:
         if not self.rewards:
             raise UserError("rewards: at least one reward function is required")
+        if self.checkpoint.save_merged_model and not self.model.use_peft:
+            raise UserError("checkpoint.save_merged_model: only with model.use_peft (without LoRA the model "
+                            "directory is the whole model already)")
+        if self.model.use_peft:
+            # With LoRA the reference model is the policy with its adapters switched off: there is
+            # no second copy of the weights to mix into, or to keep on the host.
+            if self.grpo.sync_ref_model:
+                raise UserError("grpo.sync_ref_model: not with model.use_peft (the reference model is the frozen "
+                                "weights themselves, with the adapters switched off)")
+            if self.trainer.reference_offload:
+                raise UserError("trainer.reference_offload: not with model.use_peft (the reference model is the "
+                                "policy's own base weights, there is no copy to offload)")

@@ -72,8 +72,9 @@ def model_checkpoint_steps(final: str | os.PathLike) -> list[int]:
 
 
 def is_model_dir(path: str | os.PathLike) -> bool:
-    """A complete model directory: it is renamed into place only once its config.json is written."""
-    return (Path(path) / "config.json").is_file()
+    """A complete model directory: it is renamed into place only once its config.json is written
+    (a LoRA run's: a peft adapter directory, adapter_config.json)."""
+    return (Path(path) / "config.json").is_file() or (Path(path) / "adapter_config.json").is_file()
 
 
 def training_checkpoint(checkpoints_dir: str | os.PathLike, step: int) -> Path | None:

@@ -31,6 +31,9 @@ RENAMED = {
     "dtype": "model.dtype",
     "trust_remote_code": "model.trust_remote_code",
     "attn_implementation": "model.attn_implementation",
+    # TRL's ModelConfig LoRA fields: model.<same name> (hpcrl.job.recipe.ModelConfig).
+    **{name: f"model.{name}" for name in ("use_peft", "lora_r", "lora_alpha", "lora_dropout",
+                                          "lora_target_modules", "lora_task_type", "use_rslora")},
     "dataset_name": "data.path",
     "dataset_train_split": "data.split",
     "dataset_config": "data.config",
@@ -88,7 +91,11 @@ _ONLY_WITH = {
 }
 # What to do instead, for TRL keys hpcrl does not implement.
 NOT_IMPLEMENTED = {
-    "use_peft": "LoRA is not supported yet: hpcrl trains every weight",
+    "lora_modules_to_save": "hpcrl's LoRA trains adapters on the target modules only: modules_to_save (fully "
+                            "trained modules beside the adapters) is not supported yet",
+    "use_dora": "hpcrl's LoRA is plain LoRA: DoRA is not supported yet",
+    "lora_target_parameters": "hpcrl's LoRA adapts modules: name them in lora_target_modules (adapters on "
+                              "parameters, as for mixture-of-experts weights, are not supported yet)",
     "load_in_4bit": "quantized training is not supported", "load_in_8bit": "quantized training is not supported",
     "deepspeed": "hpcrl shards the model with FSDP2 itself (the trainer: section)",
     "fsdp": "hpcrl shards the model with FSDP2 itself (trainer.mesh)",
@@ -103,7 +110,6 @@ NOT_IMPLEMENTED = {
     "model_init_kwargs": "not supported yet: set model.dtype and model.trust_remote_code",
     "log_completions": "set logging.log_completions to the number of completions to print",
     "report_to": 'hpcrl reports to "wandb" (offline) and "tensorboard"',
-    **{name: "LoRA is not supported yet: hpcrl trains every weight" for name in _LORA},
 }
 _REPORTERS = {"wandb": "logging.wandb", "tensorboard": "logging.tensorboard"}
 
@@ -228,6 +234,24 @@ def _report_to(value: Any, t: Translation, out: dict) -> None:
         _put(out, _REPORTERS[name], True, "report_to", t)
 
 
+_UNKNOWN = object()
+
+
+def _switch_value(switch: str, flat: dict, out: dict, whole: bool) -> Any:
+    """An _ONLY_WITH switch's value: its TRL key, else the recipe field it maps to (a recipe's
+    `model: {use_peft: true}` beside flat lora_r), else TRL's default in a whole configuration;
+    _UNKNOWN in key=value overrides that do not set it (the configuration underneath does)."""
+    if switch in flat:
+        return flat[switch]
+    dotted = RENAMED.get(switch) or (f"grpo.{switch}" if switch in _grpo_fields() else "")
+    node: Any = out
+    for part in dotted.split(".") if dotted else ():
+        node = node.get(part, _UNKNOWN) if isinstance(node, dict) else _UNKNOWN
+    if dotted and node is not _UNKNOWN:
+        return node
+    return trl_fields()[switch] if whole else _UNKNOWN
+
+
 def translate(data: dict, whole: bool = True) -> Translation:
     """A recipe mapping that may hold TRL's keys -> hpcrl's sections, and what could not move.
     `whole`: a whole configuration (not key=value overrides), which must name a model and data."""
@@ -235,8 +259,18 @@ def translate(data: dict, whole: bool = True) -> Translation:
     out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items() if k in sections}
     t = Translation(out)
     flat = {k: v for k, v in data.items() if k not in sections}
-    switched_off = {name for switch, (off, names) in _ONLY_WITH.items()
-                    if _same(flat.get(switch, fields[switch]), off) for name in names}
+    # Keys whose switch is off (`off`), and those whose switch key=value overrides leave to the
+    # configuration underneath (`unsure`): such a key still moves where it has a recipe field
+    # (lora_r=8 over a configuration with use_peft: true), is named where hpcrl says it is not
+    # implemented (use_dora=true), and is otherwise inert.
+    off: dict[str, str] = {}
+    unsure: dict[str, str] = {}
+    for switch, (off_value, names) in _ONLY_WITH.items():
+        value = _switch_value(switch, flat, out, whole)
+        if value is _UNKNOWN:
+            unsure.update(dict.fromkeys(names, switch))
+        elif _same(value, off_value):
+            off.update(dict.fromkeys(names, switch))
     _rewards(flat, t, out)
     for key, value in flat.items():
         if key in ("reward_funcs", "reward_weights", "reward_model_name_or_path"):
@@ -247,6 +281,8 @@ def translate(data: dict, whole: bool = True) -> Translation:
                               f"{trl_version()}) nor a recipe section ({', '.join(sorted(sections))})")
         elif key in grpo_fields:
             _put(out, f"grpo.{key}", value, key, t)
+        elif key in off:
+            t.inert[key] = f"TRL uses it only with {off[key]}"
         elif key in RENAMED:
             _put(out, RENAMED[key], value, key, t)
         elif key == "report_to":
@@ -265,8 +301,8 @@ def translate(data: dict, whole: bool = True) -> Translation:
             t.inert[key] = "the number of completions log_completions prints"
         elif key in INERT:
             t.inert[key] = INERT[key]
-        elif key in switched_off:
-            t.inert[key] = "TRL uses it only with " + next(s for s, (_, names) in _ONLY_WITH.items() if key in names)
+        elif key in unsure and key not in NOT_IMPLEMENTED:
+            t.inert[key] = f"TRL uses it only with {unsure[key]}"
         elif _same(value, fields[key]):
             t.inert[key] = "TRL's default"
         else:

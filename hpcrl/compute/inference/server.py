@@ -35,6 +35,12 @@ def make_engine(ctx: LaunchContext, model_dir: str):
         raise RuntimeError("inference.engine: vllm is not installed in this environment; "
                            "install a vLLM build for this site or use inference.engine=transformers")
     if use_vllm:
+        if model.use_peft:
+            # The engine's workers (spawned processes) inherit it: only adapted layers move after
+            # the first sync, and the others' "Failed to load weights" is the intent.
+            from hpcrl.compute.sync.reload import PARTIAL_SYNCS_ENV
+
+            os.environ[PARTIAL_SYNCS_ENV] = "1"
         return VLLMEngine(model_dir, inf, model, device=ctx.device, cores=ctx.task.cores,
                           seed=ctx.spec.recipe.grpo.seed, backend=default_backend(ctx.device))
     from hpcrl.compute.inference.hf_engine import TransformersEngine

@@ -109,7 +109,9 @@ class SenderSetup:
     parameter list and the channel client made. Each transport reads the fields it needs."""
 
     model: Any                      # the trainer's (sharded) torch module
-    params: list                    # gather.sync_named_params(model): what a sync sends, in order
+    # gather.sync_named_params(model): what a sync sends, in order. The same list object all along:
+    # TrainerWeightSync narrows it to gather.changing_params after the first sync (LoRA).
+    params: list
     client: Any                     # NotifyClient to the server; None on the trainers that do not send
     is_sender: bool
     bucket_bytes: int

@@ -18,6 +18,11 @@ torn weights, a sender out of memory):
 
 Names are mapped to Hugging Face checkpoint names, which is what vLLM's ``model.load_weights``
 takes: wrapper prefixes are stripped and a tied ``lm_head.weight`` is skipped, as HF checkpoints do.
+
+A model with LoRA adapters (hpcrl.compute.train.lora) is sent as the model it stands for: each
+adapted linear layer is ONE entry, ``MergedWeight``, gathered as its base weight, lora_A and lora_B
+and merged there (W + scale * B A), one layer at a time inside the bucketing, so no merged copy of
+the whole model ever exists. The adapters themselves are never sent.
 """
 
 from __future__ import annotations
@@ -33,10 +38,12 @@ import torch
 __all__ = [
     "WRAPPER_PREFIXES",
     "ParamSpec",
+    "MergedWeight",
     "GatherTraffic",
     "LiveBytes",
     "hf_name",
     "sync_named_params",
+    "changing_params",
     "param_specs",
     "full_tensor",
     "iter_full_tensors",
@@ -72,23 +79,75 @@ def hf_name(name: str) -> str:
     return _WRAPPER_RE.sub("", name)
 
 
-def sync_named_params(model: torch.nn.Module, tie_word_embeddings: bool | None = None) -> list[tuple[str, torch.nn.Parameter]]:
+class MergedWeight:
+    """The weight an engine serves for a LoRA layer: ``base + scale * lora_B @ lora_A``, known by
+    its shape and dtype (the base weight's) without gathering, like a parameter. :func:`full_tensor`
+    gathers the three (every rank of the mesh, in this order) and merges them in fp32."""
+
+    def __init__(self, base: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float) -> None:
+        self.base, self.lora_a, self.lora_b, self.scale = base, lora_a, lora_b, float(scale)
+        self.shape, self.dtype = base.shape, base.dtype
+        self.requires_grad = True           # it changes whenever the adapters train
+
+    def numel(self) -> int:
+        return self.base.numel()
+
+    @torch.no_grad()
+    def merge(self, wire: torch.dtype, tracker: LiveBytes | None, traffic: GatherTraffic | None) -> torch.Tensor:
+        base = full_tensor(self.base, wire, tracker, traffic)
+        a = full_tensor(self.lora_a, torch.float32, tracker, traffic)
+        b = full_tensor(self.lora_b, torch.float32, tracker, traffic)
+        merged = torch.addmm(base.float(), b, a, alpha=self.scale).to(wire)
+        del base, a, b
+        return tracker.track(merged) if tracker is not None else merged
+
+
+def _lora_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The LoRA layers of ``model`` by module path: peft's layers keep the original module as
+    ``base_layer`` and the active adapter's matrices in ``lora_A``/``lora_B`` (the adapter "default")."""
+    return {name: m for name, m in model.named_modules()
+            if isinstance(getattr(m, "base_layer", None), torch.nn.Module) and "default" in getattr(m, "lora_A", {})}
+
+
+def sync_named_params(model: torch.nn.Module, tie_word_embeddings: bool | None = None) -> list[tuple[str, torch.Tensor]]:
     """``(hf_name, param)`` for every parameter a sync sends, in ``named_parameters()`` order.
 
     A tied ``lm_head.weight`` is left out (HF checkpoints leave it out; vLLM ties it itself).
     ``tie_word_embeddings`` defaults to ``model.config.tie_word_embeddings`` when there is one.
-    ``named_parameters()`` already drops a second name for the same tensor object.
+    ``named_parameters()`` already drops a second name for the same tensor object. A LoRA layer's
+    weight is a ``MergedWeight`` under the base layer's name, in the base weight's place; its
+    adapters are not sent, and its other parameters (a bias) keep the base layer's names.
     """
     if tie_word_embeddings is None:
         config = getattr(model, "config", None)
         tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+    lora = _lora_layers(model)
+    merged = {f"{path}.base_layer.weight": MergedWeight(m.base_layer.weight, m.lora_A["default"].weight,
+                                                        m.lora_B["default"].weight, m.scaling["default"])
+              for path, m in lora.items()}
+    adapters = tuple(f"{path}.lora_" for path in lora)
     out = []
     for name, param in model.named_parameters():
-        name = hf_name(name)
+        if name.startswith(adapters):
+            continue
+        param = merged.get(name, param)
+        name = hf_name(name.replace(".base_layer.", "."))
         if tie_word_embeddings and name == "lm_head.weight":
             continue
         out.append((name, param))
     return out
+
+
+def changing_params(named_params: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """Of a sync's entries, those a later sync must send again when only some weights train (LoRA):
+    every entry of a module whose parent also holds a trained one. Siblings go too because engines
+    fuse them (vLLM's qkv_proj holds q_proj, k_proj and v_proj, weights and biases) and reload a
+    fused layer only from all of its parts: a layer given some of them would keep garbage in the
+    rest. With every weight trained this is every entry."""
+    def parent(name: str) -> str:
+        return name.rsplit(".", 2)[0] if name.count(".") >= 2 else ""
+    trained = {parent(name) for name, p in named_params if p.requires_grad}
+    return [(name, p) for name, p in named_params if parent(name) in trained]
 
 
 def param_specs(named_params: Iterable[tuple[str, torch.Tensor]], cast_to: torch.dtype | None = None) -> list[ParamSpec]:
@@ -179,6 +238,8 @@ def full_tensor(param: torch.Tensor, cast_to: torch.dtype | None = None, tracker
     collective: every rank of its mesh must call it, in the same order, with the same ``cast_to``),
     the tensor itself otherwise (no copy unless cast)."""
     wire = _wire_dtype(param.dtype, cast_to)
+    if isinstance(param, MergedWeight):
+        return param.merge(wire, tracker, traffic)
     if traffic is not None:
         traffic.count(param, wire)
     if callable(getattr(param, "full_tensor", None)):

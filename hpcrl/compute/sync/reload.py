@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from typing import Any
 
 import torch
 
-__all__ = ["abort_layerwise_reload", "refresh_tied_weights", "drop_expected_reload_warnings"]
+__all__ = ["PARTIAL_SYNCS_ENV", "abort_layerwise_reload", "refresh_tied_weights", "drop_expected_reload_warnings"]
 
 _LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 
@@ -31,23 +32,32 @@ def _quiet_layerwise():
         log.setLevel(level)
 
 
+# Set (to "1") in the server's environment when the trainers send only the layers that change after
+# the first sync (LoRA): every other layer then gets no weights in a sync, as intended.
+PARTIAL_SYNCS_ENV = "HPCRL_PARTIAL_SYNCS"
+
+
 class _ExpectedReloadWarnings(logging.Filter):
     """Drops layerwise reload's "Failed to load weights" for layers that never get checkpoint
-    weights: rotary embeddings (computed caches) and a tied lm_head (it is the embedding)."""
+    weights: rotary embeddings (computed caches) and a tied lm_head (it is the embedding); with
+    partial syncs, for every layer (those left out keep their weights, which is the point)."""
 
-    def __init__(self, tied: bool) -> None:
+    def __init__(self, tied: bool, partial: bool = False) -> None:
         super().__init__()
         self.layers = ("RotaryEmbedding", "ParallelLMHead") if tied else ("RotaryEmbedding",)
+        self.partial = partial
 
     def filter(self, record: logging.LogRecord) -> bool:
         msg = record.getMessage()
-        return not (msg.endswith("Failed to load weights") and msg.split(":")[0] in self.layers)
+        return not (msg.endswith("Failed to load weights") and (self.partial or msg.split(":")[0] in self.layers))
 
 
 def drop_expected_reload_warnings(tied: bool) -> None:
     """Silence layerwise reload's warnings about layers that never get weights in a sync
-    (``tied``: the model ties its lm_head to the embedding)."""
-    logging.getLogger(_LAYERWISE_LOGGER).addFilter(_ExpectedReloadWarnings(tied))
+    (``tied``: the model ties its lm_head to the embedding; PARTIAL_SYNCS_ENV: syncs after the
+    first carry only the layers that train)."""
+    partial = os.environ.get(PARTIAL_SYNCS_ENV) == "1"
+    logging.getLogger(_LAYERWISE_LOGGER).addFilter(_ExpectedReloadWarnings(tied, partial))
 
 
 def abort_layerwise_reload(model: torch.nn.Module, model_config: Any) -> None:

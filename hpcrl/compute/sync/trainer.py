@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from hpcrl.compute.sync.api import BACKENDS, TRANSPORTS, Notify, SenderSetup, SenderTransport, SyncError
-from hpcrl.compute.sync.gather import GatherTraffic, sync_named_params
+from hpcrl.compute.sync.gather import GatherTraffic, changing_params, sync_named_params
 from hpcrl.compute.sync.notify import NotifyClient
 
 __all__ = ["TrainerWeightSync", "transport_class", "WIRE_DTYPES"]
@@ -71,6 +71,10 @@ class TrainerWeightSync:
         self.traffic = GatherTraffic(node_of_rank) if node_of_rank else None
         self.last_traffic: dict[str, int] = {}
         self.params = sync_named_params(model)
+        # What later syncs send when only some weights train (LoRA: the adapted layers); the first
+        # sends everything, so the engine holds this model whatever it loaded at start.
+        self.changing = changing_params(self.params)
+        self.synced_once = False
         self.client = NotifyClient(notify) if notify is not None else None
         self.last_stats = None
         self.transport: SenderTransport = transport(SenderSetup(
@@ -110,6 +114,10 @@ class TrainerWeightSync:
             raise SyncError(f"weight sync {version} failed on the sending trainer")
         self.last_traffic = ({"gathered_bytes_in_node": in_node, "gathered_bytes_cross_node": cross_node}
                              if self.traffic is not None else {})
+        if not self.synced_once:
+            self.synced_once = True
+            # The transport walks this very list (SenderSetup.params): from now on, the changing part.
+            self.params[:] = self.changing
         return self.last_stats
 
     def _agree_on_wire_dtype(self, mine):

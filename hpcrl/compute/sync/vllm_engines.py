@@ -43,8 +43,9 @@ class HFWeightSource(WeightSource):
     left included, as hpcrl_shm's ``iter_buckets`` counts them.
     """
 
-    def __init__(self, model: torch.nn.Module, cast_to: torch.dtype | None = None, traffic=None) -> None:
-        self._params = sync_named_params(model)
+    def __init__(self, model: torch.nn.Module, cast_to: torch.dtype | None = None, traffic=None,
+                 params: list | None = None) -> None:
+        self._params = params if params is not None else sync_named_params(model)
         self.cast_to = cast_to
         self.traffic = traffic
         self._current: Iterator[tuple[str, torch.Tensor]] | None = None
@@ -75,7 +76,8 @@ class _VLLMTransport:
     def __init__(self, setup: SenderSetup) -> None:
         self.is_sender, self.client, self.traffic = setup.is_sender, setup.client, setup.traffic
         self.log = setup.log or log.warning
-        self.source = HFWeightSource(setup.model, None if setup.cast_to == "auto" else setup.cast_to, setup.traffic)
+        self.source = HFWeightSource(setup.model, None if setup.cast_to == "auto" else setup.cast_to, setup.traffic,
+                                     setup.params)
         info = self._init_info(setup, 0 if self.is_sender else 1)
         client = self.client if self.client is not None else NotifyClient(lambda msg: {"ok": True})
         self.engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=self.source)

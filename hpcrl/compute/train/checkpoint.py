@@ -3,7 +3,8 @@
 Layout of a checkpoint directory (on a file system every trainer rank sees)::
 
     <dir>/step-<N>/            one complete checkpoint
-        .metadata, __*.distcp  DCP: model + optimizer, sharded (every rank writes its shards)
+        .metadata, __*.distcp  DCP: model + optimizer, sharded (every rank writes its shards);
+                               trainable parameters only (LoRA: the adapters)
         rank-<r>.pt            per rank: RNG states, scheduler, the caller's `extra`, the step
         meta.json              step, world size, time (written last, by rank 0)
     <dir>/latest               the name of the newest complete checkpoint ("step-<N>")
@@ -43,6 +44,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -260,10 +262,22 @@ def _prune(directory: Path, keep: int, newest: Path) -> None:
 # Save / load
 
 
+# Frozen parameters (LoRA's base weights) are left out: they never change, and come from model.path
+# again on resume, so a LoRA checkpoint holds the adapters and their optimizer state only.
+_OPTIONS = StateDictOptions(ignore_frozen_params=True)
+
+
+def _load_options(model: nn.Module) -> StateDictOptions:
+    # load_state_dict's strictness would ask for the frozen parameters left out; DCP has already
+    # checked that every tensor asked for was in the checkpoint.
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=True, strict=not frozen)
+
+
 def _state_dicts(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> dict[str, Any]:
     if optimizer is None:
-        return {"model": get_model_state_dict(model)}
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+        return {"model": get_model_state_dict(model, options=_OPTIONS)}
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
     return {"model": model_sd, "optim": optim_sd}
 
 
@@ -325,9 +339,10 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: Optional[torch.op
     except Exception as e:
         raise CheckpointError(f"rank {rank}: loading {path} failed: {e}") from e
     if optimizer is None:
-        set_model_state_dict(model, state["model"])
+        set_model_state_dict(model, state["model"], options=_load_options(model))
     else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=_load_options(model))
     own = _rank_file(path, rank)
     mine = own.is_file()
     ranked = torch.load(own if mine else _rank_file(path, 0), map_location="cpu", weights_only=False)

@@ -25,6 +25,9 @@ complete; a killed writer leaves only that hidden directory (removed by the next
 directory of the same name is replaced only once the new one is whole. The final model directory
 keeps the checkpoint-<step>/ directories saved inside it (TRL's output_dir layout).
 
+A LoRA run (model.use_peft) writes peft adapter directories instead (save_lora_from_trainers,
+export_lora_checkpoint; the merged model on request, checkpoint.save_merged_model).
+
     python -m hpcrl.compute.train.export RUN_DIR [--step N] [-o DIR]     (what `hpcrl export` runs)
 """
 
@@ -47,7 +50,8 @@ from hpcrl.compute.train.checkpoint import fsync_dir
 from hpcrl.job import rundir
 
 __all__ = ["DTYPES", "SINGLE_FILE", "INDEX_FILE", "export_dtype", "export_tensors", "plan_shards", "ShardWriter",
-           "prepare_tmp", "write_metadata", "commit", "save_from_trainers", "export_checkpoint", "main"]
+           "prepare_tmp", "write_metadata", "commit", "save_from_trainers", "save_lora_from_trainers",
+           "export_checkpoint", "export_lora_checkpoint", "main"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 SINGLE_FILE = "model.safetensors"
@@ -323,6 +327,51 @@ def save_from_trainers(model: torch.nn.Module, final: Path, *, model_dir: str | 
     return final if writer else None
 
 
+def save_lora_from_trainers(model: torch.nn.Module, final: Path, *, recipe_model, model_dir: str | os.PathLike,
+                            tokenizer: Any, dtype: torch.dtype, max_shard_bytes: int, bucket_bytes: int, writer: bool,
+                            merged: bool, group=None, trust_remote_code: bool = False) -> Path | None:
+    """A LoRA policy's model directory: the peft adapter directory (hpcrl.compute.train.lora), and
+    with ``merged`` the merged model in its ``merged/`` (:func:`save_from_trainers`: the sync's
+    merged weights). Every trainer calls it; the same atomic commit and failure agreement."""
+    import torch.distributed as dist
+
+    from hpcrl.compute.train import lora
+
+    error: BaseException | None = None
+    tmp = None
+    if writer:
+        try:
+            tmp = prepare_tmp(final)
+        except Exception as e:       # noqa: BLE001 - reported to every rank below
+            error = e
+    adapters = lora.gather_adapters(model, writer)
+    if writer and error is None:
+        try:
+            lora.write_adapter_dir(tmp, adapters, recipe_model=recipe_model, base_model=str(model_dir),
+                                   tokenizer=tokenizer)
+        except Exception as e:       # noqa: BLE001 - reported to every rank below
+            error = e
+    if merged:
+        # Raises on every rank when its writer failed (its own agreement).
+        save_from_trainers(model, (tmp or final) / lora.MERGED_DIR, model_dir=model_dir, tokenizer=tokenizer,
+                           dtype=dtype, max_shard_bytes=max_shard_bytes, bucket_bytes=bucket_bytes,
+                           writer=writer and error is None, group=group, trust_remote_code=trust_remote_code)
+    if writer and error is None:
+        try:
+            commit(tmp, final)
+        except Exception as e:      # noqa: BLE001
+            error = e
+    failed = error is not None
+    if dist.is_available() and dist.is_initialized():
+        flag = torch.tensor([1 if failed else 0], dtype=torch.int64)
+        dist.all_reduce(flag, group=group)
+        failed = bool(flag.item())
+    if failed:
+        raise RuntimeError(f"writing the LoRA adapters to {final} failed"
+                           + (f": {error}" if error is not None else " on trainer rank 0")) from error
+    return final if writer else None
+
+
 # ---------------------------------------------------------------------------------------- from a checkpoint
 def _checkpoint_buckets(checkpoint: Path, specs: list[tuple[str, tuple[int, ...]]], bucket_bytes: int,
                         dtype_of: Callable[[torch.dtype], torch.dtype], tracker: LiveBytes | None
@@ -400,6 +449,37 @@ def export_checkpoint(checkpoint: str | os.PathLike, model_dir: str | os.PathLik
     return commit(tmp, final)
 
 
+def export_lora_checkpoint(checkpoint: str | os.PathLike, model_dir: str | os.PathLike, final: str | os.PathLike, *,
+                           recipe_model, tokenizer) -> Path:
+    """A LoRA run's training checkpoint (its adapters) -> a peft adapter directory ``final``."""
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hpcrl.compute.train import lora
+
+    checkpoint, final = Path(checkpoint), Path(final)
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=recipe_model.trust_remote_code)
+    with torch.device("meta"):      # the adapters' names and shapes
+        meta = lora.add_adapters(AutoModelForCausalLM.from_config(
+            config, trust_remote_code=recipe_model.trust_remote_code), recipe_model)
+    into = {name: torch.empty(tuple(p.shape), dtype=torch.float32) for name, p in lora.adapter_tensors(meta)}
+    stored = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    missing = [name for name in into if f"model.{name}" not in stored]
+    if missing:
+        raise RuntimeError(f"{checkpoint}: the checkpoint lacks {len(missing)} of the recipe's LoRA adapters "
+                           f"(model.lora_*: was it written with other settings?): {missing[:3]}")
+    with warnings.catch_warnings():     # one process, no process group, on purpose
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        dcp.load({"model": into}, checkpoint_id=str(checkpoint), no_dist=True)
+    tmp = prepare_tmp(final)
+    try:
+        lora.write_adapter_dir(tmp, into, recipe_model=recipe_model, base_model=str(model_dir), tokenizer=tokenizer)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return commit(tmp, final)
+
+
 def main(argv: list[str] | None = None) -> int:
     """``hpcrl export``'s compute side (the login side has checked the arguments)."""
     from hpcrl.compute.train.sources import load_tokenizer, resolve_model
@@ -426,6 +506,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model_dir = resolve_model(recipe.model.path, args.run_dir, recipe.grpo.seed)
         tokenizer = load_tokenizer(recipe.model, model_dir)
+        if recipe.model.use_peft:
+            export_lora_checkpoint(rundir.training_checkpoint(ckpt_dir, step), model_dir, out,
+                                   recipe_model=recipe.model, tokenizer=tokenizer)
+            return 0
         export_checkpoint(rundir.training_checkpoint(ckpt_dir, step), model_dir, out,
                           dtype=export_dtype(recipe.model.dtype, model_dir), tokenizer=tokenizer,
                           max_shard_bytes=int(recipe.checkpoint.model_max_shard_size_gb * GB),

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -249,12 +249,15 @@ def load_sharded_model(
     load_timeout_s: Optional[float] = None,
     attn_implementation: Optional[str] = None,
     auto_class: str = "AutoModelForCausalLM",
+    adapt: Optional[Callable[[nn.Module], nn.Module]] = None,
 ) -> nn.Module:
     """A Hugging Face causal LM from ``model_dir``, sharded with :func:`apply_fsdp` on ``mesh``.
 
     Parameters are stored in ``dtype`` on ``device`` (on the host when ``offload``). Only rank 0
     reads the checkpoint; the others receive their slices. ``load_timeout_s`` bounds the others'
-    wait for rank 0's read (None: the collective timeout of the mesh's group).
+    wait for rank 0's read (None: the collective timeout of the mesh's group). ``adapt`` changes
+    the model before it is sharded, on the meta device, and rank 0's source model the same way
+    before it streams (LoRA adapters: hpcrl.compute.train.lora.add_adapters).
     """
     import transformers
     from transformers import AutoConfig
@@ -266,6 +269,8 @@ def load_sharded_model(
     with torch.device("meta"):
         model = model_class.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code,
                                         attn_implementation=attn_implementation)
+        if adapt is not None:
+            model = adapt(model)
     apply_fsdp(model, mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                reshard_after_forward=reshard_after_forward,
                activation_checkpointing=activation_checkpointing, offload=offload)
@@ -283,6 +288,8 @@ def load_sharded_model(
     if dist.get_rank(group) == 0:
         source = model_class.from_pretrained(model_dir, dtype=dtype, trust_remote_code=trust_remote_code,
                                              attn_implementation=attn_implementation)
+        if adapt is not None:
+            source = adapt(source)
     _stream_from_rank0(model, source, device, group, what=model_dir, load_timeout_s=load_timeout_s)
     del source
     return model
@@ -300,7 +307,8 @@ def load_policy_and_reference(model_dir: str, mesh: DeviceMesh, device: torch.de
     """The trainable policy and (when ``recipe.grpo.beta > 0``) the frozen reference model.
 
     Reads ``grpo.bf16``, ``grpo.beta``, ``grpo.gradient_checkpointing``,
-    ``trainer.activation_checkpointing``, ``trainer.reference_offload``, ``model.dtype``,
+    ``trainer.activation_checkpointing``, ``trainer.reference_offload``, ``model.dtype``, ``model.use_peft``
+    and the LoRA fields,
     ``model.trust_remote_code``, ``model.attn_implementation`` and ``launch.model_load_timeout_s`` of the recipe.
 
     Both are sharded the same way on the same mesh and device. The reference is in eval mode with
@@ -312,14 +320,26 @@ def load_policy_and_reference(model_dir: str, mesh: DeviceMesh, device: torch.de
     trust, load_timeout_s = recipe.model.trust_remote_code, recipe.launch.model_load_timeout_s
     attention = recipe.model.attn_implementation or None
     param_dtype, reduce_dtype = mixed_precision_for(device.type, grpo.bf16)
+    lora = recipe.model.use_peft
+    adapt = None
+    if lora:
+        from hpcrl.compute.train.lora import add_adapters
+
+        adapt = lambda model: add_adapters(model, recipe.model)     # noqa: E731
     policy = load_sharded_model(
-        model_dir, mesh, device, dtype=torch.float32, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+        # LoRA: the frozen base is stored as a frozen reference model is; the adapters are fp32.
+        model_dir, mesh, device, dtype=frozen_dtype(recipe, param_dtype) if lora else torch.float32,
+        param_dtype=param_dtype, reduce_dtype=reduce_dtype,
         activation_checkpointing=bool(grpo.gradient_checkpointing or trainer.activation_checkpointing),
-        trust_remote_code=trust, load_timeout_s=load_timeout_s, attn_implementation=attention)
+        trust_remote_code=trust, load_timeout_s=load_timeout_s, attn_implementation=attention, adapt=adapt)
     policy.train()
     _check_devices(policy, device, offload=False, what="policy")
     if grpo.beta <= 0:
         return policy, None
+    if lora:
+        from hpcrl.compute.train.lora import BaseModel
+
+        return policy, BaseModel(policy)        # the base weights themselves: no second copy
     stored = frozen_dtype(recipe, param_dtype)
     reference = load_sharded_model(
         model_dir, mesh, device, dtype=stored, param_dtype=param_dtype, offload=bool(trainer.reference_offload),

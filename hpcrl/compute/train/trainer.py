@@ -405,13 +405,17 @@ class Trainer:
         t0 = time.perf_counter()
         self._heartbeat("saving model")
         out = rundir.model_dir(self.setup.run_dir, step, self.recipe.checkpoint.output_dir)
-        export.save_from_trainers(
-            self.setup.policy, out, model_dir=self.setup.model_dir, tokenizer=self.setup.tokenizer,
-            dtype=export.export_dtype(self.recipe.model.dtype, self.setup.model_dir),
-            max_shard_bytes=int(self.recipe.checkpoint.model_max_shard_size_gb * export.GB),
-            bucket_bytes=self.recipe.inference.sync_bucket_mb * 2**20,
-            writer=self.setup.trainer_rank == 0, group=self.setup.group,
-            trust_remote_code=self.recipe.model.trust_remote_code)
+        options = dict(model_dir=self.setup.model_dir, tokenizer=self.setup.tokenizer,
+                       dtype=export.export_dtype(self.recipe.model.dtype, self.setup.model_dir),
+                       max_shard_bytes=int(self.recipe.checkpoint.model_max_shard_size_gb * export.GB),
+                       bucket_bytes=self.recipe.inference.sync_bucket_mb * 2**20,
+                       writer=self.setup.trainer_rank == 0, group=self.setup.group,
+                       trust_remote_code=self.recipe.model.trust_remote_code)
+        if self.recipe.model.use_peft:
+            export.save_lora_from_trainers(self.setup.policy, out, recipe_model=self.recipe.model,
+                                           merged=self.recipe.checkpoint.save_merged_model, **options)
+        else:
+            export.save_from_trainers(self.setup.policy, out, **options)
         if self.setup.trainer_rank == 0:
             self.setup.log(f"model written to {out} in {time.perf_counter() - t0:.1f} s")
         return out

@@ -1,0 +1,172 @@
+"""LoRA in one place (recipe model.use_peft, TRL's names): adapters added, switched off, written out.
+
+peft's own LoRA layers are injected into the Hugging Face model (``inject_adapter_in_model``: no
+``PeftModel`` wrapper, so parameter names stay the model's, with ``.base_layer`` and
+``.lora_A.default`` segments): before sharding on the meta device, and into rank 0's source model
+before it streams the weights (hpcrl.compute.train.fsdp), so both have the same tensors and the
+adapters start from the same seeded initialisation on every run. The base weights are frozen and
+stored in the training dtype; the adapters are fp32 and the only trainable parameters, so gradients
+and AdamW state exist for them alone, and FSDP2 shards them with their layer.
+
+- The reference model is the policy with its adapters switched off (:class:`BaseModel`): no
+  second copy of the weights.
+- The engines get the merged weights W + scale * B A: hpcrl.compute.sync.gather sends each LoRA
+  layer as one ``MergedWeight``, merged layer by layer inside the bucketed gather; after the first
+  sync only the layers that carry adapters move (``changing_params``).
+- Checkpoints hold the trainable parameters only (the adapters) and their optimizer state; the
+  frozen base comes from model.path again on resume.
+- The run's model directory is a peft adapter directory (adapter_config.json,
+  adapter_model.safetensors, the tokenizer) that ``PeftModel.from_pretrained(base, dir)`` loads;
+  with checkpoint.save_merged_model, the merged model is written beside it in ``merged/``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from hpcrl.job.errors import UserError
+from hpcrl.job.recipe import ModelConfig
+
+__all__ = ["ADAPTER", "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "MERGED_DIR", "lora_config", "add_adapters",
+           "lora_layers", "adapters_disabled", "BaseModel", "adapter_tensors", "peft_key", "gather_adapters",
+           "write_adapter_dir"]
+
+ADAPTER = "default"                 # peft's name for the one adapter
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+MERGED_DIR = "merged"               # checkpoint.save_merged_model: <model dir>/merged
+
+
+def lora_config(model: ModelConfig, base_model: str = "") -> Any:
+    """peft's ``LoraConfig`` for a recipe's model section (TRL's get_peft_config, the same fields)."""
+    from peft import LoraConfig
+
+    targets = model.lora_target_modules
+    return LoraConfig(r=model.lora_r, lora_alpha=model.lora_alpha, lora_dropout=model.lora_dropout,
+                      target_modules=list(targets) if isinstance(targets, tuple) else targets,
+                      use_rslora=model.use_rslora, task_type=model.lora_task_type, bias="none",
+                      base_model_name_or_path=base_model or None)
+
+
+def add_adapters(model: nn.Module, recipe_model: ModelConfig) -> nn.Module:
+    """Inject LoRA adapters into ``model`` in place (on the meta device or a real one): fp32
+    adapters, the only parameters with ``requires_grad``. A target that matches no module is the
+    recipe's mistake: one line naming model.lora_target_modules."""
+    from peft import inject_adapter_in_model
+
+    try:
+        model = inject_adapter_in_model(lora_config(recipe_model), model)
+    except ValueError as e:
+        if "not found in the base model" in str(e) or "target_modules" in str(e):
+            raise UserError(f"model.lora_target_modules: {str(e).splitlines()[0]}") from None
+        raise
+    layers = lora_layers(model)
+    if not layers:
+        raise UserError(f"model.lora_target_modules: {recipe_model.lora_target_modules!r} adapted no layer")
+    if "lm_head" in layers and getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        # The output head IS the embedding matrix here: an adapter on it would have to untie the two
+        # in the engines, which load one tensor for both.
+        raise UserError("model.lora_target_modules: lm_head is tied to the input embeddings in this model; "
+                        "leave it out (\"all-linear\" does)")
+    for param in model.parameters():
+        param.requires_grad_(False)
+    for layer in layers.values():
+        for module in (layer.lora_A[ADAPTER], layer.lora_B[ADAPTER]):
+            # Adapters train in fp32 whatever the base is stored in (FSDP2's mixed precision casts
+            # them to the compute dtype for the forward, and reduces their gradients in fp32).
+            module.to(dtype=torch.float32)
+            module.weight.requires_grad_(True)
+    return model
+
+
+def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """peft's LoRA layers of ``model`` by module path."""
+    from hpcrl.compute.sync.gather import _lora_layers
+
+    return _lora_layers(model)
+
+
+def _tuner_layers(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if hasattr(m, "_disable_adapters")]
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """The base model, for the duration: every LoRA layer computes its base layer only.
+
+    peft's own switch (``enable_adapters``) also flips requires_grad of the adapters, which would
+    change what FSDP2 and the optimizer see; the flag it sets is all the forward reads."""
+    layers = _tuner_layers(model)
+    for layer in layers:
+        layer._disable_adapters = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer._disable_adapters = False
+
+
+class BaseModel(nn.Module):
+    """The reference model of a LoRA run: ``policy`` with its adapters switched off, in eval mode
+    (no LoRA dropout), and no weights of its own. Called as the reference model is."""
+
+    def __init__(self, policy: nn.Module) -> None:
+        super().__init__()
+        object.__setattr__(self, "policy", policy)      # not a submodule: its parameters are the policy's
+
+    def forward(self, *args, **kwargs):
+        was_training = self.policy.training
+        self.policy.eval()
+        try:
+            with adapters_disabled(self.policy):
+                return self.policy(*args, **kwargs)
+        finally:
+            self.policy.train(was_training)
+
+
+# ------------------------------------------------------------------------------------- written out
+def peft_key(name: str) -> str:
+    """A LoRA parameter's name -> its key in a peft adapter file (what PeftModel.save_pretrained
+    writes: the PeftModel's prefix, and no adapter name)."""
+    return "base_model.model." + name.replace(f".{ADAPTER}.", ".")
+
+
+def adapter_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``(name, parameter)`` of every adapter matrix, in ``named_parameters()`` order."""
+    return [(name, p) for name, p in model.named_parameters() if ".lora_A." in name or ".lora_B." in name]
+
+
+def gather_adapters(model: nn.Module, writer: bool) -> dict[str, torch.Tensor] | None:
+    """Every adapter matrix whole, by parameter name, on ``writer`` (None elsewhere). Every trainer
+    calls it: each is gathered (a collective, in one order). Adapters are small (r x (in + out) per
+    layer), so the writer holds all of them."""
+    from hpcrl.compute.sync.gather import full_tensor
+
+    tensors = {}
+    for name, param in adapter_tensors(model):
+        full = full_tensor(param)
+        if writer:
+            tensors[name] = full.detach().to("cpu", copy=True).contiguous()
+        del full
+    return tensors if writer else None
+
+
+def write_adapter_dir(directory: Path, tensors: dict[str, torch.Tensor], *, recipe_model: ModelConfig,
+                      base_model: str, tokenizer: Any) -> None:
+    """A peft adapter directory in ``directory`` (which exists): adapter_model.safetensors with
+    peft's keys, adapter_config.json naming the modules actually adapted (peft's default for the
+    architecture, or what the recipe named), and the tokenizer."""
+    from safetensors.torch import save_file
+
+    save_file({peft_key(name): t for name, t in tensors.items()}, str(directory / ADAPTER_WEIGHTS),
+              metadata={"format": "pt"})
+    config = lora_config(recipe_model, base_model)
+    config.target_modules = sorted({name.split(".lora_")[0].rsplit(".", 1)[-1] for name in tensors})
+    tokenizer.save_pretrained(directory)
+    config.save_pretrained(str(directory))      # last: it makes the directory a model directory
