@@ -25,7 +25,10 @@ gathered tensors during e2e / bucket size (the shared-memory region, 2 slots of 
 allocated once at start-up and reported apart), W = the bytes one e2e sync's gathers moved (the
 sync's own traffic counter, all ranks) / ((ranks - 1) x the model's bytes in the engine's dtype):
 an all-gather over n ranks moves n - 1 copies of a tensor in all, so W = 1 when the gathers move
-the wire dtype and 2 when they move fp32 masters to a bf16 engine. Times are the best of
+the wire dtype and 2 when they move fp32 masters to a bf16 engine. Then, for the same model with
+LoRA adapters (TRL's default targets q_proj and v_proj): lora_sync_bytes_over_full and
+lora_sync_time_over_full, a LoRA sync after the first (the adapted blocks only, merged) over a
+full one (e2e, same run). Times are the best of
 --repeats: the machine is shared, and other processes only ever add time.
 
     .venv/bin/python scripts/bench_sync.py [--sizes small,base,large] [--bucket-mb 64] [--repeats 3]
@@ -177,10 +180,53 @@ def trainer_rank(rank: int, world: int, init_file: str, model_dir: str, conn, cf
                    reload_s=min(ck_reload), ckpt_s=min(s + r for s, r in zip(ck_save, ck_reload)),
                    memcpy_gbps=_memcpy_gbps())
         sync.close()
+    out.update(_lora_syncs(model_dir, world, notify if sender else None, cfg, barrier))
+    if sender:
         conn.send({"op": "bench_result", "result": out})
         conn.recv()
     barrier()
     dist.destroy_process_group()
+
+
+def _lora_syncs(model_dir: str, world: int, notify, cfg: dict, barrier) -> dict:
+    """The same model with LoRA adapters (model.use_peft, TRL's defaults: q_proj and v_proj, r 16),
+    synced as the trainer syncs it: the first sync sends every weight (the adapted ones merged), the
+    later ones only the blocks that hold adapters (gather.changing_params). Times are e2e."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    from hpcrl.compute.sync.gather import param_specs
+    from hpcrl.compute.sync.trainer import TrainerWeightSync
+    from hpcrl.compute.train.lora import add_adapters, adapter_tensors
+    from hpcrl.job.recipe import ModelConfig
+
+    model = add_adapters(AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, cfg["master_dtype"])),
+                         ModelConfig(use_peft=True, lora_dropout=0.0))
+    torch.manual_seed(0)
+    for name, p in adapter_tensors(model):
+        if ".lora_B." in name:
+            torch.nn.init.normal_(p, std=0.01)      # trained adapters: the merge changes the weights
+    if world > 1:
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    sync = TrainerWeightSync(model, notify, is_sender=notify is not None, bucket_bytes=cfg["bucket_bytes"],
+                             shm_mode=cfg["shm_mode"], node_of_rank={r: 0 for r in range(world)})
+    full_bytes = sum(s.nbytes for s in param_specs(sync.params, sync.cast_to))
+    times = []
+    for i in range(cfg["repeats"] + 1):
+        barrier()
+        t = time.perf_counter()
+        sync.sync(f"lora-{i}")
+        times.append(time.perf_counter() - t)
+    out = {"lora_first_s": times[0], "lora_s": min(times[1:]), "lora_first_bytes": full_bytes,
+           "lora_bytes": sum(s.nbytes for s in param_specs(sync.params, sync.cast_to)),
+           "lora_gathered_bytes": sum(sync.last_traffic.values())}
+    sync.close()
+    return out
 
 
 # ---------------------------------------------------------------- one size: the server side
@@ -272,6 +318,15 @@ def print_table(results: list[dict], bucket_mb: int) -> None:
         print(f"{r['size']:>6} {r['params'] / 1e6:6.1f}M {b / 1e6:6.0f} | " + " | ".join(cells) +
               f" | {r['memcpy_gbps']:6.2f} | {r['peak_live'] / 1e6:7.1f} {r['peak_rss'] / 1e6:6.0f} {r['shm_bytes'] / 1e6:6.0f}"
               f" {r['gathered_bytes'] / 1e6:7.1f}")
+    print("LoRA (q_proj, v_proj, r 16): a sync after the first sends the attention blocks only; e2e times")
+    head = (f"{'size':>6} | {'full MB':>8} {'full e2e':>9} | {'LoRA 1st MB':>11} {'1st e2e':>8} | "
+            f"{'LoRA MB':>8} {'LoRA e2e':>9} {'gath MB':>8} | {'bytes':>6} {'time':>6}")
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        print(f"{r['size']:>6} | {r['bytes'] / 1e6:8.1f} {r['e2e_s']:9.3f} | {r['lora_first_bytes'] / 1e6:11.1f} "
+              f"{r['lora_first_s']:8.3f} | {r['lora_bytes'] / 1e6:8.1f} {r['lora_s']:9.3f} "
+              f"{r['lora_gathered_bytes'] / 1e6:8.1f} | x{r['lora_bytes'] / r['bytes']:5.2f} x{r['lora_s'] / r['e2e_s']:5.2f}")
 
 
 def summary_line(r: dict) -> str:
@@ -280,7 +335,8 @@ def summary_line(r: dict) -> str:
     z = r["peak_live"] / r["bucket"]
     w = r["gathered_bytes"] / (max(1, r["world"] - 1) * r["bytes"])
     return (f"sync_speedup_vs_checkpoint={x:.2f} handoff_fraction_of_memcpy={y:.2f} peak_extra_over_bucket={z:.2f} "
-            f"gathered_bytes_over_wire_bytes={w:.2f}")
+            f"gathered_bytes_over_wire_bytes={w:.2f} lora_sync_bytes_over_full={r['lora_bytes'] / r['bytes']:.2f} "
+            f"lora_sync_time_over_full={r['lora_s'] / r['e2e_s']:.2f}")
 
 
 def main(argv: list[str] | None = None) -> int:

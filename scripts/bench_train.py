@@ -31,9 +31,15 @@ Memory per rank (the larger of the ranks; MiB):
              the live tensors (torch has no CPU allocator statistics to ask instead).
   peak       params + ref params + grads + optim + activations
 
+The same for LoRA (model.use_peft on every linear layer, TRL's r 16 and alpha 32) in the same
+processes after the full fine-tuning rows: the frozen base counts in params, the adapters' gradients
+and AdamW state in grads and optim, and with the reference on it is the base itself (ref = 0).
+
 Last line: peak_mem_ratio_ws2_over_ws1=Y where Y = (params + grads + optim) per rank at world size 2
 over world size 1, reference off: the policy with its optimizer state. Y near 0.5 means sharding
-works (every rank holds half); the goal is Y <= 0.6.
+works (every rank holds half); the goal is Y <= 0.6. Then LoRA over full fine-tuning at world size
+2: lora_over_full_state_ws2 (params + grads + optim), lora_over_full_peak_ws2_ref_on (the peak with
+beta > 0: the reference copy LoRA does not have), lora_over_full_step_time_ws2.
 
     .venv/bin/python scripts/bench_train.py            # the 100M model ("base"), about 2-3 minutes on 2 cores
     .venv/bin/python scripts/bench_train.py --quick    # the 10M model ("small"), about a minute
@@ -42,6 +48,7 @@ works (every rank holds half); the goal is Y <= 0.6.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import multiprocessing
 import os
@@ -122,10 +129,7 @@ def _rank_main(rank: int, world: int, cfg: dict, store: str, out_dir: str) -> No
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from hpcrl.job.recipe import GRPOConfig, Recipe
-    from hpcrl.compute.train import fsdp, grpo
-    from hpcrl.compute.train.optim import build_optimizer, clip_grad_norm
-    from hpcrl.compute.train.trainer import completion_logps
+    from hpcrl.job.recipe import GRPOConfig, ModelConfig, Recipe
 
     torch.set_num_threads(len(mine))
     torch.manual_seed(0)
@@ -135,11 +139,32 @@ def _rank_main(rank: int, world: int, cfg: dict, store: str, out_dir: str) -> No
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
     cpu = torch.device("cpu")
+    grpo_cfg = GRPOConfig(learning_rate=1e-6, beta=0.0, per_device_train_batch_size=cfg["micro"],
+                          num_generations=cfg["num_generations"], max_completion_length=cfg["completion_len"],
+                          max_steps=1000, gradient_checkpointing=False)
+    out = {"rank": rank, "world": world, "threads": len(mine), "cores": mine}
+    for mode in cfg["modes"]:
+        if mode == "full":
+            recipe = Recipe(grpo=grpo_cfg)
+        else:   # LoRA on every linear layer of the decoder, TRL's r and alpha
+            recipe = Recipe(grpo=grpo_cfg, model=ModelConfig(use_peft=True, lora_target_modules="all-linear"))
+        out[mode] = _measure(recipe, rank, world, cfg, mesh, cpu)
+        gc.collect()
+    Path(out_dir, f"ws{world}-rank{rank}.json").write_text(json.dumps(out))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _measure(recipe, rank: int, world: int, cfg: dict, mesh, cpu) -> dict:
+    """Load the policy as the trainer does, and time and measure steps with the reference off and on."""
+    import torch
+    import torch.distributed as dist
+
+    from hpcrl.compute.train import fsdp, grpo
+    from hpcrl.compute.train.optim import build_optimizer, clip_grad_norm
+    from hpcrl.compute.train.trainer import completion_logps
+
     beta = 0.04
-    recipe = Recipe(grpo=GRPOConfig(learning_rate=1e-6, beta=0.0, per_device_train_batch_size=cfg["micro"],
-                                    num_generations=cfg["num_generations"],
-                                    max_completion_length=cfg["completion_len"], max_steps=1000,
-                                    gradient_checkpointing=False))
     t0 = time.perf_counter()
     policy, _ = fsdp.load_policy_and_reference(cfg["model_dir"], mesh, cpu, recipe)
     load_s = time.perf_counter() - t0
@@ -188,11 +213,14 @@ def _rank_main(rank: int, world: int, cfg: dict, store: str, out_dir: str) -> No
                 "step_s": t_opt - t_start, "activations": fb_peak, "optimizer_peak": peak_rss_bytes() - base_opt,
                 "grads": grads}
 
-    out = {"rank": rank, "world": world, "threads": len(mine), "cores": mine, "load_s": load_s,
-           "peak_rss_resettable": peak_ok, "tokens_per_rank": tokens_local, "rows": rows}
+    out = {"load_s": load_s, "peak_rss_resettable": peak_ok, "tokens_per_rank": tokens_local, "rows": rows}
     reference = None
     for ref_on in (False, True):
-        if ref_on:
+        if ref_on and recipe.model.use_peft:
+            from hpcrl.compute.train.lora import BaseModel
+
+            reference = BaseModel(policy)       # as the trainer's: the policy's own base, no weights of its own
+        elif ref_on:
             # As fsdp.load_policy_and_reference loads the reference (beta > 0): the same mesh and
             # sharding, stored in the compute dtype, eval mode, no gradients.
             param_dtype, _ = fsdp.mixed_precision_for(cpu.type, recipe.grpo.bf16)
@@ -206,9 +234,8 @@ def _rank_main(rank: int, world: int, cfg: dict, store: str, out_dir: str) -> No
                    ref_params=fsdp.local_param_bytes(reference) if reference is not None else 0,
                    params_global=fsdp.global_param_bytes(policy))
         out["ref_on" if ref_on else "ref_off"] = res
-    Path(out_dir, f"ws{world}-rank{rank}.json").write_text(json.dumps(out))
-    dist.barrier()
-    dist.destroy_process_group()
+    del reference, policy, opt
+    return out
 
 
 def run_world(world: int, cfg: dict, work: Path, timeout: float) -> list[dict]:
@@ -240,13 +267,14 @@ MEM_KEYS = ("params", "ref_params", "grads", "optim", "activations")
 TIME_KEYS = ("fwd_bwd_s", "ref_fwd_s", "optimizer_s", "step_s")
 
 
-def summarize(ranks: list[dict], ref: str) -> dict:
+def summarize(ranks: list[dict], mode: str, ref: str) -> dict:
     """One row: the larger rank's figure for every memory and time column."""
-    row = {k: max(r[ref][k] for r in ranks) for k in MEM_KEYS + TIME_KEYS}
-    row["state"] = max(r[ref]["params"] + r[ref]["grads"] + r[ref]["optim"] for r in ranks)
-    row["peak"] = max(sum(r[ref][k] for k in MEM_KEYS) for r in ranks)
+    rs = [r[mode] for r in ranks]
+    row = {k: max(r[ref][k] for r in rs) for k in MEM_KEYS + TIME_KEYS}
+    row["state"] = max(r[ref]["params"] + r[ref]["grads"] + r[ref]["optim"] for r in rs)
+    row["peak"] = max(sum(r[ref][k] for k in MEM_KEYS) for r in rs)
     row["threads"] = ranks[0]["threads"]
-    row["tokens_per_s"] = sum(r["tokens_per_rank"] for r in ranks) / row["step_s"]
+    row["tokens_per_s"] = sum(r["tokens_per_rank"] for r in rs) / row["step_s"]
     return row
 
 
@@ -303,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "hpcrl-bench-train",
                         help="where the model is built (kept for the next run)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per world size")
+    parser.add_argument("--no-lora", action="store_true", help="full fine-tuning rows only (no model.use_peft rows)")
     args = parser.parse_args(argv)
 
     size = args.size or ("small" if args.quick else "base")
@@ -317,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     cores = sorted(os.sched_getaffinity(0))
     cfg["cores"] = cores
+    modes = cfg["modes"] = ["full"] + ([] if args.no_lora else ["lora"])
     args.work_dir.mkdir(parents=True, exist_ok=True)
 
     from hpcrl.compute.models.tiny import SIZES, make_tiny_model
@@ -336,37 +366,57 @@ def main(argv: list[str] | None = None) -> int:
     for world in (1, 2):
         t0 = time.perf_counter()
         results[world] = run_world(world, cfg, args.work_dir, args.timeout)
-        print(f"world size {world}: {time.perf_counter() - t0:.0f} s (load {results[world][0]['load_s']:.1f} s)")
-    if not all(r["peak_rss_resettable"] for rs in results.values() for r in rs):
+        print(f"world size {world}: {time.perf_counter() - t0:.0f} s (load "
+              + ", ".join(f"{m} {results[world][0][m]['load_s']:.1f} s" for m in modes) + ")")
+    if not all(r[m]["peak_rss_resettable"] for rs in results.values() for r in rs for m in modes):
         print("warning: /proc/self/clear_refs not writable: activations are peak RSS over the whole process life")
 
-    rows_by = {(w, ref): summarize(results[w], ref) for w in (1, 2) for ref in ("ref_off", "ref_on")}
-    headers = ["world", "reference"] + [h for _, h, _ in COLUMNS]
+    rows_by = {(m, w, ref): summarize(results[w], m, ref) for m in modes for w in (1, 2) for ref in ("ref_off", "ref_on")}
+    headers = ["model", "world", "reference"] + [h for _, h, _ in COLUMNS]
     rows = []
-    for ref in ("ref_off", "ref_on"):
-        for w in (1, 2):
-            r = rows_by[(w, ref)]
-            rows.append([str(w), "on" if ref == "ref_on" else "off"] + [_fmt(r[k], kind) for k, _, kind in COLUMNS])
+    for m in modes:
+        for ref in ("ref_off", "ref_on"):
+            for w in (1, 2):
+                r = rows_by[(m, w, ref)]
+                rows.append([m, str(w), "on" if ref == "ref_on" else "off"] + [_fmt(r[k], kind) for k, _, kind in COLUMNS])
     print_table("Per rank (the larger of the ranks): median times in s, memory in MiB", headers, rows)
 
     ratio_rows = []
-    for ref in ("ref_off", "ref_on"):
-        one, two = rows_by[(1, ref)], rows_by[(2, ref)]
-        ratio_rows.append(["2 / 1", "on" if ref == "ref_on" else "off"]
-                          + [_ratio(two[k], one[k]) for k, _, _ in COLUMNS])
-    print_table("World size 2 over world size 1 (same run)", headers, ratio_rows)
-    print("thr: torch threads per rank (pinned to its own cores). time: perf_counter; fwd/bwd includes the\n"
+    for m in modes:
+        for ref in ("ref_off", "ref_on"):
+            one, two = rows_by[(m, 1, ref)], rows_by[(m, 2, ref)]
+            ratio_rows.append([m, "2 / 1", "on" if ref == "ref_on" else "off"]
+                              + [_ratio(two[k], one[k]) for k, _, _ in COLUMNS])
+    if "lora" in modes:
+        for w in (1, 2):
+            for ref in ("ref_off", "ref_on"):
+                lora, full = rows_by[("lora", w, ref)], rows_by[("full", w, ref)]
+                ratio_rows.append(["lora / full", str(w), "on" if ref == "ref_on" else "off"]
+                                  + [_ratio(lora[k], full[k]) for k, _, _ in COLUMNS])
+    print_table("Ratios (same run): world size 2 over 1; LoRA over full fine-tuning", headers, ratio_rows)
+    print("model: full = every weight trains (fp32 masters); lora = model.use_peft on every linear layer (r 16,\n"
+          "alpha 32), the base frozen in the training dtype (fp32 on CPU), the reference = the base itself.\n"
+          "thr: torch threads per rank (pinned to its own cores). time: perf_counter; fwd/bwd includes the\n"
           "reference forward (ref fwd); optim = clipping + AdamW + zeroing; tok/s = completion tokens of all ranks\n"
           "/ step s. memory: params, ref, grads, optim = bytes of this rank's local shards; activ. = peak RSS\n"
           "delta over fwd/bwd (VmHWM; torch keeps no CPU allocator stats); p+g+o = params + grads + optim (the\n"
           "policy with its optimizer state); peak = p+g+o + ref + activ.")
     print(f"machine load average (1 min): {load0:.1f} at start, {os.getloadavg()[0]:.1f} at end "
           f"(other processes share these {len(cores)} cores: times are noisy, memory is not)")
-    y = rows_by[(2, "ref_off")]["state"] / rows_by[(1, "ref_off")]["state"]
-    peak_ratio = rows_by[(2, "ref_off")]["peak"] / rows_by[(1, "ref_off")]["peak"]
-    print(f"policy + optimizer state per rank: {rows_by[(1, 'ref_off')]['state'] / MIB:.1f} MiB at world size 1, "
-          f"{rows_by[(2, 'ref_off')]['state'] / MIB:.1f} MiB at 2; with activations (peak) x{peak_ratio:.2f}")
-    print(f"peak_mem_ratio_ws2_over_ws1={y:.3f}")
+    full1, full2 = rows_by[("full", 1, "ref_off")], rows_by[("full", 2, "ref_off")]
+    y = full2["state"] / full1["state"]
+    print(f"policy + optimizer state per rank: {full1['state'] / MIB:.1f} MiB at world size 1, "
+          f"{full2['state'] / MIB:.1f} MiB at 2; with activations (peak) x{full2['peak'] / full1['peak']:.2f}")
+    last = f"peak_mem_ratio_ws2_over_ws1={y:.3f}"
+    if "lora" in modes:
+        lora_on, full_on = rows_by[("lora", 2, "ref_on")], rows_by[("full", 2, "ref_on")]
+        print(f"LoRA, world size 2, beta > 0: reference {lora_on['ref_params'] / MIB:.1f} MiB per rank (full fine-tuning: "
+              f"{full_on['ref_params'] / MIB:.1f} MiB), peak {lora_on['peak'] / MIB:.1f} MiB "
+              f"(full: {full_on['peak'] / MIB:.1f} MiB)")
+        last += (f" lora_over_full_state_ws2={rows_by[('lora', 2, 'ref_off')]['state'] / full2['state']:.3f}"
+                 f" lora_over_full_peak_ws2_ref_on={lora_on['peak'] / full_on['peak']:.3f}"
+                 f" lora_over_full_step_time_ws2={rows_by[('lora', 2, 'ref_off')]['step_s'] / full2['step_s']:.3f}")
+    print(last)
     return 0
 
 
