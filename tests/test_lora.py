@@ -137,6 +137,63 @@ def test_lora_trains_adapters_only_and_merges_what_it_sends(tmp_path, model_dir)
     spawn(_w_lora, tmp_path, model_dir, str(tmp_path), timeout=240)
 
 
+def _w_hsdp(rank, world, model_dir):
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from transformers import AutoModelForCausalLM
+
+    from hpcrl.compute.train.fsdp import load_policy_and_reference
+    from hpcrl.compute.train.lora import add_adapters, adapter_tensors
+    from hpcrl.compute.train.optim import build_optimizer
+
+    torch.manual_seed(0)
+    recipe = lora_recipe(learning_rate=1e-2)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    policy, _ = load_policy_and_reference(model_dir, mesh, torch.device("cpu"), recipe)
+    assert {p.placements for p in policy.parameters()} == {(Replicate(), Shard(0))}
+    # The unsharded run: the same model with the same (gathered) adapters, the whole batch.
+    whole = add_adapters(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), recipe.model)
+    start = {n: p.full_tensor() for n, p in adapter_tensors(policy)}
+    with torch.no_grad():
+        for n, p in adapter_tensors(whole):
+            # (a generator of its own: rank 0 alone drew peft's initialisation from the global one)
+            p.copy_(start[n] if ".lora_A." in n else
+                    torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))) * 0.05)
+    for n, p in adapter_tensors(policy):     # B = 0 has no gradient for A: start both from the same B
+        if ".lora_B." in n:
+            with torch.no_grad():
+                p.copy_(DTensor.from_local(dict(adapter_tensors(whole))[n], p.device_mesh, [Replicate(), Replicate()])
+                        .redistribute(p.device_mesh, p.placements))
+    x = torch.randint(0, 384, (4, 16), generator=torch.Generator().manual_seed(0))
+    ref_opt = build_optimizer(whole, recipe.grpo)
+    whole(input_ids=x, labels=x).loss.backward()
+    ref_opt.step()
+    opt = build_optimizer(policy, recipe.grpo)
+    # Data parallel over the replicas and the shards: each rank a quarter of the batch (equal
+    # token counts, so the mean of the ranks' losses is the whole batch's).
+    mine = x[rank:rank + 1]
+    policy(input_ids=mine, labels=mine).loss.backward()
+    opt.step()
+    want = dict(adapter_tensors(whole))
+    for n, p in adapter_tensors(policy):
+        err = (p.full_tensor() - want[n]).abs().max().item()
+        assert err < 1e-5, f"{n} differs by {err} after one step under HSDP"
+
+    # bf16 training: the frozen base is stored in bf16, the adapters and their gradients are fp32.
+    policy16, _ = load_policy_and_reference(model_dir, init_device_mesh("cpu", (world,)), torch.device("cpu"),
+                                            lora_recipe(bf16=True))
+    assert {(p.dtype, p.requires_grad) for p in policy16.parameters()} == {(torch.bfloat16, False),
+                                                                           (torch.float32, True)}
+    policy16(input_ids=mine, labels=mine).loss.backward()
+    assert {p.grad.dtype for p in policy16.parameters() if p.requires_grad} == {torch.float32}
+    assert all(p.grad is None for p in policy16.parameters() if not p.requires_grad)
+
+
+def test_lora_under_hsdp_steps_as_one_unsharded_model_and_stores_the_base_in_bf16(tmp_path, model_dir):
+    spawn(_w_hsdp, tmp_path, model_dir, world=4, timeout=300)
+
+
 # ------------------------------------------------------------------ the demo with LoRA, end to end
 LORA_RUN = ["model.use_peft=true", "model.lora_target_modules=all-linear", "grpo.learning_rate=1e-3",
             "checkpoint.save_merged_model=true"]
