@@ -93,7 +93,7 @@ def fixed_batch(cfg: dict, seed: int):
 
     from hpcrl.compute.inference.types import Completion
     from hpcrl.compute.models.tiny import VOCAB_SIZE
-    from hpcrl.compute.train.trainer import pack_batch
+    from hpcrl.compute.train.batch import pack_batch
 
     g = torch.Generator().manual_seed(seed)
     n, groups = cfg["batch"], cfg["batch"] // cfg["num_generations"]
@@ -162,7 +162,7 @@ def _measure(recipe, rank: int, world: int, cfg: dict, mesh, cpu) -> dict:
 
     from hpcrl.compute.train import fsdp, grpo
     from hpcrl.compute.train.optim import build_optimizer, clip_grad_norm
-    from hpcrl.compute.train.trainer import completion_logps
+    from hpcrl.compute.train.batch import completion_logps
 
     beta = 0.04
     t0 = time.perf_counter()

@@ -49,7 +49,7 @@ def _truncated_batch(model_dir: str, mask: bool):
     from transformers import AutoModelForCausalLM
 
     from hpcrl.compute.train import grpo
-    from hpcrl.compute.train.trainer import completion_logps, pack_batch
+    from hpcrl.compute.train.batch import completion_logps, pack_batch
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

@@ -131,7 +131,7 @@ def _w_grpo_step(rank, world, device, model_dir, out):
     from hpcrl.compute.models.tiny import VOCAB_SIZE
     from hpcrl.compute.train import fsdp, grpo
     from hpcrl.compute.train.optim import build_optimizer, clip_grad_norm
-    from hpcrl.compute.train.trainer import completion_logps, pack_batch
+    from hpcrl.compute.train.batch import completion_logps, pack_batch
 
     beta, g = 0.04, 4
     # bf16 explicitly: the CPU self-check takes the same path ("auto" is bf16 on a GPU only).
@@ -256,7 +256,7 @@ def _w_bf16_numerics(rank, world, device, model_dir, out):
     from hpcrl.compute.inference.types import Sampling
     from hpcrl.compute.train import fsdp
     from hpcrl.compute.train.data import demo_pairs
-    from hpcrl.compute.train.trainer import completion_logps, pack_batch
+    from hpcrl.compute.train.batch import completion_logps, pack_batch
 
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
     policy16, reference16 = fsdp.load_policy_and_reference(model_dir, mesh, device, _recipe(bf16=True, beta=0.04))

@@ -2,7 +2,7 @@
 
 Load the job spec, find out who we are, pin to our GPU(s) and cores, meet the others, then do
 our role: by `recipe.mode`, "probe" (print what this task got, check the links, exit) or
-"train" (hpcrl.compute.train.trainer:run_trainer / hpcrl.compute.inference.server:run_server).
+"train" (hpcrl.compute.train.role:run_trainer / hpcrl.compute.inference.server:run_server).
 
 Order matters: mpi4py before torch; pinning before torch (CUDA reads the variable at init).
 Nothing here imports mpi4py or torch at module level (see rendezvous.py).
@@ -31,7 +31,7 @@ from hpcrl.compute.launch.supervisor import Supervisor
 from hpcrl.compute.launch.watchdog import Hub, Peer, Watchdog
 from hpcrl.job.spec import JobSpec
 
-ROLE_ENTRIES = {"trainer": ("hpcrl.compute.train.trainer", "run_trainer"),
+ROLE_ENTRIES = {"trainer": ("hpcrl.compute.train.role", "run_trainer"),
                 "server": ("hpcrl.compute.inference.server", "run_server")}
 
 

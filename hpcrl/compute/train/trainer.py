@@ -1,9 +1,11 @@
 """The GRPO training loop of one trainer rank: generate -> reward -> advantages -> loss -> step -> sync.
 
 A plain loop in the manner of torchtitan. Everything it needs comes in through `TrainerSetup`
-(built by `run_trainer` from the job spec and the launch context), and it talks to generation only
-through the `Generator` interface (hpcrl.compute.inference.types): the node's server in a job, an
-in-process engine in tests.
+(built by hpcrl.compute.train.role.run_trainer from the job spec and the launch context), and it
+talks to generation only through the `Generator` interface (hpcrl.compute.inference.types): the
+node's server in a job, an in-process engine in tests. A generation's parts live beside it:
+hpcrl.compute.train.generation (what is asked for and trained on), hpcrl.compute.train.batch (its
+tensors and log-probabilities).
 
 Steps count optimizer steps (TRL's global_step). One generation holds steps_per_generation
 micro-batches per trainer (gradient_accumulation_steps unless set: one optimizer step's worth); its
@@ -24,29 +26,27 @@ import shutil
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from hpcrl.compute.inference.types import Completion, Generator, PendingGeneration, Sampling, check_version
+from hpcrl.compute.inference.types import Generator, Sampling
 from hpcrl.compute.launch import faults
 from hpcrl.compute.launch.stop import STOP
 from hpcrl.compute.metrics import format_completion
 from hpcrl.job import rundir
 from hpcrl.job.recipe import Recipe
-from hpcrl.job.rundir import FINISHED_MARKER
 from hpcrl.compute.train import checkpoint as ckpt
 from hpcrl.compute.train import data as data_mod
 from hpcrl.compute.train import fsdp as fsdp_mod
 from hpcrl.compute.train import grpo
+from hpcrl.compute.train.batch import completion_logps, pack_batch
 from hpcrl.compute.train.evaluation import Evaluator, eval_due
+from hpcrl.compute.train.generation import Generation, Requested
 from hpcrl.compute.train.optim import build_optimizer, build_scheduler, clip_grad_norm, current_lr
 from hpcrl.compute.train.rewards import (RewardFunction, RewardLog, as_completions, load_reward_functions,
                                          new_trainer_state, reward_statistics, reward_sums, score_completions)
-
-if TYPE_CHECKING:
-    from hpcrl.compute.launch.context import LaunchContext
 
 
 @dataclass
@@ -74,76 +74,6 @@ class TrainerSetup:
     model_dir: str | None = None
 
 
-@dataclass
-class Requested:
-    """A generation asked for: its prompts, the weight version its completions must carry, and the
-    generator's handle until the completions are taken."""
-    batch: data_mod.PromptBatch
-    version: int
-    pending: PendingGeneration | None
-    completions: list[Completion] | None = None
-    wait_s: float = 0.0         # time the trainer was blocked on it: the generation it could not hide
-
-    def take(self) -> list[Completion]:
-        if self.completions is None:
-            t0 = time.perf_counter()
-            completions = self.pending.result()
-            self.wait_s += time.perf_counter() - t0
-            check_version(completions, self.version)
-            self.completions, self.pending = completions, None
-        return self.completions
-
-    def state_dict(self) -> dict:
-        assert self.completions is not None, "a generation in flight cannot be checkpointed: take() it first"
-        return {"batch": self.batch, "version": self.version, "completions": self.completions}
-
-    @classmethod
-    def from_state(cls, state: dict | None) -> "Requested | None":
-        return None if state is None else cls(state["batch"], state["version"], None, state["completions"])
-
-
-@dataclass(frozen=True)
-class Generation:
-    """A generation scored and ready to train on: what its optimizer steps share.
-
-    The counts (completion tokens, loss tokens, completions, truncated ones) are over all trainers,
-    the tensors this rank's. ``wait_s`` and ``logps_s`` are the time this process spent waiting for its
-    completions and computing its fixed log-probabilities; the first step on it reports them (a
-    generation restored from a checkpoint has them at 0 and its first step done).
-    """
-    tensors: dict[str, torch.Tensor]        # pack_batch's
-    advantages: torch.Tensor
-    old_logps: torch.Tensor | None          # the policy's before the first step (None: not needed)
-    ref_logps: torch.Tensor | None          # the reference model's (None: beta = 0)
-    completion_tokens: float                # generated
-    loss_tokens: float                      # the loss's num_items_in_batch (grpo.mask_truncated_completions)
-    completions: float
-    truncated: float                        # completions cut at max_completion_length
-    reward_stats: dict[str, float]
-    lag: int                                # weight versions its completions are behind the policy
-    wait_s: float = 0.0
-    logps_s: float = 0.0
-
-    def state_dict(self, steps_done: int) -> dict:
-        """The checkpoint's form, tensors on the host, with the optimizer steps done on it."""
-        return _to_device(dict(tensors=self.tensors, advantages=self.advantages, old_logps=self.old_logps,
-                               ref_logps=self.ref_logps,
-                               gen_tokens=[self.completion_tokens, self.completions, self.truncated,
-                                           self.loss_tokens],
-                               rstats=self.reward_stats, done=steps_done, lag=self.lag), torch.device("cpu"))
-
-    @classmethod
-    def from_state(cls, state: dict | None, device: torch.device) -> "Generation | None":
-        if state is None:
-            return None
-        state = _to_device(state, device)
-        tokens, completions, truncated, *loss_tokens = state["gen_tokens"]     # (older checkpoints: 3)
-        return cls(tensors=state["tensors"], advantages=state["advantages"], old_logps=state["old_logps"],
-                   ref_logps=state["ref_logps"], completion_tokens=tokens,
-                   loss_tokens=loss_tokens[0] if loss_tokens else tokens, completions=completions,
-                   truncated=truncated, reward_stats=state["rstats"], lag=state.get("lag", 0))
-
-
 def _any_true(flag: bool, group) -> bool:
     """True on every rank when any rank's flag is raised (a stop request seen by one rank stops all)."""
     t = torch.tensor([1.0 if flag else 0.0])
@@ -155,48 +85,6 @@ def _global_sum(values: list[float], group) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(t, group=group)
     return t.tolist()
-
-
-def pack_batch(prompt_ids: list[list[int]], completions: list[Completion], pad_id: int, device,
-               mask_truncated: bool = False):
-    """prompt (left padded) + completion (right padded) -> tensors for the forward pass. With
-    ``mask_truncated`` (grpo.mask_truncated_completions) a completion cut at the length limit is left
-    out of attention and loss, as TRL multiplies its completion_mask by ``~is_truncated``."""
-    p_len = max(len(p) for p in prompt_ids)
-    c_len = max(1, max(len(c.token_ids) for c in completions))
-    b = len(completions)
-    prompt = torch.full((b, p_len), pad_id, dtype=torch.long)
-    p_mask = torch.zeros((b, p_len), dtype=torch.long)
-    comp = torch.full((b, c_len), pad_id, dtype=torch.long)
-    c_mask = torch.zeros((b, c_len), dtype=torch.long)
-    sampling_logps = torch.zeros((b, c_len), dtype=torch.float32)
-    for i, (p, c) in enumerate(zip(prompt_ids, completions)):
-        prompt[i, p_len - len(p):] = torch.tensor(p)
-        p_mask[i, p_len - len(p):] = 1
-        if c.token_ids:
-            comp[i, :len(c.token_ids)] = torch.tensor(c.token_ids)
-            c_mask[i, :len(c.token_ids)] = 0 if mask_truncated and c.truncated else 1
-            if c.logprobs:
-                sampling_logps[i, :len(c.logprobs)] = torch.tensor(c.logprobs)
-    ids = torch.cat([prompt, comp], 1)
-    mask = torch.cat([p_mask, c_mask], 1)
-    # Positions count real tokens only, as the engines did while sampling (left padding shifts them).
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    return {k: v.to(device) for k, v in dict(input_ids=ids, attention_mask=mask, position_ids=positions,
-                                             completion_ids=comp, completion_mask=c_mask,
-                                             sampling_logps=sampling_logps).items()}
-
-
-def completion_logps(model, batch: dict, temperature: float, rows=slice(None),
-                     chunk_tokens: int = grpo.DEFAULT_LOGPROB_CHUNK_TOKENS, *, return_entropy: bool = False):
-    """The completion tokens' log-probabilities under ``model`` for the rows ``rows`` of ``batch``,
-    computed ``chunk_tokens`` tokens at a time (trainer.logprob_chunk_tokens); with
-    ``return_entropy``, ``(logps, entropies)``."""
-    t = batch["completion_ids"].shape[1]
-    out = model(input_ids=batch["input_ids"][rows], attention_mask=batch["attention_mask"][rows],
-                position_ids=batch["position_ids"][rows], logits_to_keep=t + 1, use_cache=False)
-    return grpo.completion_logprobs(out.logits, batch["completion_ids"][rows], temperature,
-                                    chunk_tokens=chunk_tokens, return_entropy=return_entropy)
 
 
 def epoch_steps(grpo, prompts: int, prompts_per_generation: int, steps_per_generation: int) -> int:
@@ -725,104 +613,5 @@ def _merge(into: dict, new: dict) -> None:
             into[k] = grpo.Metric(pick(old.value, m.value), old.count, m.op)
 
 
-def _to_device(obj, device):
-    """Tensors in nested dicts/lists moved to ``device`` (a checkpointed generation goes via the host)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, dict):
-        return {k: _to_device(v, device) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_device(v, device) for v in obj)
-    return obj
-
-
 def _pad_id(tokenizer) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-
-
-# ---------------------------------------------------------------------- the trainer role
-def run_trainer(ctx: LaunchContext) -> int:
-    """The trainer role's entry (hpcrl.compute.launch): build everything from the job spec, then train."""
-    from hpcrl.compute.inference.client import ServerGenerator
-    from hpcrl.compute.metrics import MetricsWriter
-    from hpcrl.compute.train.fsdp import describe, load_policy_and_reference
-    from hpcrl.compute.train.reward_model import load_reward_model
-    from hpcrl.compute.train.sources import (load_dataset, load_eval_dataset, load_tokenizer, local_or_cached,
-                                             resolve_model)
-
-    recipe = ctx.spec.recipe
-    threads = recipe.trainer.threads or max(1, len(ctx.task.cores))
-    torch.set_num_threads(threads)
-    torch.manual_seed(recipe.grpo.seed)
-    device = torch.device("cuda", 0) if ctx.device == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    rank0 = ctx.task.trainer_rank == 0
-    model_dir = resolve_model(recipe.model.path, ctx.run_dir, recipe.grpo.seed)
-    ckpt.control_group(ctx.launch.collective_timeout_s)      # a collective: every trainer, up front
-    policy, reference = load_policy_and_reference(model_dir, ctx.mesh, device, recipe)
-    if rank0:
-        ctx.log(describe(policy))
-    writer = MetricsWriter(ctx.run_dir, 0, tensorboard=recipe.logging.tensorboard,
-                           wandb=recipe.logging.wandb, run_name=recipe.name) if rank0 else None
-    # A reward model's hub id resolves to its cached snapshot, as model.path's does.
-    reward_models = {i: load_reward_model(local_or_cached(r.model, f"rewards[{i}].model"), ctx.mesh, device, recipe,
-                                          name=Path(r.model).name)
-                     for i, r in enumerate(recipe.rewards) if r.model}
-    generator = ServerGenerator(ctx, policy)
-    setup = TrainerSetup(
-        recipe=recipe, run_dir=Path(ctx.run_dir), device=device, policy=policy, reference=reference,
-        tokenizer=load_tokenizer(recipe.model, model_dir), dataset=load_dataset(recipe.data, recipe.grpo.seed),
-        eval_dataset=load_eval_dataset(recipe.data, recipe.grpo.seed) if recipe.grpo.eval_strategy != "no" else None,
-        trainer_rank=ctx.task.trainer_rank, num_trainers=ctx.plan.num_trainers, log=ctx.log,
-        collective_timeout_s=ctx.launch.collective_timeout_s, model_dir=model_dir,
-        on_metrics=(lambda step, m: (writer.log(step, m), _print_step(ctx, step, m))) if rank0 else None,
-        on_completions=writer.log_completions if rank0 else None, reward_models=reward_models,
-        on_heartbeat=(lambda step, phase: writer.heartbeat(step, phase, servers=_server_health(ctx.run_dir)))
-        if rank0 else None,
-    )
-    generator.wait_ready()
-    trainer = Trainer(setup, generator)
-    resume_step = trainer.resume_step_hint() if rank0 else None
-    if resume_step is not None:
-        writer.truncate_after(resume_step)
-    try:
-        outcome = trainer.run()
-    finally:
-        generator.close()
-    if rank0:
-        writer.heartbeat(trainer.step, outcome, servers=_server_health(ctx.run_dir))
-        writer.close()
-        if outcome == "finished":
-            (Path(ctx.run_dir) / FINISHED_MARKER).write_text(f"{trainer.step}\n")
-        ctx.log(f"{outcome} at step {trainer.step}")
-    return 0
-
-
-def _print_step(ctx: LaunchContext, step: int, m: dict) -> None:
-    def f(key, fmt):
-        v = m.get(key)
-        return "-" if v is None else format(v, fmt)
-    if "eval/reward" in m:
-        per_func = "  ".join(f"{k.removeprefix('eval/rewards/')} {v:.3f}" for k, v in m.items()
-                             if k.startswith("eval/rewards/") and isinstance(v, float))
-        ctx.log(f"eval {step:>4}  reward {f('eval/reward', '.3f')}  {per_func}  len {f('eval/completion_len_mean', '.1f')}"
-                f"  in {f('time_eval_s', '.1f')}s")
-        if step == 0:
-            return          # eval_on_start: no training step to show
-    ctx.log(f"step {step:>4}  reward {f('reward', '.3f')}  kl {f('kl', '.4f')}  loss {f('loss', '.4f')}  "
-            f"len {f('completion_len_mean', '.1f')}  gen {f('time_generation_s', '.2f')}s  "
-            f"train {f('time_train_s', '.2f')}s  sync {f('time_sync_s', '.3f')}s")
-
-
-def _server_health(run_dir) -> dict:
-    import json
-
-    out = {}
-    for path in (Path(run_dir) / rundir.SERVERS_DIR).glob("node-*.json"):
-        try:
-            data = json.loads(path.read_text())
-            out[str(data["node"])] = data
-        except (OSError, ValueError, KeyError):
-            continue
-    return out

@@ -1,0 +1,102 @@
+"""The trainer role's entry (hpcrl.compute.launch runs it on every trainer task): build the
+trainer's parts from the job spec and the launch context, train, and report."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from hpcrl.compute.launch.context import LaunchContext
+from hpcrl.compute.train import checkpoint as ckpt
+from hpcrl.compute.train.trainer import Trainer, TrainerSetup
+from hpcrl.job import rundir
+from hpcrl.job.rundir import FINISHED_MARKER
+
+__all__ = ["run_trainer"]
+
+
+def run_trainer(ctx: LaunchContext) -> int:
+    """The trainer role's entry (hpcrl.compute.launch): build everything from the job spec, then train."""
+    from hpcrl.compute.inference.client import ServerGenerator
+    from hpcrl.compute.metrics import MetricsWriter
+    from hpcrl.compute.train.fsdp import describe, load_policy_and_reference
+    from hpcrl.compute.train.reward_model import load_reward_model
+    from hpcrl.compute.train.sources import (load_dataset, load_eval_dataset, load_tokenizer, local_or_cached,
+                                             resolve_model)
+
+    recipe = ctx.spec.recipe
+    threads = recipe.trainer.threads or max(1, len(ctx.task.cores))
+    torch.set_num_threads(threads)
+    torch.manual_seed(recipe.grpo.seed)
+    device = torch.device("cuda", 0) if ctx.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    rank0 = ctx.task.trainer_rank == 0
+    model_dir = resolve_model(recipe.model.path, ctx.run_dir, recipe.grpo.seed)
+    ckpt.control_group(ctx.launch.collective_timeout_s)      # a collective: every trainer, up front
+    policy, reference = load_policy_and_reference(model_dir, ctx.mesh, device, recipe)
+    if rank0:
+        ctx.log(describe(policy))
+    writer = MetricsWriter(ctx.run_dir, 0, tensorboard=recipe.logging.tensorboard,
+                           wandb=recipe.logging.wandb, run_name=recipe.name) if rank0 else None
+    # A reward model's hub id resolves to its cached snapshot, as model.path's does.
+    reward_models = {i: load_reward_model(local_or_cached(r.model, f"rewards[{i}].model"), ctx.mesh, device, recipe,
+                                          name=Path(r.model).name)
+                     for i, r in enumerate(recipe.rewards) if r.model}
+    generator = ServerGenerator(ctx, policy)
+    setup = TrainerSetup(
+        recipe=recipe, run_dir=Path(ctx.run_dir), device=device, policy=policy, reference=reference,
+        tokenizer=load_tokenizer(recipe.model, model_dir), dataset=load_dataset(recipe.data, recipe.grpo.seed),
+        eval_dataset=load_eval_dataset(recipe.data, recipe.grpo.seed) if recipe.grpo.eval_strategy != "no" else None,
+        trainer_rank=ctx.task.trainer_rank, num_trainers=ctx.plan.num_trainers, log=ctx.log,
+        collective_timeout_s=ctx.launch.collective_timeout_s, model_dir=model_dir,
+        on_metrics=(lambda step, m: (writer.log(step, m), _print_step(ctx, step, m))) if rank0 else None,
+        on_completions=writer.log_completions if rank0 else None, reward_models=reward_models,
+        on_heartbeat=(lambda step, phase: writer.heartbeat(step, phase, servers=_server_health(ctx.run_dir)))
+        if rank0 else None,
+    )
+    generator.wait_ready()
+    trainer = Trainer(setup, generator)
+    resume_step = trainer.resume_step_hint() if rank0 else None
+    if resume_step is not None:
+        writer.truncate_after(resume_step)
+    try:
+        outcome = trainer.run()
+    finally:
+        generator.close()
+    if rank0:
+        writer.heartbeat(trainer.step, outcome, servers=_server_health(ctx.run_dir))
+        writer.close()
+        if outcome == "finished":
+            (Path(ctx.run_dir) / FINISHED_MARKER).write_text(f"{trainer.step}\n")
+        ctx.log(f"{outcome} at step {trainer.step}")
+    return 0
+
+
+def _print_step(ctx: LaunchContext, step: int, m: dict) -> None:
+    def f(key, fmt):
+        v = m.get(key)
+        return "-" if v is None else format(v, fmt)
+    if "eval/reward" in m:
+        per_func = "  ".join(f"{k.removeprefix('eval/rewards/')} {v:.3f}" for k, v in m.items()
+                             if k.startswith("eval/rewards/") and isinstance(v, float))
+        ctx.log(f"eval {step:>4}  reward {f('eval/reward', '.3f')}  {per_func}  len {f('eval/completion_len_mean', '.1f')}"
+                f"  in {f('time_eval_s', '.1f')}s")
+        if step == 0:
+            return          # eval_on_start: no training step to show
+    ctx.log(f"step {step:>4}  reward {f('reward', '.3f')}  kl {f('kl', '.4f')}  loss {f('loss', '.4f')}  "
+            f"len {f('completion_len_mean', '.1f')}  gen {f('time_generation_s', '.2f')}s  "
+            f"train {f('time_train_s', '.2f')}s  sync {f('time_sync_s', '.3f')}s")
+
+
+def _server_health(run_dir) -> dict:
+    out = {}
+    for path in (Path(run_dir) / rundir.SERVERS_DIR).glob("node-*.json"):
+        try:
+            data = json.loads(path.read_text())
+            out[str(data["node"])] = data
+        except (OSError, ValueError, KeyError):
+            continue
+    return out
