@@ -53,7 +53,7 @@ def _w_lora(rank, world, model_dir, out_dir):
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hpcrl.compute.sync.gather import _lora_layers, changing_params, iter_full_tensors, sync_named_params
+    from hpcrl.compute.sync.gather import changing_params, lora_layers, iter_full_tensors, sync_named_params
     from hpcrl.compute.train import export
     from hpcrl.compute.train.fsdp import load_policy_and_reference
     from hpcrl.compute.train.lora import BaseModel
@@ -69,7 +69,7 @@ def _w_lora(rank, world, model_dir, out_dir):
     trainable = {n: p for n, p in policy.named_parameters() if p.requires_grad}
     assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable), sorted(trainable)[:4]
     assert {p.dtype for p in trainable.values()} == {torch.float32}
-    adapted = sorted({n.rsplit(".", 1)[-1] for n in _lora_layers(policy)})
+    adapted = sorted({n.rsplit(".", 1)[-1] for n in lora_layers(policy)})
     assert adapted == sorted(TARGETS), adapted
     optimizer = build_optimizer(policy, recipe.grpo)
     assert sum(len(g["params"]) for g in optimizer.param_groups) == len(trainable)

@@ -39,6 +39,7 @@ __all__ = [
     "WRAPPER_PREFIXES",
     "ParamSpec",
     "MergedWeight",
+    "lora_layers",
     "GatherTraffic",
     "LiveBytes",
     "hf_name",
@@ -102,7 +103,7 @@ class MergedWeight:
         return tracker.track(merged) if tracker is not None else merged
 
 
-def _lora_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+def lora_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """The LoRA layers of ``model`` by module path: peft's layers keep the original module as
     ``base_layer`` and the active adapter's matrices in ``lora_A``/``lora_B`` (the adapter "default")."""
     return {name: m for name, m in model.named_modules()
@@ -121,7 +122,7 @@ def sync_named_params(model: torch.nn.Module, tie_word_embeddings: bool | None =
     if tie_word_embeddings is None:
         config = getattr(model, "config", None)
         tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-    lora = _lora_layers(model)
+    lora = lora_layers(model)
     merged = {f"{path}.base_layer.weight": MergedWeight(m.base_layer.weight, m.lora_A["default"].weight,
                                                         m.lora_B["default"].weight, m.scaling["default"])
               for path, m in lora.items()}

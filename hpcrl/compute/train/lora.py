@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hpcrl.compute.sync.gather import lora_layers
 from hpcrl.job.errors import UserError
 from hpcrl.job.recipe import ModelConfig
 
@@ -83,13 +84,6 @@ def add_adapters(model: nn.Module, recipe_model: ModelConfig) -> nn.Module:
             module.to(dtype=torch.float32)
             module.weight.requires_grad_(True)
     return model
-
-
-def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
-    """peft's LoRA layers of ``model`` by module path."""
-    from hpcrl.compute.sync.gather import _lora_layers
-
-    return _lora_layers(model)
 
 
 def _tuner_layers(model: nn.Module) -> list[nn.Module]:
