@@ -83,7 +83,9 @@ def hf_name(name: str) -> str:
 class MergedWeight:
     """The weight an engine serves for a LoRA layer: ``base + scale * lora_B @ lora_A``, known by
     its shape and dtype (the base weight's) without gathering, like a parameter. :func:`full_tensor`
-    gathers the three (every rank of the mesh, in this order) and merges them in fp32."""
+    gathers the three (every rank of the mesh, in this order) and merges them in fp32. The base is
+    gathered as stored, not cast to the wire dtype first: the merged weight is then rounded once,
+    as the merged model's would be (on GPUs the frozen base is stored in the engine's dtype anyway)."""
 
     def __init__(self, base: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float) -> None:
         self.base, self.lora_a, self.lora_b, self.scale = base, lora_a, lora_b, float(scale)
@@ -95,7 +97,7 @@ class MergedWeight:
 
     @torch.no_grad()
     def merge(self, wire: torch.dtype, tracker: LiveBytes | None, traffic: GatherTraffic | None) -> torch.Tensor:
-        base = full_tensor(self.base, wire, tracker, traffic)
+        base = full_tensor(self.base, None, tracker, traffic)
         a = full_tensor(self.lora_a, torch.float32, tracker, traffic)
         b = full_tensor(self.lora_b, torch.float32, tracker, traffic)
         merged = torch.addmm(base.float(), b, a, alpha=self.scale).to(wire)

@@ -274,11 +274,18 @@ def _load_options(model: nn.Module) -> StateDictOptions:
     return StateDictOptions(ignore_frozen_params=True, strict=not frozen)
 
 
+def _without_frozen(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    # ignore_frozen_params drops each frozen parameter under its first name only: a tied alias
+    # (lm_head.weight, the embedding) would still be saved, the largest frozen matrix there is.
+    frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {k: v for k, v in state.items() if k not in frozen}
+
+
 def _state_dicts(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> dict[str, Any]:
     if optimizer is None:
-        return {"model": get_model_state_dict(model, options=_OPTIONS)}
+        return {"model": _without_frozen(model, get_model_state_dict(model, options=_OPTIONS))}
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
-    return {"model": model_sd, "optim": optim_sd}
+    return {"model": _without_frozen(model, model_sd), "optim": optim_sd}
 
 
 def save(directory: str | os.PathLike, step: int, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
