@@ -525,7 +525,8 @@ class Resources:
 class Recipe:
     name: str = "hpcrl-demo"
     # "train" runs GRPO; "probe" makes every task print the placement row it takes and exit.
-    mode: Literal["train", "probe"] = "train"
+    # "control": the same report without torch (bytes echo, MPI allreduce), for launches of hundreds of ranks.
+    mode: Literal["train", "probe", "control"] = "train"
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rewards: tuple[RewardSpec, ...] = field(default_factory=_default_rewards)

@@ -1,8 +1,10 @@
 """`python -m hpcrl.compute.launch RUN_DIR`: every task of a job (srun or mpiexec) runs this.
 
 Load the job spec, find out who we are, pin to our GPU(s) and cores, meet the others, then do
-our role: by `recipe.mode`, "probe" (print what this task got, check the links, exit) or
-"train" (hpcrl.compute.train.role:run_trainer / hpcrl.compute.inference.server:run_server).
+our role: by `recipe.mode`, "probe" (print what this task got, check the links, exit),
+"control" (the same without torch: no trainers' torch group, bytes over the node channel, an MPI
+allreduce; probe.py) or "train" (hpcrl.compute.train.role:run_trainer /
+hpcrl.compute.inference.server:run_server).
 
 Order matters: mpi4py before torch; pinning before torch (CUDA reads the variable at init).
 Nothing here imports mpi4py or torch at module level (see rendezvous.py).
@@ -135,7 +137,7 @@ def setup(spec: JobSpec, run_dir: Path, supervisor: Supervisor, book: ArrivalBoo
             from mpi4py import MPI
             sub = world.Split(0 if ctx.is_trainer else MPI.UNDEFINED, key=task.rank)
             ctx.trainer_comm = None if sub == MPI.COMM_NULL else sub
-        if ctx.is_trainer:
+        if ctx.is_trainer and spec.recipe.mode != "control":      # control: no torch anywhere
             _join_trainers(ctx)
             mark("trainers_group")
         pinning.apply_affinity(pinned)
@@ -208,9 +210,9 @@ def _join_trainers(ctx: LaunchContext) -> None:
 # ---------------------------------------------------------------------------- roles
 def run_role(ctx: LaunchContext) -> int:
     try:
-        if ctx.spec.recipe.mode == "probe":
+        if ctx.spec.recipe.mode in ("probe", "control"):
             from hpcrl.compute.launch import probe
-            return probe.run(ctx)
+            return probe.run(ctx) if ctx.spec.recipe.mode == "probe" else probe.run_control(ctx)
         module_name, func_name = ROLE_ENTRIES[ctx.role]
         # Imported here: a probe job, and the other role, never pay for torch/vLLM imports they do not use.
         return int(getattr(importlib.import_module(module_name), func_name)(ctx) or 0)

@@ -1,12 +1,23 @@
 """recipe.mode = "probe": each task prints one JSON line with its plan row and what it really
 got (host, node, devices, cores, links), after checking the links: an all_reduce among the
-trainers (and inside each mesh dimension) and a round trip with its node's server."""
+trainers (and inside each mesh dimension) and a round trip with its node's server.
+
+recipe.mode = "control": the same line from the control plane alone, with no torch anywhere
+(40-55 MB a task on the dev VM, where importing torch alone takes 230 MB, so hundreds of ranks fit
+one machine: tests/test_scale.py, scripts/bench_scale.py): the round trip carries bytes, the trainers'
+check is an MPI allreduce over their communicator, and the launch joins no torch group. Every
+task then waits for all the others (an MPI barrier) before its line, so a rank lost on the way
+is named by every other one (the watchdog's verdict) instead of some ranks ending cleanly."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import resource
 import socket
+import sys
+import threading
 import time
 
 from hpcrl.compute.launch.context import LaunchContext, write_line
@@ -21,6 +32,50 @@ def run(ctx: LaunchContext) -> int:
     row = {"hpcrl_probe": 1, "plan": ctx.task.to_dict(), "observed": observe(ctx), "checks": checks}
     write_line(json.dumps(row, sort_keys=True))
     return 0 if all(c["ok"] for c in checks.values()) else 1
+
+
+def run_control(ctx: LaunchContext) -> int:
+    t0 = time.perf_counter()
+    checks = {"channel": _serve(ctx) if ctx.is_server else _echo_bytes(ctx)}
+    if ctx.is_trainer:
+        checks["allreduce"] = _mpi_allreduce(ctx)
+    if ctx.world is not None:
+        ctx.world.Barrier()
+    row = {"hpcrl_probe": 1, "mode": "control", "plan": ctx.task.to_dict(), "observed": observe(ctx),
+           "checks": checks, "timings": {**ctx.timings, "checks_s": round(time.perf_counter() - t0, 3)},
+           "usage": usage(ctx), "torch_imported": "torch" in sys.modules}
+    write_line(json.dumps(row, sort_keys=True))
+    return 0 if all(c["ok"] for c in checks.values()) else 1
+
+
+def usage(ctx: LaunchContext) -> dict:
+    """This task's CPU time and memory so far; on rank 0 also its watchdog hub thread's CPU time."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    out = {"cpu_s": round(ru.ru_utime + ru.ru_stime, 3), "rss_kb": _status_kb("VmRSS"),
+           "peak_rss_kb": _status_kb("VmHWM")}
+    if ctx.hub is not None:
+        hub = next((t for t in threading.enumerate() if t.name == "hpcrl-hub"), None)
+        if hub is not None and hub.ident is not None:
+            try:
+                out["hub_cpu_s"] = round(time.clock_gettime(time.pthread_getcpuclockid(hub.ident)), 3)
+            except (OSError, AttributeError):
+                pass
+        try:
+            out["open_files"] = len(os.listdir("/proc/self/fd"))
+        except OSError:
+            pass
+    return out
+
+
+def _status_kb(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
 
 
 def observe(ctx: LaunchContext) -> dict:
@@ -46,6 +101,22 @@ def _echo(ctx: LaunchContext) -> dict:
     sent = {"op": "echo", "rank": ctx.task.rank,
             "token_ids": torch.arange(32, dtype=torch.int64) + 1000 * ctx.task.rank,
             "logprobs": -torch.rand(32), "hidden": torch.randn(4, 8).to(torch.bfloat16)}
+    reply, seconds = _round_trip(ctx, sent)
+    ok = (reply.get("server_rank") == ctx.task.server_rank
+          and all(torch.equal(reply[k], sent[k]) for k in ("token_ids", "logprobs", "hidden")))
+    return {"ok": ok, "server_rank": reply.get("server_rank"), "seconds": round(seconds, 4)}
+
+
+def _echo_bytes(ctx: LaunchContext) -> dict:
+    payload = hashlib.sha256(b"hpcrl-echo/%d" % ctx.task.rank).digest() * 32       # 1 KiB, this rank's own
+    reply, seconds = _round_trip(ctx, {"op": "echo", "rank": ctx.task.rank, "payload": payload})
+    ok = (reply.get("server_rank") == ctx.task.server_rank and reply.get("rank") == ctx.task.rank
+          and reply.get("payload") == payload)
+    return {"ok": ok, "server_rank": reply.get("server_rank"), "bytes": len(payload), "seconds": round(seconds, 4)}
+
+
+def _round_trip(ctx: LaunchContext, sent: dict) -> tuple[dict, float]:
+    """Send `sent` to the node's server, wait (bounded) for its echo, then say "done"."""
     t0 = time.perf_counter()
     try:
         reply = ctx.channel.request(sent, timeout=ctx.launch.collective_timeout_s)
@@ -54,9 +125,7 @@ def _echo(ctx: LaunchContext) -> dict:
                            f"(launch.collective_timeout_s)") from None
     seconds = time.perf_counter() - t0
     ctx.channel.send({"op": "done"})
-    ok = (reply.get("server_rank") == ctx.task.server_rank
-          and all(torch.equal(reply[k], sent[k]) for k in ("token_ids", "logprobs", "hidden")))
-    return {"ok": ok, "server_rank": reply.get("server_rank"), "seconds": round(seconds, 4)}
+    return reply, seconds
 
 
 def _serve(ctx: LaunchContext) -> dict:
@@ -96,3 +165,14 @@ def _all_reduce(ctx: LaunchContext) -> dict:
         result[f"mesh_{dim}"] = one.item()
         result["ok"] = result["ok"] and one.item() == size
     return result
+
+
+def _mpi_allreduce(ctx: LaunchContext) -> dict:
+    comm, n = ctx.trainer_comm, ctx.plan.num_trainers
+    if comm is None:
+        return {"ok": True, "skipped": "no MPI (identity from SLURM_* variables): no trainers' communicator"}
+    t0 = time.perf_counter()
+    total = comm.allreduce(ctx.task.trainer_rank + 1)           # a sum
+    seconds = time.perf_counter() - t0
+    return {"ok": total == n * (n + 1) // 2 and comm.Get_size() == n, "sum": total, "world": comm.Get_size(),
+            "seconds": round(seconds, 4)}

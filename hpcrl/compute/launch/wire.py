@@ -85,8 +85,11 @@ def send_msg(sock: socket.socket, obj: Any) -> None:
 
 
 def wait_readable(sock: socket.socket, timeout: float | None) -> bool:
-    ready, _, _ = select.select([sock], [], [], timeout)
-    return bool(ready)
+    # poll, not select: select() refuses a descriptor numbered 1024 or more, and rank 0 holds one
+    # socket per rank for the watchdog hub (scripts/bench_scale.py).
+    poller = select.poll()
+    poller.register(sock, select.POLLIN | select.POLLPRI)
+    return bool(poller.poll(None if timeout is None else timeout * 1000))
 
 
 def recv_msg(sock: socket.socket, timeout: float | None = None) -> Any:
