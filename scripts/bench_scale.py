@@ -84,9 +84,10 @@ import tempfile
 import threading
 import time
 import uuid
+from dataclasses import asdict
 from pathlib import Path
 
-from dataclasses import asdict
+from benchtable import print_table  # scripts/benchtable.py (this script's directory is on sys.path)
 
 from hpcrl.compute.launch import wire
 from hpcrl.compute.launch.watchdog import Hub, Peer, heartbeat_interval
@@ -411,25 +412,6 @@ def fit(sizes: list[int], values: list[float]) -> tuple[float, float] | None:
     sxx = sum((x - mx) ** 2 for x, _ in pts)
     b = sum((x - mx) * (y - my) for x, y in pts) / sxx
     return my - b * mx, b
-
-
-def print_table(title: str, headers: list[str], rows: list[list[str]]) -> None:
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-        print(title)
-        print("  ".join(h.rjust(w) for h, w in zip(headers, widths)))
-        for r in rows:
-            print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
-        return
-    table = Table(title=title, title_justify="left")
-    for h in headers:
-        table.add_column(h, justify="right")
-    for r in rows:
-        table.add_row(*r)
-    Console(width=max(120, len(" ".join(headers)) + 3 * len(headers) + 10)).print(table)
 
 
 def fmt(v, digits=2) -> str:

@@ -62,6 +62,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchtable import print_table  # noqa: E402  (scripts/benchtable.py)
 from rss import MMAP_THRESHOLD, peak_rss_bytes, reset_peak_rss, rss_bytes  # noqa: E402  (scripts/rss.py)
 
 MIB = 2 ** 20
@@ -234,7 +235,6 @@ def _measure(recipe, rank: int, world: int, cfg: dict, mesh, cpu) -> dict:
                    ref_params=fsdp.local_param_bytes(reference) if reference is not None else 0,
                    params_global=fsdp.global_param_bytes(policy))
         out["ref_on" if ref_on else "ref_off"] = res
-    del reference, policy, opt
     return out
 
 
@@ -297,25 +297,6 @@ def _fmt(value, kind: str) -> str:
 
 def _ratio(a, b) -> str:
     return f"x{a / b:.2f}" if b else "-"
-
-
-def print_table(title: str, headers: list[str], rows: list[list[str]]) -> None:
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-        print(title)
-        print("  ".join(h.rjust(w) for h, w in zip(headers, widths)))
-        for r in rows:
-            print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
-        return
-    table = Table(title=title, title_justify="left")
-    for h in headers:
-        table.add_column(h, justify="right")
-    for r in rows:
-        table.add_row(*r)
-    Console(width=max(120, len(" ".join(headers)) + 3 * len(headers) + 10)).print(table)
 
 
 def main(argv: list[str] | None = None) -> int:

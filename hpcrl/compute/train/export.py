@@ -285,8 +285,6 @@ def save_from_trainers(model: torch.nn.Module, final: Path, *, model_dir: str | 
     gathers and the closing agreement are collectives). ``writer``: trainer rank 0, the rank that
     writes (global rank 0 of ``group``). Returns ``final`` on the writer, None elsewhere; raises on
     every rank when the writer failed (the ranks keep gathering after a write error, so none hangs)."""
-    import torch.distributed as dist
-
     tensors = export_tensors(model)
     cast = dtype if any(t.dtype.is_floating_point and t.dtype != dtype for _, t in tensors) else None
     error: BaseException | None = None
@@ -315,6 +313,14 @@ def save_from_trainers(model: torch.nn.Module, final: Path, *, model_dir: str | 
             error = e
     if shards is not None and error is not None:
         shards.abort()      # its hidden directory stays until the next save removes it
+    _raise_if_any_failed(error, group, f"writing the model to {final}")
+    return final if writer else None
+
+
+def _raise_if_any_failed(error: BaseException | None, group, what: str) -> None:
+    """Every trainer learns whether the writer failed (a collective), and all of them raise."""
+    import torch.distributed as dist
+
     failed = error is not None
     if dist.is_available() and dist.is_initialized():
         flag = torch.tensor([1 if failed else 0], dtype=torch.int64)
@@ -322,9 +328,8 @@ def save_from_trainers(model: torch.nn.Module, final: Path, *, model_dir: str | 
         failed = bool(flag.item())
     if failed:
         if error is not None:
-            raise RuntimeError(f"writing the model to {final} failed: {error}") from error
-        raise RuntimeError(f"writing the model to {final} failed on trainer rank 0")
-    return final if writer else None
+            raise RuntimeError(f"{what} failed: {error}") from error
+        raise RuntimeError(f"{what} failed on trainer rank 0")
 
 
 def save_lora_from_trainers(model: torch.nn.Module, final: Path, *, recipe_model, model_dir: str | os.PathLike,
@@ -333,8 +338,6 @@ def save_lora_from_trainers(model: torch.nn.Module, final: Path, *, recipe_model
     """A LoRA policy's model directory: the peft adapter directory (hpcrl.compute.train.lora), and
     with ``merged`` the merged model in its ``merged/`` (:func:`save_from_trainers`: the sync's
     merged weights). Every trainer calls it; the same atomic commit and failure agreement."""
-    import torch.distributed as dist
-
     from hpcrl.compute.train import lora
 
     error: BaseException | None = None
@@ -361,14 +364,7 @@ def save_lora_from_trainers(model: torch.nn.Module, final: Path, *, recipe_model
             commit(tmp, final)
         except Exception as e:      # noqa: BLE001
             error = e
-    failed = error is not None
-    if dist.is_available() and dist.is_initialized():
-        flag = torch.tensor([1 if failed else 0], dtype=torch.int64)
-        dist.all_reduce(flag, group=group)
-        failed = bool(flag.item())
-    if failed:
-        raise RuntimeError(f"writing the LoRA adapters to {final} failed"
-                           + (f": {error}" if error is not None else " on trainer rank 0")) from error
+    _raise_if_any_failed(error, group, f"writing the LoRA adapters to {final}")
     return final if writer else None
 
 
