@@ -497,3 +497,45 @@ def test_tensorboard_gets_every_numeric_metric(tmp_path):
     acc.Reload()
     assert {"reward", "rewards/demo_correct", "time_sync_s"} <= set(acc.Tags()["scalars"])
     assert [(e.step, round(e.value, 6)) for e in acc.Scalars("reward")] == [(1, 0.1), (2, 0.2), (3, 0.3)]
+
+
+# ----------------------------------------------------------------------------------------------
+# (c) a staged model: each node reads its own copy
+
+def _w_read_per_node(rank, world, node_dirs):
+    import torch
+    from safetensors.torch import load_file
+    from torch.distributed.tensor import DTensor
+
+    from hpcrl.compute.train.fsdp import load_sharded_model
+
+    node = rank // 2                                         # 2 fake nodes x 2 trainers
+    mesh = _mesh((world,))                                   # FSDP across both nodes
+    model = load_sharded_model(node_dirs[node], mesh, torch.device("cpu"), read_groups=[[0, 1], [2, 3]],
+                               load_timeout_s=60)
+    # Node 1's copy differs from node 0's: the shards node 1 holds can only have come from its own copy.
+    mine = load_file(str(Path(node_dirs[node]) / "model.safetensors"))
+    for name, p in model.named_parameters():
+        assert isinstance(p, DTensor)
+        full = mine[name]
+        rows = torch.tensor_split(torch.arange(full.shape[0]), world)[rank] if full.ndim else None
+        got = p.to_local()
+        assert got.shape[0] == len(rows), name
+        assert torch.equal(got, full[rows].to(got.dtype)), f"rank {rank}: {name} is not node {node}'s copy"
+
+
+def test_a_staged_model_is_read_by_each_node_from_its_own_copy(tmp_path, model_dir):
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    copies = [tmp_path / "node0", tmp_path / "node1"]
+    for copy in copies:
+        shutil.copytree(model_dir, copy)
+    weights = load_file(str(copies[1] / "model.safetensors"))
+    save_file({k: (v + 1).contiguous() if v.is_floating_point() else v for k, v in weights.items()},
+              str(copies[1] / "model.safetensors"), metadata={"format": "pt"})
+    assert not torch.equal(load_file(str(copies[1] / "model.safetensors"))[next(iter(weights))],
+                           weights[next(iter(weights))])
+    spawn(_w_read_per_node, tmp_path / "run", [str(c) for c in copies], world=4, timeout=300)

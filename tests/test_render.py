@@ -4,6 +4,7 @@ user sites and overrides; values from users are quoted."""
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -21,14 +22,39 @@ def _render(hpcrl, *args, env=None) -> tuple[Path, str]:
 
 
 @pytest.mark.parametrize("site", sorted(SLURM_SITES))
-@pytest.mark.parametrize("nodes", [1, 2, 128])
+@pytest.mark.parametrize("nodes", [1, 2, 128, 256, 2048, 9472])
 def test_site_renders_valid_bash(hpcrl, site, nodes):
     run_dir, script = _render(hpcrl, "--site", site, "-N", nodes, *SLURM_SITES[site])
     subprocess.run(["bash", "-n", str(run_dir / "job.sbatch")], check=True)
     assert f"#SBATCH --nodes={nodes}\n" in script
     spec = json.loads((run_dir / "job.json").read_text())
     assert spec["recipe"]["resources"]["nodes"] == nodes and spec["site"]["name"] == site
-    assert "srun --kill-on-bad-exit=1" in script and "-m hpcrl.compute.launch" in script
+    tasks = spec_tasks_per_node(script)
+    assert f"srun --kill-on-bad-exit=1 --nodes={nodes} --ntasks-per-node={tasks} " in script
+    assert "-m hpcrl.compute.launch" in script
+    # What grows with the job stays on the compute side: the script and the spec do not.
+    assert len(script) < 4096 and (run_dir / "job.json").stat().st_size < 16384
+
+
+def spec_tasks_per_node(script: str) -> int:
+    return int(script.split("#SBATCH --ntasks-per-node=", 1)[1].split("\n", 1)[0])
+
+
+# Frontier's batch partition: the longest walltime rises with the node count, in bins (the OLCF policy).
+@pytest.mark.parametrize(("nodes", "longest"), [(91, "02:00:00"), (92, "06:00:00"), (183, "06:00:00"),
+                                                (184, "12:00:00"), (2048, "12:00:00"), (9472, "12:00:00")])
+def test_frontier_walltime_bins_at_scale(hpcrl, nodes, longest):
+    _, script = _render(hpcrl, "--site", "frontier", "-A", "abc", "-N", nodes, "-t", longest)
+    assert f"#SBATCH --time={longest}\n" in script
+    h, m, s = (int(x) for x in longest.split(":"))
+    over = f"{h:02d}:{m:02d}:{s + 1:02d}"
+    r = hpcrl("render", "--site", "frontier", "-A", "abc", "-N", nodes, "-t", over)
+    assert r.returncode == 2 and f"over the {longest} limit for {nodes} node(s)" in r.stderr
+
+
+def test_frontier_refuses_more_nodes_than_it_has(hpcrl):
+    r = hpcrl("render", "--site", "frontier", "-A", "abc", "-N", "9473")
+    assert r.returncode == 2 and "nodes: 9473 is over partition batch's limit of 9472" in r.stderr
 
 
 def test_local_site_has_no_script(hpcrl):
@@ -157,3 +183,44 @@ def test_overrides_and_the_recipe_may_come_between_options(hpcrl):
     spec = json.loads((run_dir / "job.json").read_text())
     assert spec["recipe"]["resources"]["nodes"] == 2 and spec["recipe"]["name"] == "interleaved"
     assert spec["recipe"]["grpo"]["beta"] == 0.01 and spec["recipe"]["grpo"]["max_steps"] == 3
+
+
+def test_frontier_sbcasts_the_model_to_every_node(hpcrl, tmp_path):
+    from hpcrl.compute.models.tiny import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "my model's dir", size="tiny", seed=0)
+    run_dir, script = _render(hpcrl, "--site", "frontier", "-A", "abc", "-N", "4", f"model.path={model}")
+    subprocess.run(["bash", "-n", str(run_dir / "job.sbatch")], check=True)
+    spec = json.loads((run_dir / "job.json").read_text())
+    assert spec["model_source"] == str(model)
+    assert f"HPCRL_MODEL_SRC={shlex.quote(str(model))}\n" in script          # a user's path, quoted
+    assert 'HPCRL_MODEL_DEST="/mnt/bb/$USER/hpcrl-model"' in script
+    assert 'sbcast -pf "$f" "$HPCRL_MODEL_DEST/${f##*/}" || hpcrl_fail' in script
+    assert "srun --nodes=4 --ntasks=4 --ntasks-per-node=1 mkdir -p \"$HPCRL_MODEL_DEST\" \\\n  || hpcrl_fail" in script
+    # Staged before the launch, which then reads it.
+    assert script.index("sbcast -pf \"$f\"") < script.index("-m hpcrl.compute.launch")
+
+
+def test_the_demo_model_is_not_staged(hpcrl):
+    run_dir, script = _render(hpcrl, "--site", "frontier", "-A", "abc")
+    assert json.loads((run_dir / "job.json").read_text())["model_source"] == ""
+    assert "HPCRL_MODEL_SRC" not in script
+
+
+def test_srun_staging_expands_the_destination_on_each_node(hpcrl, tmp_path):
+    from hpcrl.compute.models.tiny import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "m", size="tiny", seed=0)
+    _, script = _render(hpcrl, "--site", "testbed", "-N", "2", f"model.path={model}", "grpo.per_device_train_batch_size=16",
+                        "grpo.num_generations=8", "site.stage.model_dest=/tmp/x/$SLURMD_NODENAME/model",
+                        "site.stage.model_via=srun")
+    assert "srun --nodes=2 --ntasks=2 --ntasks-per-node=1 \"$HPCRL_PYTHON\" -m hpcrl.compute.stage" in script
+    assert "sbcast" not in script and "$SLURMD_NODENAME" not in script       # expanded by the copy, per node
+
+
+def test_a_hub_model_is_staged_from_the_login_nodes_cache(hpcrl, tmp_path):
+    r = hpcrl("render", "--site", "frontier", "-A", "abc", "model.path=someorg/not-downloaded",
+              env={"HF_HOME": str(tmp_path / "hf")})
+    assert r.returncode == 2
+    assert r.stderr.startswith("hpcrl: error: model.path: site.stage.model_dest copies the model from this machine")
+    assert "'someorg/not-downloaded'" in r.stderr and "download" in r.stderr

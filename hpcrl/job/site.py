@@ -76,6 +76,14 @@ class Stage:
     nodes: 2 s from NVMe, 51 s from Lustre, almost 4 min from NFS)."""
     python_env: str = ""           # path of env.tar.gz on the shared file system ("" = no staging)
     dest: str = "/mnt/bb/$USER/hpcrl-env"
+    # The model, copied to each node's local storage before the run, where every node loads its own
+    # copy: the shared file system is read once instead of by every node, and loading sends no
+    # weight byte between nodes. "" = every node reads model.path where it is.
+    model_dest: str = ""
+    # "sbcast": the batch host reads the model once and Slurm fans it out (model_dest is one path,
+    # expanded there); "srun": one task per node copies it (model_dest is expanded on each node,
+    # so it may name the node, e.g. $SLURMD_NODENAME where nodes share a disk).
+    model_via: Literal["sbcast", "srun"] = "sbcast"
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ both + resources -> JobSpec (hpcrl.login.compose) -> <run_dir>/job.json -> the t
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +35,9 @@ class JobSpec:
     # directories), as compose found them: the run directory keeps copies (rundir.REWARDS_DIR),
     # which the trainers import, so a job runs the code it was submitted with.
     reward_modules: tuple[str, ...] = ()
+    # The model directory the job copies to each node's site.stage.model_dest before the run, as
+    # compose resolved model.path on the login node ("" = not staged: the demo, or no model_dest).
+    model_source: str = ""
 
     @property
     def name(self) -> str:
@@ -52,6 +56,13 @@ class JobSpec:
         shell (hpcrl.login.render quotes them), `hpcrl run` in-process (hpcrl.login.local)."""
         site = self.site
         return {**site.env, **(site.env_single_node if self.nodes == 1 else site.env_multi_node)}
+
+    def node_model_dir(self) -> str | None:
+        """Where this node's staged copy of the model is (site.stage.model_dest, expanded in this
+        task's environment); None when the model is not staged."""
+        if not self.model_source:
+            return None
+        return os.path.expandvars(self.site.stage.model_dest)
 
     def to_json(self) -> str:
         return json.dumps(to_dict(self), indent=2, sort_keys=True)

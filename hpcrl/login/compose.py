@@ -242,8 +242,13 @@ def compose(recipe_path: str | None, site_name: str, assignments: list[str] = ()
         _check_writable_on_compute(site, Path(recipe.checkpoint.dir).expanduser().absolute(), "checkpoint.dir")
     if recipe.checkpoint.output_dir:
         _check_output_dir(site, Path(recipe.checkpoint.output_dir))
+    from hpcrl.login.inputs import model_to_stage
+
+    model_source = model_to_stage(recipe, site) if recipe.mode == "train" else ""
+    if model_source:
+        _check_text(model_source, "model.path")
     spec = JobSpec(SPEC_VERSION, __version__, time.time(), str(run_path), site, recipe, time_s, python,
-                   reward_modules)
+                   reward_modules, model_source)
     if check_fit:
         _check_fit(spec, plan)
     return spec

@@ -50,6 +50,24 @@ def check_inputs(recipe: Recipe, site: Site) -> None:
     _check_data(recipe, env)
 
 
+def model_to_stage(recipe: Recipe, site: Site) -> str:
+    """The directory the job copies to each node (site.stage.model_dest): model.path itself, or a
+    hub id's snapshot in THIS machine's Hugging Face cache (the batch host reads it from the shared
+    file system; the nodes' own caches may be empty). "" for the demo model, built on the nodes."""
+    path = recipe.model.path
+    if not site.stage.model_dest or path.startswith(DEMO_MODEL_PREFIX):
+        return ""
+    local = Path(path).expanduser()
+    if local.is_dir() or not hfcache.is_hub_id(path):
+        return str(local.absolute())        # a path only the nodes can see is theirs to find
+    hub_cache, _ = hfcache.hub_cache_dirs(os.environ)
+    snapshot = hfcache.cached_snapshot(path, "model", hub_cache)
+    if snapshot is None:
+        raise UserError(f"model.path: site.stage.model_dest copies the model from this machine's Hugging Face "
+                        f"cache ({hub_cache}), which lacks {path!r}; {hfcache.download_hint(path)}")
+    return str(snapshot)
+
+
 # ---------------------------------------------------------------------------- where the job looks
 def _job_env(site: Site) -> dict[str, str | None]:
     """This environment with the site's variables on top, as the job gets it; a site's cache

@@ -178,10 +178,10 @@ class Server:
 
 
 def run_server(ctx: LaunchContext) -> int:
-    from hpcrl.compute.train.sources import resolve_model, tokenizer_dir
+    from hpcrl.compute.train.sources import job_model_dir, tokenizer_dir
 
     recipe = ctx.spec.recipe
-    model_dir = resolve_model(recipe.model.path, ctx.run_dir, recipe.grpo.seed)
+    model_dir = job_model_dir(ctx.spec, ctx.run_dir)
     tokenizer_dir(recipe.model, model_dir)      # a missing one named here, not deep in the engine
     t0 = time.perf_counter()
     engine = make_engine(ctx, model_dir)

@@ -225,6 +225,17 @@ def _stream_from_rank0(model: nn.Module, source: Optional[nn.Module], comm_devic
         del full
 
 
+_read_groups: dict[tuple[tuple[int, ...], ...], dist.ProcessGroup] = {}
+
+
+def _read_group(read_groups: list[list[int]]) -> dist.ProcessGroup:
+    """This rank's group of ``read_groups`` (made once, by every rank, for the policy and the reference)."""
+    key = tuple(tuple(ranks) for ranks in read_groups)
+    if key not in _read_groups:
+        _read_groups[key], _ = dist.new_subgroups_by_enumeration([list(r) for r in key])
+    return _read_groups[key]
+
+
 def _comm_group(mesh: DeviceMesh) -> Optional[dist.ProcessGroup]:
     if mesh.ndim == 1:
         return mesh.get_group()
@@ -250,6 +261,7 @@ def load_sharded_model(
     attn_implementation: Optional[str] = None,
     auto_class: str = "AutoModelForCausalLM",
     adapt: Optional[Callable[[nn.Module], nn.Module]] = None,
+    read_groups: Optional[list[list[int]]] = None,
 ) -> nn.Module:
     """A Hugging Face causal LM from ``model_dir``, sharded with :func:`apply_fsdp` on ``mesh``.
 
@@ -258,6 +270,10 @@ def load_sharded_model(
     wait for rank 0's read (None: the collective timeout of the mesh's group). ``adapt`` changes
     the model before it is sharded, on the meta device, and rank 0's source model the same way
     before it streams (LoRA adapters: hpcrl.compute.train.lora.add_adapters).
+
+    ``read_groups``: the ranks of each node (a partition of the world), when every node has its own
+    copy of ``model_dir`` (a staged model): the first rank of each group reads it and streams to its
+    group alone, so loading moves no weight byte between nodes.
     """
     import transformers
     from transformers import AutoConfig
@@ -281,7 +297,7 @@ def load_sharded_model(
         for module in model.modules():
             for name, buf in module.named_buffers(recurse=False):
                 module._buffers[name] = buf.to(device)
-    group = _comm_group(mesh)
+    group = _comm_group(mesh) if read_groups is None else _read_group(read_groups)
     if load_timeout_s is not None:
         _load_group(group, load_timeout_s)    # made before rank 0 reads: its making is a rendezvous too
     source = None
@@ -302,7 +318,8 @@ def frozen_dtype(recipe: Recipe, compute_dtype: torch.dtype) -> torch.dtype:
     return compute_dtype if recipe.model.dtype == "auto" else getattr(torch, recipe.model.dtype)
 
 
-def load_policy_and_reference(model_dir: str, mesh: DeviceMesh, device: torch.device, recipe: Recipe
+def load_policy_and_reference(model_dir: str, mesh: DeviceMesh, device: torch.device, recipe: Recipe,
+                              read_groups: Optional[list[list[int]]] = None
                               ) -> tuple[nn.Module, Optional[nn.Module]]:
     """The trainable policy and (when ``recipe.grpo.beta > 0``) the frozen reference model.
 
@@ -314,6 +331,7 @@ def load_policy_and_reference(model_dir: str, mesh: DeviceMesh, device: torch.de
     Both are sharded the same way on the same mesh and device. The reference is in eval mode with
     ``requires_grad=False`` everywhere; it lives in host memory only with an explicit
     ``trainer.reference_offload`` (FSDP2 ``CPUOffloadPolicy``), never because of where it was loaded.
+    ``read_groups``: as :func:`load_sharded_model`'s (each node reads its own staged copy).
     """
     device = torch.device(device)
     grpo, trainer = recipe.grpo, recipe.trainer
@@ -331,7 +349,8 @@ def load_policy_and_reference(model_dir: str, mesh: DeviceMesh, device: torch.de
         model_dir, mesh, device, dtype=frozen_dtype(recipe, param_dtype) if lora else torch.float32,
         param_dtype=param_dtype, reduce_dtype=reduce_dtype,
         activation_checkpointing=bool(grpo.gradient_checkpointing or trainer.activation_checkpointing),
-        trust_remote_code=trust, load_timeout_s=load_timeout_s, attn_implementation=attention, adapt=adapt)
+        trust_remote_code=trust, load_timeout_s=load_timeout_s, attn_implementation=attention, adapt=adapt,
+        read_groups=read_groups)
     policy.train()
     _check_devices(policy, device, offload=False, what="policy")
     if grpo.beta <= 0:
@@ -343,7 +362,8 @@ def load_policy_and_reference(model_dir: str, mesh: DeviceMesh, device: torch.de
     stored = frozen_dtype(recipe, param_dtype)
     reference = load_sharded_model(
         model_dir, mesh, device, dtype=stored, param_dtype=param_dtype, offload=bool(trainer.reference_offload),
-        trust_remote_code=trust, load_timeout_s=load_timeout_s, attn_implementation=attention)
+        trust_remote_code=trust, load_timeout_s=load_timeout_s, attn_implementation=attention,
+        read_groups=read_groups)
     reference.eval()
     reference.requires_grad_(False)
     _check_devices(reference, device, offload=bool(trainer.reference_offload), what="reference")

@@ -4,6 +4,7 @@ trainer's parts from the job spec and the launch context, train, and report."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -23,8 +24,8 @@ def run_trainer(ctx: LaunchContext) -> int:
     from hpcrl.compute.metrics import MetricsWriter
     from hpcrl.compute.train.fsdp import describe, load_policy_and_reference
     from hpcrl.compute.train.reward_model import load_reward_model
-    from hpcrl.compute.train.sources import (load_dataset, load_eval_dataset, load_tokenizer, local_or_cached,
-                                             resolve_model)
+    from hpcrl.compute.train.sources import (job_model_dir, load_dataset, load_eval_dataset, load_tokenizer,
+                                             local_or_cached)
 
     recipe = ctx.spec.recipe
     threads = recipe.trainer.threads or max(1, len(ctx.task.cores))
@@ -34,9 +35,15 @@ def run_trainer(ctx: LaunchContext) -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     rank0 = ctx.task.trainer_rank == 0
-    model_dir = resolve_model(recipe.model.path, ctx.run_dir, recipe.grpo.seed)
+    model_dir = job_model_dir(ctx.spec, ctx.run_dir)
     ckpt.control_group(ctx.launch.collective_timeout_s)      # a collective: every trainer, up front
-    policy, reference = load_policy_and_reference(model_dir, ctx.mesh, device, recipe)
+    # A staged model: each node's first trainer reads its node's copy for the node's trainers.
+    readers = _trainers_by_node(ctx) if ctx.spec.node_model_dir() is not None else None
+    t0 = time.perf_counter()
+    policy, reference = load_policy_and_reference(model_dir, ctx.mesh, device, recipe, read_groups=readers)
+    if rank0:
+        where = f"each node's own copy at {model_dir}" if readers else model_dir
+        ctx.log(f"model loaded in {time.perf_counter() - t0:.1f} s from {where}")
     if rank0:
         ctx.log(describe(policy))
     writer = MetricsWriter(ctx.run_dir, 0, tensorboard=recipe.logging.tensorboard,
@@ -73,6 +80,15 @@ def run_trainer(ctx: LaunchContext) -> int:
             (Path(ctx.run_dir) / FINISHED_MARKER).write_text(f"{trainer.step}\n")
         ctx.log(f"{outcome} at step {trainer.step}")
     return 0
+
+
+def _trainers_by_node(ctx: LaunchContext) -> list[list[int]]:
+    """The trainers' ranks (in their process group), node by node."""
+    nodes: dict[int, list[int]] = {}
+    for task in ctx.plan.tasks:
+        if task.trainer_rank is not None:
+            nodes.setdefault(task.node, []).append(task.trainer_rank)
+    return [ranks for _, ranks in sorted(nodes.items())]
 
 
 def _print_step(ctx: LaunchContext, step: int, m: dict) -> None:

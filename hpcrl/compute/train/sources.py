@@ -34,6 +34,17 @@ def resolve_model(path: str, run_dir: str | Path, seed: int = 0) -> str:
     return local_or_cached(path, "model.path")
 
 
+def job_model_dir(spec, run_dir: str | Path) -> str:
+    """The model this task loads: its node's staged copy (site.stage.model_dest), else model.path
+    resolved by :func:`resolve_model`."""
+    staged = spec.node_model_dir()
+    if staged is None:
+        return resolve_model(spec.recipe.model.path, run_dir, spec.recipe.grpo.seed)
+    if not Path(staged, "config.json").is_file():
+        raise FileNotFoundError(f"site.stage.model_dest: {staged} holds no staged model on this node")
+    return staged
+
+
 def local_or_cached(path: str, where: str) -> str:
     """A local directory as it is; a hub id as its snapshot in the Hugging Face cache (compute nodes
     run offline: never downloaded here)."""
