@@ -7,7 +7,9 @@ bash scripts/install.sh
 export SLURM_BASE=${SLURM_BASE:-/tmp/hpcrl-testbed}
 started=""
 if ! SLURM_CONF=$SLURM_BASE/etc/slurm.conf scontrol ping 2>/dev/null | grep -q UP; then
-  bash scripts/slurm-testbed.sh start
+  # 16 nodes x 8 fake GPUs: tests/test_scale.py launches a Frontier-shaped job (16 x 8 tasks)
+  # through srun; the other jobs take 1 or 2 nodes of it.
+  SLURM_NODES=${SLURM_NODES:-16} SLURM_NODE_GPUS=${SLURM_NODE_GPUS:-8} bash scripts/slurm-testbed.sh start
   started=1
 fi
 cleanup() { [ -n "$started" ] && [ -z "${HPCRL_KEEP_TESTBED:-}" ] && bash scripts/slurm-testbed.sh stop || true; }

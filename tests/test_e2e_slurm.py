@@ -202,3 +202,26 @@ def test_a_trl_users_config_on_two_nodes(testbed, hpcrl, cancel_after, tmp_path)
     assert info["state"] == "COMPLETED", info
     # Two trainers: 4 prompts a generation over the 12, so 3 steps.
     check_trl_user_run(run_dir, tmp_path / "out", 3)
+
+
+def test_a_staged_model_is_loaded_by_each_node_from_its_own_copy(testbed, hpcrl, cancel_after, tmp_path):
+    """site.stage.model_dest: one copy per node before the launch (model_via "srun": the testbed's
+    nodes share a disk, so each names its own by $SLURMD_NODENAME); each node's trainers and
+    engine load that copy, and a requeued job keeps it."""
+    from hpcrl.compute.models.tiny import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "shared" / "tiny", size="tiny", seed=0)
+    job_id, run_dir = _submit(hpcrl, "-N", "2", *TWO_TASKS, "inference.engine=transformers", "grpo.max_steps=2",
+                              "-t", "10", f"model.path={model}", "site.stage.model_via=srun",
+                              "site.stage.model_dest=$HPCRL_RUN_DIR/node-local/$SLURMD_NODENAME/model")
+    cancel_after(job_id)
+    info = _wait(hpcrl, job_id, lambda i: i["state"] in FINAL, 600)
+    log = (run_dir / f"slurm-{job_id}.out").read_text()
+    assert info["state"] == "COMPLETED", log[-3000:]
+    copies = {n: run_dir / "node-local" / n / "model" for n in ("n1", "n2")}
+    for node, copy in copies.items():
+        assert f"hpcrl: {node}: model staged at {copy} (copied " in log
+        assert (copy / "config.json").is_file() and (copy / ".hpcrl-staged.json").is_file()
+    assert "model loaded in " in log and f"s from each node's own copy at {copies['n1']}" in log
+    assert [m["step"] for m in _metrics(run_dir)] == [1, 2]
+    assert json.loads((run_dir / "job.json").read_text())["model_source"] == str(model)

@@ -122,3 +122,54 @@ def test_a_killed_rank_among_128_is_named_by_every_other_within_the_bound(tmp_pa
     out_after_kill = seconds - killed[0]
     assert out_after_kill < PEER_TIMEOUT_S, out_after_kill
     print(f"rank {victim} killed: all {RANKS - 1} others named it and were gone {out_after_kill:.2f} s later")
+
+
+# ---------------------------------------------------------------------------- through real srun
+TESTBED_OVERRIDES = ["mode=control", f"site.node.gpus={PER_NODE}",
+                     # The testbed believes in 8 CPUs per node on this 2-core machine: as its site does.
+                     "site.node.gpu_cores=" + json.dumps({str(g): "1" if g == PER_NODE - 1 else "0"
+                                                          for g in range(PER_NODE)})]
+
+
+def _testbed_nodes() -> tuple[int, int]:
+    """(idle-or-mixed nodes, GPUs per node) of the testbed's default partition."""
+    r = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %G"], capture_output=True, text=True, timeout=30)
+    nodes = {line.split()[0]: line.split()[1] for line in r.stdout.splitlines() if line.strip()}
+    gpus = [int(m.group(1)) for g in nodes.values() if (m := re.search(r"gpu:(\d+)", g))]
+    return len(nodes), min(gpus, default=0)
+
+
+def test_16_nodes_through_srun_report_the_place_the_plan_gives_them(testbed, hpcrl):
+    """16 testbed nodes x 8 tasks, launched by the rendered script's own srun (PMI2 wire-up, Slurm's
+    node names and GPU variables), each task where `hpcrl plan` puts it."""
+    nodes = RANKS // PER_NODE
+    have, gpus = _testbed_nodes()
+    if have < nodes or gpus < PER_NODE:
+        pytest.skip(f"the testbed has {have} nodes x {gpus} GPUs; scripts/test.sh starts it with "
+                    f"SLURM_NODES={nodes} SLURM_NODE_GPUS={PER_NODE}")
+    r = hpcrl("submit", "--site", "testbed", "-N", str(nodes), "-t", "10", *TESTBED_OVERRIDES)
+    assert r.returncode == 0, r.stderr
+    job_id, run_dir = r.stdout.strip(), Path(r.stderr.rsplit("run directory ", 1)[1].strip())
+    deadline = time.monotonic() + 300
+    while True:
+        info = json.loads(hpcrl("status", job_id, "--json").stdout)
+        if info["state"] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+            break
+        assert time.monotonic() < deadline, f"job {job_id} still {info['state']} after 300 s"
+        time.sleep(2)
+    log = (run_dir / f"slurm-{job_id}.out").read_text()
+    assert info["state"] == "COMPLETED", log[-3000:]
+    rows = sorted((json.loads(l) for l in log.splitlines() if l.startswith("{") and '"hpcrl_probe"' in l),
+                  key=lambda r: r["plan"]["rank"])
+    assert len(rows) == RANKS
+    plan = hpcrl("plan", "--site", "testbed", "-N", str(nodes), "--json", *TESTBED_OVERRIDES)
+    assert plan.returncode == 0, plan.stderr
+    planned = [{k: v for k, v in t.items() if k != "est_memory_gb"} for t in json.loads(plan.stdout)["tasks"]]
+    assert [r["plan"] for r in rows] == planned
+    for row, task in zip(rows, planned):
+        seen = row["observed"]
+        assert (seen["rank"], seen["node"], seen["local_rank"], seen["role"], seen["sender"]) == \
+            (task["rank"], task["node"], task["local_rank"], task["role"], task["sender"])
+        assert seen["node_name"] == f"n{task['node'] + 1}" and seen["slurm_procid"] == str(task["rank"])
+        assert seen["affinity"] == task["cores"] and seen["gpu_env"]["CUDA_VISIBLE_DEVICES"] == str(task["gpus"][0])
+        assert all(c["ok"] for c in row["checks"].values()), row["checks"]
