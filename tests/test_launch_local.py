@@ -124,7 +124,9 @@ def _hub_with_peers(verdicts: list, n: int, timeout_s: float):
         t.start()
     for t in threads:
         t.join(10)
-    assert all(len(d.peers) == n for d in dogs)
+    # Rank 0 (the hub's own) holds every rank's entry; the others the hub's alone.
+    assert [p.rank for p in dogs[0].peers] == list(range(n))
+    assert all([p.rank for p in d.peers] == [0] for d in dogs[1:])
     return hub, dogs
 
 
