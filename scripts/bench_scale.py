@@ -52,9 +52,9 @@ the hub sees a real launch's traffic, without N Python processes.
          hub_beat_ms   hub CPU per heartbeat round (N heartbeats in, N out; a round is
                        min(5 s, timeout/4)): the single thread reading every heartbeat
          hub_kill_s    one rank's connection closes -> every other rank has the verdict
---hub-sizes ...,8192 runs too, but slowly: every rank gets the table of all N ranks (32 bytes a
-rank: 2.2 GB sent at 8,192), which through loopback into 2 reading processes ran into the kernel's
-TCP memory limit (net.ipv4.tcp_mem) and took 190 s here (hub CPU 2.3 s).
+--hub-sizes ...,8192 runs too (1.1 s to register 8,192 ranks on 11-25). Before rank 0 alone got the
+table (the others get the hub's entry), every rank received all N entries: 2.2 GB at 8,192 ranks,
+which ran into the kernel's TCP memory limit here and took 190 s.
 
 Before each size the memory it needs is estimated from the previous size's mem_mb/rank (x1.2):
 a size that would leave less than --min-free-gb is skipped, and a launch is stopped if
