@@ -204,24 +204,33 @@ def test_a_trl_users_config_on_two_nodes(testbed, hpcrl, cancel_after, tmp_path)
     check_trl_user_run(run_dir, tmp_path / "out", 3)
 
 
-def test_a_staged_model_is_loaded_by_each_node_from_its_own_copy(testbed, hpcrl, cancel_after, tmp_path):
-    """site.stage.model_dest: one copy per node before the launch (model_via "srun": the testbed's
-    nodes share a disk, so each names its own by $SLURMD_NODENAME); each node's trainers and
-    engine load that copy, and a requeued job keeps it."""
+@pytest.mark.parametrize("via", ["srun", "sbcast"])
+def test_a_staged_model_is_loaded_by_each_node_from_its_own_copy(testbed, hpcrl, cancel_after, tmp_path, via):
+    """site.stage.model_dest: one copy per node before the launch, which each node's trainers and
+    engine load. "srun": one task per node copies it, and the testbed's nodes, which share a disk,
+    each name their own by $SLURMD_NODENAME; "sbcast" (frontier's): Slurm fans the files out from
+    the batch host to one path on every node (here the same directory, written by both slurmds)."""
     from hpcrl.compute.models.tiny import make_tiny_model
 
     model = make_tiny_model(tmp_path / "shared" / "tiny", size="tiny", seed=0)
+    dest = "$HPCRL_RUN_DIR/node-local/$SLURMD_NODENAME/model" if via == "srun" else "$HPCRL_RUN_DIR/node-local/model"
     job_id, run_dir = _submit(hpcrl, "-N", "2", *TWO_TASKS, "inference.engine=transformers", "grpo.max_steps=2",
-                              "-t", "10", f"model.path={model}", "site.stage.model_via=srun",
-                              "site.stage.model_dest=$HPCRL_RUN_DIR/node-local/$SLURMD_NODENAME/model")
+                              "-t", "10", f"model.path={model}", f"site.stage.model_via={via}",
+                              f"site.stage.model_dest={dest}")
     cancel_after(job_id)
     info = _wait(hpcrl, job_id, lambda i: i["state"] in FINAL, 600)
     log = (run_dir / f"slurm-{job_id}.out").read_text()
     assert info["state"] == "COMPLETED", log[-3000:]
-    copies = {n: run_dir / "node-local" / n / "model" for n in ("n1", "n2")}
-    for node, copy in copies.items():
-        assert f"hpcrl: {node}: model staged at {copy} (copied " in log
-        assert (copy / "config.json").is_file() and (copy / ".hpcrl-staged.json").is_file()
-    assert "model loaded in " in log and f"s from each node's own copy at {copies['n1']}" in log
+    if via == "srun":
+        copies = {n: run_dir / "node-local" / n / "model" for n in ("n1", "n2")}
+        for node, copy in copies.items():
+            assert f"hpcrl: {node}: model staged at {copy} (copied " in log
+            assert (copy / ".hpcrl-staged.json").is_file()
+        first = copies["n1"]
+    else:
+        first = run_dir / "node-local" / "model"
+    assert {p.name: p.stat().st_size for p in first.iterdir() if p.name != ".hpcrl-staged.json"} == \
+        {p.name: p.stat().st_size for p in model.iterdir()}
+    assert f"s from each node's own copy at {first}\n" in log
     assert [m["step"] for m in _metrics(run_dir)] == [1, 2]
     assert json.loads((run_dir / "job.json").read_text())["model_source"] == str(model)
