@@ -170,6 +170,10 @@ def test_16_nodes_through_srun_report_the_place_the_plan_gives_them(testbed, hpc
         seen = row["observed"]
         assert (seen["rank"], seen["node"], seen["local_rank"], seen["role"], seen["sender"]) == \
             (task["rank"], task["node"], task["local_rank"], task["role"], task["sender"])
-        assert seen["node_name"] == f"n{task['node'] + 1}" and seen["slurm_procid"] == str(task["rank"])
+        assert seen["slurm_procid"] == str(task["rank"]) and seen["slurm_nodeid"] == str(task["node"])
         assert seen["affinity"] == task["cores"] and seen["gpu_env"]["CUDA_VISIBLE_DEVICES"] == str(task["gpus"][0])
         assert all(c["ok"] for c in row["checks"].values()), row["checks"]
+    # 16 distinct testbed nodes, node i the i-th of them in Slurm's order (n1 < n2 < ...).
+    names = {r["plan"]["node"]: r["observed"]["node_name"] for r in rows}
+    assert all(r["observed"]["node_name"] == names[r["plan"]["node"]] for r in rows)
+    assert [names[n] for n in range(nodes)] == sorted(set(names.values()), key=lambda name: int(name[1:]))
