@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -222,11 +223,14 @@ def test_a_staged_model_is_loaded_by_each_node_from_its_own_copy(testbed, hpcrl,
     log = (run_dir / f"slurm-{job_id}.out").read_text()
     assert info["state"] == "COMPLETED", log[-3000:]
     if via == "srun":
-        copies = {n: run_dir / "node-local" / n / "model" for n in ("n1", "n2")}
+        # Whichever 2 of the testbed's nodes the job got, in Slurm's order (node 0 first).
+        nodes = sorted(set(re.findall(r"^hpcrl: (n\d+): model staged at ", log, re.M)), key=lambda n: int(n[1:]))
+        assert len(nodes) == 2, log[-3000:]
+        copies = {n: run_dir / "node-local" / n / "model" for n in nodes}
         for node, copy in copies.items():
             assert f"hpcrl: {node}: model staged at {copy} (copied " in log
             assert (copy / ".hpcrl-staged.json").is_file()
-        first = copies["n1"]
+        first = copies[nodes[0]]
     else:
         first = run_dir / "node-local" / "model"
     assert {p.name: p.stat().st_size for p in first.iterdir() if p.name != ".hpcrl-staged.json"} == \
@@ -234,3 +238,11 @@ def test_a_staged_model_is_loaded_by_each_node_from_its_own_copy(testbed, hpcrl,
     assert f"s from each node's own copy at {first}\n" in log
     assert [m["step"] for m in _metrics(run_dir)] == [1, 2]
     assert json.loads((run_dir / "job.json").read_text())["model_source"] == str(model)
+    # The run's summary and `hpcrl status JOBID`: each node's wait for generation, and the advice
+    # on the split of its GPUs (1 trainer + 1 engine a node: only one split exists).
+    shown = hpcrl("status", job_id).stdout
+    for text in (log, shown):
+        assert re.search(r"node 0: trainers waited \d+% of each step for generation, the engine idled \d+%", text)
+        assert re.search(r"node 1: trainers waited \d+% of each step", text)
+        assert "the split of GPUs is balanced (inference.gpus=1)" in text
+    assert "  balance    node 0: trainers waited" in shown

@@ -68,6 +68,11 @@ class Server:
         self.pending: dict[int, dict] = {}     # trainer rank -> its generate request
         self.done: set[int] = set()
         self.requests = 0
+        # Seconds spent generating since the first request: the engine's share of the run, against
+        # which `hpcrl status` weighs the trainers' wait (hpcrl.job.balance). Not since start-up:
+        # the trainers' model load is no idleness of the engine's.
+        self.busy_s = 0.0
+        self.serving_since: float | None = None
         self.last_health = 0.0
         self.health_file = rundir.server_health_file(ctx.run_dir, ctx.task.node)
         self.health_file.parent.mkdir(exist_ok=True)
@@ -76,7 +81,7 @@ class Server:
     def write_health(self, state: str) -> None:
         data = {"node": self.ctx.task.node, "rank": self.ctx.task.rank, "state": state, "engine": self.engine.name,
                 "weight_version": self.engine.version, "requests": self.requests, "time": time.time(),
-                "pid": os.getpid()}
+                "pid": os.getpid(), "busy_s": round(self.busy_s, 3), "serving_since": self.serving_since}
         tmp = self.health_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(data))
         os.replace(tmp, self.health_file)
@@ -160,6 +165,9 @@ class Server:
                 # A per-prompt seed keeps each trainer's draws independent of how requests batch.
                 samplings.append(replace(sampling, seed=None if sampling.seed is None else sampling.seed * 1009 + i))
                 owners.append((rank, i))
+        t0 = time.perf_counter()
+        if self.serving_since is None:
+            self.serving_since = time.time()
         if self.engine.name == "vllm":
             completions = self.engine.generate(prompts, samplings)
         else:   # transformers: one sampling setting per call
@@ -168,6 +176,8 @@ class Server:
                 out = self.engine.generate(msg["prompts"], msg["sampling"])
                 completions += [replace(c, prompt_index=c.prompt_index + offset) for c in out]
                 offset += len(msg["prompts"])
+        self.busy_s += time.perf_counter() - t0
+        self.write_health("serving")        # the busy time as of this generation, for the run's summary
         by_rank: dict[int, list] = {rank: [] for rank, _ in batch}
         for c in completions:
             rank, i = owners[c.prompt_index]

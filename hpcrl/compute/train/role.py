@@ -63,6 +63,8 @@ def run_trainer(ctx: LaunchContext) -> int:
         on_completions=writer.log_completions if rank0 else None, reward_models=reward_models,
         on_heartbeat=(lambda step, phase: writer.heartbeat(step, phase, servers=_server_health(ctx.run_dir)))
         if rank0 else None,
+        trainer_nodes=tuple(t.node for t in sorted((t for t in ctx.plan.tasks if t.trainer_rank is not None),
+                                                   key=lambda t: t.trainer_rank)),
     )
     generator.wait_ready()
     trainer = Trainer(setup, generator)
@@ -79,7 +81,21 @@ def run_trainer(ctx: LaunchContext) -> int:
         if outcome == "finished":
             (Path(ctx.run_dir) / FINISHED_MARKER).write_text(f"{trainer.step}\n")
         ctx.log(f"{outcome} at step {trainer.step}")
+        _log_balance(ctx)
     return 0
+
+
+def _log_balance(ctx: LaunchContext) -> None:
+    """The run summary's advice on the split of each node's GPUs (hpcrl.job.balance)."""
+    from hpcrl.job.balance import from_run
+
+    balance, per_node = from_run(ctx.run_dir, gpus_per_node=ctx.spec.site.node.gpus,
+                                 server_gpus=ctx.plan.server_gpus,
+                                 overlapped=ctx.spec.recipe.inference.overlap_generation)
+    for line in per_node:
+        ctx.log(line)
+    if balance is not None:
+        ctx.log(balance.advice())
 
 
 def _trainers_by_node(ctx: LaunchContext) -> list[list[int]]:

@@ -72,6 +72,9 @@ class TrainerSetup:
     # The source model directory (config, generation config, code) of the Hugging Face model
     # directories the run writes; None: the run writes none (in-process tests).
     model_dir: str | None = None
+    # The node of each trainer rank (the plan's): with it each step logs every node's mean wait
+    # for generation (time_generation_s_by_node); () = not logged (in-process tests).
+    trainer_nodes: tuple[int, ...] = ()
 
 
 def _any_true(flag: bool, group) -> bool:
@@ -554,6 +557,8 @@ class Trainer:
             "time_generation_s": gen.wait_s if first else 0.0, "time_train_s": train_s,
             "time_sync_s": sync_s, "sync_s": sync_s if sync_s else None,
         }
+        if first and self.setup.trainer_nodes:
+            metrics["time_generation_s_by_node"] = self._wait_by_node(gen.wait_s)
         if sync_s:
             # The job's gather traffic for this sync: under HSDP nothing crosses a node.
             metrics.update({f"sync_{k}": v for k, v in self.last_sync_stats.items()})
@@ -562,6 +567,14 @@ class Trainer:
         metrics["time_wait_s"] = max(0.0, step_s - metrics["time_generation_s"] - train_s - sync_s)
         metrics["tokens_per_s"] = gen.completion_tokens / step_s if first else None
         return metrics
+
+    def _wait_by_node(self, wait_s: float) -> list[float]:
+        """Every node's mean wait for generation (a collective): nodes whose engine is slower show."""
+        nodes = self.setup.trainer_nodes
+        mine = nodes[self.setup.trainer_rank]
+        slots = [0.0] * (max(nodes) + 1)
+        slots[mine] = wait_s / nodes.count(mine)
+        return [round(x, 4) for x in _global_sum(slots, self.setup.group)]
 
     # ------------------------------------------------------------------ weights to generation
     def _eval_due(self) -> bool:

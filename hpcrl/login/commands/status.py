@@ -76,6 +76,24 @@ def _model(run_dir) -> str | None:
     return str(rundir.model_dir(run_dir, saved[-1], output_dir)) if saved else None
 
 
+def _balance(run_dir) -> list[str]:
+    """Per node, the trainers' wait for generation and the engine's idle time, then the advice on
+    the split of GPUs (hpcrl.job.balance); [] before the first step."""
+    if not run_dir:
+        return []
+    from hpcrl.job.balance import from_run
+    from hpcrl.job.errors import UserError
+    from hpcrl.job.spec import JobSpec
+
+    try:
+        spec = JobSpec.load(run_dir)
+    except UserError:
+        return []
+    balance, lines = from_run(run_dir, gpus_per_node=spec.site.node.gpus, server_gpus=spec.recipe.inference.gpus,
+                              overlapped=spec.recipe.inference.overlap_generation)
+    return lines + ([balance.advice()] if balance else [])
+
+
 def _one(registry: Registry, args) -> int:
     record = find_record(registry, args.job_id)
     states, warning = refresh(registry, [record])
@@ -85,7 +103,7 @@ def _one(registry: Registry, args) -> int:
     log = log_path(record, state)
     detail = {**row, "slurm": state, "heartbeat": p["heartbeat"], "metrics": p["metrics"],
               "log": str(log) if log else None, "log_tail": _tail(log, 20) if log else [],
-              "model": _model(record.run_dir)}
+              "model": _model(record.run_dir), "balance": _balance(record.run_dir)}
     if warning:
         print(warning, file=sys.stderr)
     if args.json:
@@ -105,6 +123,8 @@ def _one(registry: Registry, args) -> int:
               f"tokens/s {_fmt(m.get('tokens_per_s'), '.0f')}  last sync {_fmt(m.get('sync_s'), '.3f')} s")
     if detail["model"]:
         print(f"  model      {detail['model']}")
+    for line in detail["balance"]:
+        print(f"  balance    {line}")
     for node, health in sorted((p["heartbeat"].get("servers") or {}).items()):
         print(f"  server     node {node}: {health.get('state', '?')}" +
               (f" (weights v{health['weight_version']})" if "weight_version" in health else ""))

@@ -1,0 +1,101 @@
+"""The split of a node's GPUs between generation and training, judged from a run's own timings
+(pure logic: the trainers log it at the end of a run, `hpcrl status JOBID` shows it).
+
+Generation is most of a GRPO step on GPUs, and the split (inference.gpus of a node's GPUs generate,
+the rest train) is the main knob a user has for step time. From the measured seconds per step the
+engines spent generating (busy) and the trainers spent training, the work of each is taken as
+time x GPUs, and each phase as that work over the GPUs it would get under another split: a model
+of perfect scaling within a node, which is what makes it advice, not a promise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpcrl.job.rundir import SERVERS_DIR, read_metrics
+
+__all__ = ["Balance", "advise", "from_run"]
+
+# A split is suggested only when the model expects the step this much shorter.
+MIN_GAIN = 1.10
+
+
+@dataclass(frozen=True)
+class Balance:
+    gen_wait_frac: float         # of each step, the trainers' wait for generation
+    engine_idle_frac: float      # of each step, the engines' time not generating
+    server_gpus: int             # inference.gpus now
+    best_server_gpus: int        # the split the model likes best
+    gain: float                  # modelled step time now / at best_server_gpus
+
+    def advice(self) -> str:
+        head = (f"generation waits {self.gen_wait_frac:.0%} of each step, the engines idle "
+                f"{self.engine_idle_frac:.0%}")
+        if self.best_server_gpus == self.server_gpus or self.gain < MIN_GAIN:
+            return f"{head}: the split of GPUs is balanced (inference.gpus={self.server_gpus})"
+        return (f"{head}: try inference.gpus={self.best_server_gpus} (a model of this run's timings "
+                f"expects each step {self.gain:.1f}x shorter)")
+
+
+def _step_s(gen_work: float, train_work: float, server_gpus: int, gpus: int, overlapped: bool) -> float:
+    gen, train = gen_work / server_gpus, train_work / (gpus - server_gpus)
+    return max(gen, train) if overlapped else gen + train
+
+
+def advise(*, gpus_per_node: int, server_gpus: int, step_s: float, gen_wait_s: float, engine_busy_s: float,
+           train_s: float, overlapped: bool) -> Balance | None:
+    """The balance of one run from its mean seconds per step: the step, the trainers' wait for
+    generation, the engines' generating (busy) time and the trainers' training time. None when
+    there is nothing to judge (no step yet, or a node without a choice of split)."""
+    if step_s <= 0 or gpus_per_node < 2 or not 0 < server_gpus < gpus_per_node:
+        return None
+    gen_work, train_work = engine_busy_s * server_gpus, train_s * (gpus_per_node - server_gpus)
+    now = _step_s(gen_work, train_work, server_gpus, gpus_per_node, overlapped)
+    splits = {s: _step_s(gen_work, train_work, s, gpus_per_node, overlapped) for s in range(1, gpus_per_node)}
+    best = min(splits, key=lambda s: (splits[s], abs(s - server_gpus)))
+    gain = now / splits[best] if splits[best] > 0 else 1.0
+    return Balance(gen_wait_frac=min(1.0, gen_wait_s / step_s),
+                   engine_idle_frac=max(0.0, 1.0 - engine_busy_s / step_s),
+                   server_gpus=server_gpus, best_server_gpus=best, gain=gain)
+
+
+def _engine_busy_fracs(run_dir: str | os.PathLike) -> dict[int, float]:
+    """Each node's engine: the share of its serving time spent generating (its health file)."""
+    out = {}
+    for path in Path(run_dir, SERVERS_DIR).glob("node-*.json"):
+        try:
+            h = json.loads(path.read_text())
+            if h.get("serving_since") is None:
+                continue                    # no request served yet
+            serving = float(h["time"]) - float(h["serving_since"])
+            if serving > 0:
+                out[int(h["node"])] = min(1.0, float(h["busy_s"]) / serving)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return out
+
+
+def from_run(run_dir: str | os.PathLike, *, gpus_per_node: int, server_gpus: int, overlapped: bool,
+             last: int = 20) -> tuple[Balance | None, list[str]]:
+    """The balance of a run from its last ``last`` steps' metrics and its engines' health files,
+    and a line per node (its trainers' wait, its engine's idle time); (None, []) before a step."""
+    steps = [m for m in read_metrics(run_dir) if m.get("time_step_s")][-last:]
+    busy = _engine_busy_fracs(run_dir)
+    if not steps or not busy:
+        return None, []
+    n = len(steps)
+    step_s = sum(m["time_step_s"] for m in steps) / n
+    waits: dict[int, float] = {}
+    for m in steps:
+        for node, w in enumerate(m.get("time_generation_s_by_node") or ()):
+            waits[node] = waits.get(node, 0.0) + w / n
+    lines = [f"node {node}: trainers waited {waits[node] / step_s:.0%} of each step for generation, "
+             f"the engine idled {1 - busy[node]:.0%}" for node in sorted(busy) if node in waits]
+    balance = advise(gpus_per_node=gpus_per_node, server_gpus=server_gpus, step_s=step_s,
+                     gen_wait_s=sum(m.get("time_generation_s") or 0.0 for m in steps) / n,
+                     engine_busy_s=step_s * sum(busy.values()) / len(busy),
+                     train_s=sum(m.get("time_train_s") or 0.0 for m in steps) / n, overlapped=overlapped)
+    return balance, lines
