@@ -58,17 +58,21 @@ def _tail(path: Path, lines: int) -> list[str]:
         return f.read().decode(errors="replace").splitlines()[-lines:]
 
 
-def _model(run_dir) -> str | None:
+def _job(run_dir) -> dict:
+    """The run's job.json as plain data: hpcrl.job.spec's dataclasses would double this command's
+    start-up (scripts/bench_cli.py), and three fields are read."""
+    try:
+        return json.loads((Path(run_dir) / rundir.SPEC_FILE).read_text()) if run_dir else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _model(run_dir, job: dict | None = None) -> str | None:
     """The run's final model directory, else its newest checkpoint-<step> one, else None."""
     if not run_dir:
         return None
-    from hpcrl.job.errors import UserError
-    from hpcrl.job.spec import JobSpec
-
-    try:
-        output_dir = JobSpec.load(run_dir).recipe.checkpoint.output_dir
-    except UserError:
-        output_dir = ""
+    job = _job(run_dir) if job is None else job
+    output_dir = job.get("recipe", {}).get("checkpoint", {}).get("output_dir") or ""
     final = rundir.model_dir(run_dir, output_dir=output_dir)
     if rundir.is_model_dir(final):
         return str(final)
@@ -76,21 +80,17 @@ def _model(run_dir) -> str | None:
     return str(rundir.model_dir(run_dir, saved[-1], output_dir)) if saved else None
 
 
-def _balance(run_dir) -> list[str]:
+def _balance(run_dir, job: dict) -> list[str]:
     """Per node, the trainers' wait for generation and the engine's idle time, then the advice on
     the split of GPUs (hpcrl.job.balance); [] before the first step."""
-    if not run_dir:
+    try:
+        gpus, inference = job["site"]["node"]["gpus"], job["recipe"]["inference"]
+    except (KeyError, TypeError):
         return []
     from hpcrl.job.balance import from_run
-    from hpcrl.job.errors import UserError
-    from hpcrl.job.spec import JobSpec
 
-    try:
-        spec = JobSpec.load(run_dir)
-    except UserError:
-        return []
-    balance, lines = from_run(run_dir, gpus_per_node=spec.site.node.gpus, server_gpus=spec.recipe.inference.gpus,
-                              overlapped=spec.recipe.inference.overlap_generation)
+    balance, lines = from_run(run_dir, gpus_per_node=gpus, server_gpus=inference.get("gpus", 1),
+                              overlapped=bool(inference.get("overlap_generation")))
     return lines + ([balance.advice()] if balance else [])
 
 
@@ -100,10 +100,11 @@ def _one(registry: Registry, args) -> int:
     state = states[record.job_id]
     row = job_row(record, state)
     p = progress(record.run_dir)
+    job = _job(record.run_dir)
     log = log_path(record, state)
     detail = {**row, "slurm": state, "heartbeat": p["heartbeat"], "metrics": p["metrics"],
               "log": str(log) if log else None, "log_tail": _tail(log, 20) if log else [],
-              "model": _model(record.run_dir), "balance": _balance(record.run_dir)}
+              "model": _model(record.run_dir, job), "balance": _balance(record.run_dir, job) if job else []}
     if warning:
         print(warning, file=sys.stderr)
     if args.json:
@@ -125,7 +126,8 @@ def _one(registry: Registry, args) -> int:
         print(f"  model      {detail['model']}")
     for line in detail["balance"]:
         print(f"  balance    {line}")
-    for node, health in sorted((p["heartbeat"].get("servers") or {}).items()):
+    servers = p["heartbeat"].get("servers") or {}
+    for node, health in sorted(servers.items(), key=lambda kv: int(kv[0]) if str(kv[0]).isdigit() else -1):
         print(f"  server     node {node}: {health.get('state', '?')}" +
               (f" (weights v{health['weight_version']})" if "weight_version" in health else ""))
     if log:
