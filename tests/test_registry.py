@@ -166,3 +166,14 @@ def test_many_processes_opening_a_new_registry_at_once():
         for p in procs:
             p.join(60)
     assert errors.empty(), errors.get()
+
+
+def test_update_states_is_one_call_for_many_jobs(reg):
+    for i in range(3):
+        reg.add(str(i), f"j{i}", "testbed", f"/r{i}", f"/r{i}/s", submitted_at=float(i))
+    reg.update_state("2", {"job_id": "2", "state": "RUNNING"}, seen_at=300.0)
+    got = reg.update_states({str(i): {"job_id": str(i), "state": "COMPLETED"} for i in range(3)} |
+                            {"nope": {"state": "RUNNING"}}, seen_at=200.0)
+    assert got == ["0", "1"]              # "2" has a newer answer, "nope" is not registered
+    assert [r.last_state["state"] for r in reg.list()] == ["RUNNING", "COMPLETED", "COMPLETED"]
+    assert reg.update_states({}) == []

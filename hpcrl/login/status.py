@@ -1,8 +1,10 @@
 """The registry + Slurm + the run directory -> what a person sees: the logic `hpcrl status`, `logs`
 and `cancel` share (hpcrl.login.commands holds the commands themselves).
 
-Fast on a loaded login node: one squeue call for the jobs still alive (finished jobs keep the
-final state the registry recorded), no torch, no jinja2, no YAML, no recipe or spec.
+Fast on a loaded login node with a thousand registered jobs: one squeue call for the jobs still
+alive (finished jobs keep the final state the registry recorded, and are not asked about again), one
+registry transaction for what Slurm said, one small read per listed job (its metrics tail), no torch,
+no jinja2, no YAML, no recipe or spec.
 """
 
 from __future__ import annotations
@@ -18,10 +20,10 @@ from hpcrl.login.registry import Registry
 from hpcrl.job.rundir import HEARTBEAT_FILE, METRICS_FILE, read_failure, slurm_output
 
 
-def last_json_line(path: Path, max_bytes: int = 65536) -> dict | None:
+def last_json_line(path: str | os.PathLike, max_bytes: int = 65536) -> dict | None:
     """The last complete JSON line of a file, reading only its tail."""
     try:
-        with path.open("rb") as f:
+        with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
             size = f.tell()
             f.seek(max(0, size - max_bytes))
@@ -43,10 +45,16 @@ def read_json(path: Path) -> dict | None:
         return None
 
 
+def latest_metrics(run_dir: str | os.PathLike) -> dict:
+    """Step, reward, tokens/s and last sync time: the trainer's last metrics line ({} before the first).
+    (os.path, not pathlib: this runs once per listed job.)"""
+    return last_json_line(os.path.join(run_dir, METRICS_FILE)) or {}
+
+
 def progress(run_dir: str) -> dict:
-    """Step, reward, tokens/s and last sync time from the trainer's metrics, plus the heartbeat."""
-    d = Path(run_dir)
-    return {"metrics": last_json_line(d / METRICS_FILE) or {}, "heartbeat": read_json(d / HEARTBEAT_FILE) or {}}
+    """The latest metrics, plus the heartbeat (with every node's server health: tens of KB at
+    hundreds of nodes, so only the one-job view reads it)."""
+    return {"metrics": latest_metrics(run_dir), "heartbeat": read_json(Path(run_dir) / HEARTBEAT_FILE) or {}}
 
 
 def finished(state: dict) -> bool:
@@ -54,11 +62,23 @@ def finished(state: dict) -> bool:
     return state.get("state") in slurm.FINISHED_STATES
 
 
+# slurm.query's reason for an id that squeue and sacct both answered about, and neither knows.
+NO_RECORD = "not known to squeue or sacct"
+
+
+def settled(state: dict) -> bool:
+    """Whether Slurm need not be asked about a job again: it ended, or Slurm has no record of it at
+    all, not even in accounting (the cluster's state was reset, the registry came from elsewhere).
+    Asking about those again costs an sacct call (a slurmdbd round trip, ~0.1 s) on every status."""
+    return finished(state) or (state.get("state") == "UNKNOWN" and state.get("reason") == NO_RECORD)
+
+
 def refresh(registry: Registry, records) -> tuple[dict[str, dict], str | None]:
     """Current Slurm state of each record (dicts of JobInfo fields), and a warning when Slurm did not
-    answer (then the registry's last known state is shown)."""
+    answer (then the registry's last known state is shown). One query for all the jobs not settled,
+    however many there are."""
     states = {r.job_id: (r.last_state or {}) for r in records}
-    alive = [r.job_id for r in records if not finished(r.last_state or {})]
+    alive = [r.job_id for r in records if not settled(r.last_state or {})]
     if not alive:
         return states, None
     try:
@@ -67,15 +87,15 @@ def refresh(registry: Registry, records) -> tuple[dict[str, dict], str | None]:
         seen = [r.state_seen_at for r in records if r.state_seen_at]
         when = time.strftime("%H:%M:%S", time.localtime(max(seen))) if seen else "never"
         return states, f"warning: Slurm did not answer ({e}); showing last known states (as of {when})"
-    now = time.time()
+    updates = {}
     for job_id, info in fresh.items():
         if info.state == "UNKNOWN" and states.get(job_id):
             continue        # Slurm forgot the job (aged out, accounting down): keep what we knew
         new = info.to_dict()
         # sacct has no requeue count; once a job leaves squeue keep the count squeue last gave.
         new["restarts"] = max(new.get("restarts") or 0, (states.get(job_id) or {}).get("restarts") or 0)
-        states[job_id] = new
-        registry.update_state(job_id, new, now)
+        updates[job_id] = states[job_id] = new
+    registry.update_states(updates, time.time())
     return states, None
 
 
@@ -103,8 +123,9 @@ def explain(state: dict, run_dir: str) -> str:
 
 
 def job_row(record, state: dict) -> dict:
-    p = progress(record.run_dir)
-    m = p["metrics"]
+    """One line of `hpcrl status`: of a job's run directory the list reads its metrics tail (and a
+    failed job's failure.txt), never the heartbeat."""
+    m = latest_metrics(record.run_dir)
     return {
         "job_id": record.job_id, "name": record.name, "site": record.site,
         "state": state.get("state", "UNKNOWN"), "reason": explain(state, record.run_dir),
