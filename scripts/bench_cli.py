@@ -226,15 +226,20 @@ def bench(args, work: Path, env: dict, big_job: str) -> int:
         # one that also defines the recipe and site dataclasses (hpcrl.job.spec). Not in X.
         "(ref) import jinja2": ([sys.executable, "-c", "import jinja2"], e, work),
         "(ref) import jinja2+spec": ([sys.executable, "-c", "import jinja2, hpcrl.job.spec"], e, work),
+        # The query status sends while a job it shows is alive (hpcrl.login.slurm._from_squeue). Not in X.
+        "(ref) squeue --json": (["squeue", "--json", "-t", "all", "-j", big_job], e, work),
     }, args.repeat)
 
     py = t["python -c pass"]
     # (name, baseline or None, counted in X): status is held against a Python start + one squeue.
-    rows = [(name, None if name == "squeue" else py + t["squeue"] if "status" in name else py,
+    rows = [(name, None if "squeue" in name else py + t["squeue"] if "status" in name else py,
              name.startswith("hpcrl")) for name in t]
     state = next((line.split()[1] for line in big_out.splitlines() if line.strip().startswith("state")), "?")
+    # Slurm 22.05's squeue --json ignores -j: its cost follows every job slurmctld holds, not ours.
+    in_ctld = len(subprocess.run(["squeue", "-h", "-t", "all", "-o", "%i"], capture_output=True, text=True).stdout.split())
     print(f"{args.alive} held jobs in the {args.many}-job registry; the {args.nodes}-node job is {state}, "
-          f"{len(big_out.splitlines())} lines of detail; load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
+          f"{len(big_out.splitlines())} lines of detail; {in_ctld} jobs in slurmctld; "
+          f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
     print_table(f"login commands, median ms of {args.repeat} runs each, taking turns",
                 ["command", "median ms", "baseline ms", "ratio"],
                 [[name, f"{t[name] * 1e3:.1f}", "" if base is None else f"{base * 1e3:.1f}",
