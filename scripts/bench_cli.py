@@ -6,8 +6,10 @@
 
 Times each command --repeat times, the commands taking turns, and reports medians. Last line:
 worst_cli_over_python_start=X  (the largest ratio; the status rows are held against python start + one squeue)
-Two reference rows (not in X) time a Python start that only imports jinja2, and one that also
-imports hpcrl.job.spec (the recipe and site dataclasses): the floor under `hpcrl render`.
+Reference rows (not in X): a Python start that only imports jinja2, and one that also imports
+hpcrl.job.spec (the recipe and site dataclasses): the floor under `hpcrl render`; and the
+`squeue --json` that status sends while a job it shows is alive (Slurm 22.05 ignores its -j and
+writes every job slurmctld holds, so its cost follows the cluster's queue, printed above the table).
 
 What is real and what is synthesised (each registry is private: its own HPCRL_HOME):
   * "status (200 jobs)": --jobs real jobs (`sbatch --wrap true`), registered with the Registry API
