@@ -65,3 +65,17 @@ def test_from_a_run_directory(tmp_path):
     # 7.5/s + 6/(4-s) is least at s=2 (3.75 + 3 = 6.75) against 9.5 now.
     assert balance.best_server_gpus == 2 and "try inference.gpus=2" in balance.advice()
     assert from_run(tmp_path / "nothing", gpus_per_node=4, server_gpus=1, overlapped=False) == (None, [])
+
+
+def test_read_metrics_tail_skips_the_cut_line(tmp_path):
+    import json
+
+    from hpcrl.job.rundir import read_metrics
+
+    lines = [json.dumps({"step": i, "pad": "x" * 50}) + "\n" for i in range(100)]
+    torn = '{"step": 100, "pa'                                                 # a torn last line
+    (tmp_path / "metrics.jsonl").write_text("".join(lines) + torn)
+    assert [m["step"] for m in read_metrics(tmp_path)] == list(range(100))
+    tail = read_metrics(tmp_path, max_bytes=len(torn) + len(lines[0]) * 3 + 10)      # starts inside step 96's line
+    assert [m["step"] for m in tail] == [97, 98, 99]
+    assert read_metrics(tmp_path / "none", max_bytes=100) == []

@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpcrl.job.rundir import METRICS_FILE, SERVERS_DIR
+from hpcrl.job.rundir import SERVERS_DIR, read_metrics
 
 __all__ = ["Balance", "advise", "from_run"]
 
@@ -62,26 +62,6 @@ def advise(*, gpus_per_node: int, server_gpus: int, step_s: float, gen_wait_s: f
                    server_gpus=server_gpus, best_server_gpus=best, gain=gain)
 
 
-def _tail_metrics(run_dir: str | os.PathLike, max_bytes: int = 256 * 1024) -> list[dict]:
-    """The complete metrics lines in the file's last ``max_bytes`` (a long run's file is large;
-    `hpcrl status JOBID` reads this)."""
-    try:
-        with open(Path(run_dir, METRICS_FILE), "rb") as f:
-            f.seek(0, os.SEEK_END)
-            start = max(0, f.tell() - max_bytes)
-            f.seek(start)
-            lines = f.read().splitlines()[1 if start else 0:]       # the first may be cut
-    except OSError:
-        return []
-    out = []
-    for line in lines:
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
-
-
 def _engine_busy_fracs(run_dir: str | os.PathLike) -> dict[int, float]:
     """Each node's engine: the share of its serving time spent generating (its health file)."""
     out = {}
@@ -102,7 +82,8 @@ def from_run(run_dir: str | os.PathLike, *, gpus_per_node: int, server_gpus: int
              last: int = 20) -> tuple[Balance | None, list[str]]:
     """The balance of a run from its last ``last`` steps' metrics and its engines' health files,
     and a line per node (its trainers' wait, its engine's idle time); (None, []) before a step."""
-    steps = [m for m in _tail_metrics(run_dir) if m.get("time_step_s")][-last:]
+    # The file's tail: `hpcrl status JOBID` reads this, and a long run's file is large.
+    steps = [m for m in read_metrics(run_dir, max_bytes=256 * 1024) if m.get("time_step_s")][-last:]
     busy = _engine_busy_fracs(run_dir)
     if not steps or not busy:
         return None, []

@@ -174,16 +174,22 @@ def read_failure(run_dir: str | os.PathLike) -> str | None:
     return line.removeprefix("hpcrl: ").removesuffix("; exiting")
 
 
-def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
-    """Every complete line of ``metrics.jsonl`` (a torn last line is skipped)."""
-    out = []
+def read_metrics(run_dir: str | os.PathLike, max_bytes: int | None = None) -> list[dict]:
+    """Every complete line of ``metrics.jsonl`` (a torn last line is skipped); with ``max_bytes``,
+    those of the file's last ``max_bytes`` only (a long run's file is large)."""
     try:
-        with open(Path(run_dir) / METRICS_FILE) as f:
-            for line in f:
-                try:
-                    out.append(json.loads(line))
-                except ValueError:
-                    continue
+        with open(Path(run_dir) / METRICS_FILE, "rb") as f:
+            start = 0
+            if max_bytes is not None:
+                start = max(0, f.seek(0, os.SEEK_END) - max_bytes)
+                f.seek(start)
+            lines = f.read().splitlines()[1 if start else 0:]      # a tail's first line may be cut
     except FileNotFoundError:
-        pass
+        return []
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
     return out

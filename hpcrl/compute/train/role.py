@@ -37,14 +37,16 @@ def run_trainer(ctx: LaunchContext) -> int:
     rank0 = ctx.task.trainer_rank == 0
     model_dir = job_model_dir(ctx.spec, ctx.run_dir)
     ckpt.control_group(ctx.launch.collective_timeout_s)      # a collective: every trainer, up front
-    # A staged model: each node's first trainer reads its node's copy for the node's trainers.
-    readers = _trainers_by_node(ctx) if ctx.spec.node_model_dir() is not None else None
+    trainer_nodes = _trainer_nodes(ctx)
+    readers = None
+    if ctx.spec.node_model_dir() is not None:
+        # A staged model: each node's first trainer reads its node's copy for the node's trainers.
+        readers = [[r for r, n in enumerate(trainer_nodes) if n == node] for node in sorted(set(trainer_nodes))]
     t0 = time.perf_counter()
     policy, reference = load_policy_and_reference(model_dir, ctx.mesh, device, recipe, read_groups=readers)
     if rank0:
         where = f"each node's own copy at {model_dir}" if readers else model_dir
         ctx.log(f"model loaded in {time.perf_counter() - t0:.1f} s from {where}")
-    if rank0:
         ctx.log(describe(policy))
     writer = MetricsWriter(ctx.run_dir, 0, tensorboard=recipe.logging.tensorboard,
                            wandb=recipe.logging.wandb, run_name=recipe.name) if rank0 else None
@@ -63,8 +65,7 @@ def run_trainer(ctx: LaunchContext) -> int:
         on_completions=writer.log_completions if rank0 else None, reward_models=reward_models,
         on_heartbeat=(lambda step, phase: writer.heartbeat(step, phase, servers=_server_health(ctx.run_dir)))
         if rank0 else None,
-        trainer_nodes=tuple(t.node for t in sorted((t for t in ctx.plan.tasks if t.trainer_rank is not None),
-                                                   key=lambda t: t.trainer_rank)),
+        trainer_nodes=trainer_nodes,
     )
     generator.wait_ready()
     trainer = Trainer(setup, generator)
@@ -98,13 +99,10 @@ def _log_balance(ctx: LaunchContext) -> None:
         ctx.log(balance.advice())
 
 
-def _trainers_by_node(ctx: LaunchContext) -> list[list[int]]:
-    """The trainers' ranks (in their process group), node by node."""
-    nodes: dict[int, list[int]] = {}
-    for task in ctx.plan.tasks:
-        if task.trainer_rank is not None:
-            nodes.setdefault(task.node, []).append(task.trainer_rank)
-    return [ranks for _, ranks in sorted(nodes.items())]
+def _trainer_nodes(ctx: LaunchContext) -> tuple[int, ...]:
+    """The node of each trainer rank (in the trainers' process group), from the plan."""
+    trainers = sorted((t for t in ctx.plan.tasks if t.trainer_rank is not None), key=lambda t: t.trainer_rank)
+    return tuple(t.node for t in trainers)
 
 
 def _print_step(ctx: LaunchContext, step: int, m: dict) -> None:
