@@ -36,31 +36,37 @@ def test_parse_slurm_time(text, seconds):
     assert slurm.parse_slurm_time(text) == seconds
 
 
-# ------------------------------------------------------------------------- squeue/sacct JSON 22.05
+# ------------------------------------------------------------------- squeue text, sacct JSON 22.05
 
-def test_parse_squeue_json_22_05():
-    jobs = slurm.parse_squeue_json((DATA / "squeue-22.05.json").read_text())
-    ok, fail, held, cancelled, running = (jobs[i] for i in ("2", "3", "4", "5", "6"))
-    assert (ok.state, ok.exit_code, ok.signal, ok.time_limit_s, ok.elapsed_s) == ("COMPLETED", 0, 0, 300, 1)
-    assert ok.std_out == "/tmp/slcap/slurm-2.out" and ok.work_dir == "/tmp/slcap" and ok.node_list == "n1"
+def _by_name(jobs: dict[str, JobInfo]) -> dict[str, JobInfo]:
+    return {j.name: j for j in jobs.values()}
+
+
+def test_parse_squeue_text_22_05():
+    # recorded by tests/data/slurm/record-squeue-text.sh with the format query() sends
+    jobs = _by_name(slurm.parse_squeue_text((DATA / "squeue-22.05.txt").read_text()))
+    ok, fail, held, cancelled, running = (jobs[n] for n in ("ok", "fail3", "held", "cancelme", "running"))
+    d = "/tmp/slcap-dfie"
+    assert (ok.state, ok.exit_code, ok.signal, ok.time_limit_s, ok.elapsed_s, ok.restarts) == (
+        "COMPLETED", 0, 0, 300, 0, 0)
+    assert ok.std_out == f"{d}/slurm-{ok.job_id}.out" and ok.work_dir == d and ok.node_list == "n1"
+    assert ok.start_time == 1795586804 and ok.end_time == 1795586804 and ok.submit_time == 1795586803
     # exit_code is a raw wait status here: 768 = exit 3
     assert (fail.state, fail.reason, fail.exit_code, fail.signal) == ("FAILED", "NonZeroExitCode", 3, 0)
-    assert (held.state, held.reason, held.start_time, held.exit_code, held.elapsed_s) == (
-        "PENDING", "JobHeldUser", None, None, None)
-    assert (cancelled.state, cancelled.exit_code, cancelled.signal) == ("CANCELLED", 0, 15)
-    # running: no exit code yet, end_time (the limit) is not an end, 26 h limit
-    assert (running.state, running.exit_code, running.end_time, running.time_limit_s) == (
-        "RUNNING", None, None, 93600)
-    assert running.start_time == 1795232068 and running.elapsed_s > 0
-    assert (jobs["7"].exit_code, jobs["7"].signal) == (0, 9)                  # kill -9 $$
-    assert jobs["9"].std_out == "/tmp/slcap/out-9.txt"                       # -o out-%j.txt expanded
-    assert (jobs["10"].restarts, jobs["10"].state, jobs["10"].reason) == (1, "PENDING", "BeginTime")
-
-
-def test_parse_squeue_json_controller_down():
-    # 22.05 exits 0 with an errors list when slurmctld does not answer
-    with pytest.raises(SlurmUnavailable, match="slurm_load_jobs"):
-        slurm.parse_squeue_json((DATA / "squeue-22.05-controller-down.json").read_text())
+    assert (held.state, held.reason, held.start_time, held.exit_code, held.elapsed_s, held.end_time) == (
+        "PENDING", "JobHeldUser", None, None, None, None)
+    assert (cancelled.state, cancelled.exit_code, cancelled.signal, cancelled.elapsed_s) == ("CANCELLED", 0, 15, 2)
+    # running: no exit code yet, EndTime (the limit) is not an end, 26 h limit
+    assert (running.state, running.exit_code, running.end_time, running.time_limit_s, running.elapsed_s) == (
+        "RUNNING", None, None, 93600, 4)
+    assert (jobs["sig9"].exit_code, jobs["sig9"].signal) == (0, 9)              # kill -9 $$
+    assert jobs["without"].std_out == f"{d}/out-{jobs['without'].job_id}.txt"   # -o out-%j.txt expanded
+    assert jobs["without"].time_limit_s is None                                 # UNLIMITED
+    # requeued (scontrol requeue): pending again, the requeue counted, its expected start not a start
+    assert (jobs["rq"].restarts, jobs["rq"].state, jobs["rq"].reason, jobs["rq"].start_time) == (
+        1, "PENDING", "BeginTime", None)
+    ab = jobs["a|b"]                                  # the name is last: it may hold the separator
+    assert ab.std_out == f"{d}/a/out-a|b-{ab.job_id}.log"
 
 
 def test_parse_sacct_json_22_05():
@@ -82,19 +88,6 @@ def test_parse_sacct_json_nothing_found_is_empty():
 
 # ----------------------------------------------------- the same fields as Slurm 23.02+ writes them
 
-NEWER_SQUEUE = {"meta": {}, "errors": [], "warnings": [], "jobs": [{
-    "job_id": 560, "name": "grpo", "job_state": ["FAILED"], "state_reason": "NonZeroExitCode",
-    "exit_code": {"status": ["EXITED"], "return_code": {"set": True, "infinite": False, "number": 3},
-                  "signal": {"id": {"set": False, "infinite": False, "number": 0}, "name": ""}},
-    "restart_cnt": 2, "time_limit": {"set": True, "infinite": False, "number": 60},
-    "start_time": {"set": True, "infinite": False, "number": 1700000000},
-    "end_time": {"set": True, "infinite": False, "number": 1700000100},
-    "submit_time": {"set": True, "infinite": False, "number": 1699999990},
-    "node_count": {"set": True, "infinite": False, "number": 2}, "nodes": "c[31-32]",
-    "current_working_directory": "/home/dev", "standard_output": "/home/dev/slurm-560.out",
-    "array_job_id": {"set": True, "infinite": False, "number": 0},
-    "array_task_id": {"set": False, "infinite": False, "number": 0}}]}
-
 NEWER_SACCT = {"meta": {}, "errors": [], "jobs": [{
     "job_id": 561, "name": "grpo", "state": {"current": ["TIMEOUT"], "reason": "None"},
     "exit_code": {"status": ["SIGNALED"], "return_code": {"set": False, "infinite": False, "number": 0},
@@ -106,10 +99,6 @@ NEWER_SACCT = {"meta": {}, "errors": [], "jobs": [{
 
 
 def test_parse_newer_json_shapes():
-    j = slurm.parse_squeue_json(json.dumps(NEWER_SQUEUE))["560"]
-    assert (j.state, j.exit_code, j.signal, j.restarts, j.time_limit_s, j.nodes, j.elapsed_s) == (
-        "FAILED", 3, 0, 2, 3600, 2, 100)
-    assert j.std_out == "/home/dev/slurm-560.out"
     a = slurm.parse_sacct_json(json.dumps(NEWER_SACCT))["561"]
     assert (a.state, a.exit_code, a.signal, a.time_limit_s, a.restarts, a.std_out) == (
         "TIMEOUT", 0, 15, 3600, 1, "/home/dev/slurm-561.out")
@@ -118,9 +107,10 @@ def test_parse_newer_json_shapes():
 # --------------------------------------------------------------------------- text output (22.05)
 
 SQUEUE_TEXT = """\
-2|COMPLETED|None|0:01|5:00|1|n1|/tmp/slcap|/tmp/slcap/slurm-2.out|1795232068|1795232068|1795232069|ok
-11|PENDING|JobHeldUser|0:00|UNLIMITED|1||/tmp/slcap|/tmp/slcap/a/out-%x-%j.log|1795232192|N/A|N/A|a|b
-6|RUNNING|None|1-00:00:34|1-02:00:00|1|n1|/tmp/slcap|/tmp/slcap/slurm-6.out|1795232068|1795232068|1795325668|running
+2|COMPLETED|None|0:01|5:00|1|n1|0|0|dev|/tmp/slcap|/tmp/slcap/slurm-2.out|1795232068|1795232068|1795232069|ok
+11|PENDING|JobHeldUser|0:00|UNLIMITED|1||0|0|dev|/tmp/slcap|/tmp/slcap/a/out-%u-%x-%j.log|1795232192|N/A|N/A|a|b
+6|RUNNING|None|1-00:00:34|1-02:00:00|1|n1|0|2|dev|/tmp/slcap|/tmp/slcap/slurm-6.out|1795232068|1795232068|1795325668|running
+12|FAILED|NonZeroExitCode|0:03|5:00|1|n1|3:0|0|dev|/tmp/slcap|/tmp/slcap/slurm-12.out|1795232068|1795232068|1795232071|c
 """
 
 SACCT_TEXT = """\
@@ -136,11 +126,13 @@ def test_parse_squeue_text():
     jobs = slurm.parse_squeue_text(SQUEUE_TEXT)
     assert (jobs["2"].state, jobs["2"].time_limit_s, jobs["2"].elapsed_s, jobs["2"].end_time) == (
         "COMPLETED", 300, 1, 1795232069)
-    assert jobs["2"].exit_code is None          # squeue's text has none; query() asks sacct
+    assert (jobs["2"].exit_code, jobs["2"].signal) == (0, 0)
     held = jobs["11"]
     assert (held.state, held.reason, held.start_time, held.name) == ("PENDING", "JobHeldUser", None, "a|b")
-    assert held.std_out == "/tmp/slcap/a/out-a|b-11.log"
-    assert (jobs["6"].elapsed_s, jobs["6"].time_limit_s, jobs["6"].end_time) == (86434, 93600, None)
+    assert held.std_out == "/tmp/slcap/a/out-dev-a|b-11.log"
+    assert (jobs["6"].elapsed_s, jobs["6"].time_limit_s, jobs["6"].end_time, jobs["6"].restarts) == (
+        86434, 93600, None, 2)
+    assert (jobs["12"].exit_code, jobs["12"].signal) == (3, 0)    # "rc:sig", as other releases may print
 
 
 def test_parse_sacct_text():
@@ -206,9 +198,10 @@ def test_submit_parses_cluster_suffix_and_errors(tmp_path, monkeypatch):
     assert not isinstance(e.value, SlurmUnavailable) and "\n" not in str(e.value)
 
 
-def test_text_fallback_when_json_is_unsupported(tmp_path, monkeypatch):
-    # a Slurm without the JSON plugin: squeue/sacct --json fail; text output is used from then on
-    squeue_line = SQUEUE_TEXT.splitlines()[0]
+def test_squeue_text_and_sacct_text_fallback(tmp_path, monkeypatch):
+    # squeue is asked in text, for the ids asked (-j); a Slurm without the JSON plugin: sacct --json
+    # fails once, and sacct's text output is used from then on
+    squeue_line = SQUEUE_TEXT.splitlines()[0].replace("|0|0|dev|", "||0|dev|")   # no exit code printed
     sacct_text = SACCT_TEXT + "2|COMPLETED|None|1|5|1|n1|0:0|/tmp/slcap|1795232068|1795232068|1795232069|ok\n"
     no_json = 'case "$*" in *--json*) echo "{}" >&2; exit 1;; esac; echo "$*" >> "$0.calls"; '
     bindir = _fake_bin(tmp_path, monkeypatch,
@@ -218,13 +211,14 @@ def test_text_fallback_when_json_is_unsupported(tmp_path, monkeypatch):
                        + f"cat <<EOF\n{sacct_text}EOF\n")
     for _ in range(2):
         got = slurm.query(["2", "3"])
-        # state and stdout from squeue, exit code from sacct
+        # state and stdout from squeue, exit code from sacct (squeue printed none)
         assert (got["2"].state, got["2"].exit_code, got["2"].std_out) == (
             "COMPLETED", 0, "/tmp/slcap/slurm-2.out")
         assert (got["3"].state, got["3"].exit_code) == ("FAILED", 3)
-    assert slurm._broken == {"squeue --json", "sacct --json"}
+    assert slurm._broken == {"sacct --json"}
     calls = (bindir / "squeue.calls").read_text().splitlines()
-    assert len(calls) == 2 and "-O" in calls[0]
+    assert len(calls) == 2 and "-O" in calls[0] and "-j 2,3" in calls[0]
+    assert len((bindir / "sacct.calls").read_text().splitlines()) == 2
 
 
 def test_accounting_disabled_uses_job_completion_log(tmp_path, monkeypatch):
@@ -265,10 +259,7 @@ def test_testbed_completed_job(testbed, tmp_path):
     assert info.std_out == str(tmp_path / f"out-{job}.txt")
     assert Path(info.std_out).read_text().strip() == f"hello from {job}"
     assert info.start_time and info.end_time and info.submit_time and info.elapsed_s is not None
-    # text fallback: same answer (squeue -O for the state, sacct -P for the exit code)
-    slurm._broken.update({"squeue --json", "sacct --json"})
-    text = slurm.query([job])[job]
-    assert (text.state, text.exit_code, text.std_out) == ("COMPLETED", 0, info.std_out)
+    assert info.restarts == 0
 
 
 @pytest.mark.slurm

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import stat
+from pathlib import Path
 
 import pytest
 
@@ -24,24 +25,21 @@ def _fresh_slurm_module(monkeypatch):
     monkeypatch.setattr(slurm, "_broken", set())
 
 
-def _squeue_job(job_id: str, nodes: int = 2, work_dir: str = "/nonexistent") -> dict:
-    """One job of `squeue --json` as Slurm 22.05 writes it (tests/data/slurm/squeue-22.05.json)."""
-    return {"job_id": int(job_id), "name": f"job{job_id}", "job_state": "RUNNING", "state_reason": "None",
-            "exit_code": 0, "restart_cnt": 0, "time_limit": 120, "start_time": 1795232068, "end_time": 1795239268,
-            "submit_time": 1795232000, "node_count": nodes, "nodes": f"n[1-{nodes}]",
-            "current_working_directory": work_dir, "standard_output": "", "batch_flag": True,
-            "array_job_id": 0, "array_task_id": None, "user_name": "root", "partition": "debug"}
+def _squeue_job(job_id: str, nodes: int = 2, work_dir: str = "/nonexistent") -> str:
+    """One running job as `squeue -O slurm.SQUEUE_FORMAT` prints it (tests/data/slurm/squeue-22.05.txt)."""
+    return (f"{job_id}|RUNNING|None|1:00|2:00:00|{nodes}|n[1-{nodes}]|0|0|root|{work_dir}|{work_dir}/slurm-%j.out|"
+            f"1795232000|1795232068|1795239268|job{job_id}\n")
 
 
-def _fake_slurm(tmp_path, monkeypatch, jobs: list[dict]):
+def _fake_slurm(tmp_path, monkeypatch, jobs: list[str]):
     """scontrol/squeue/sacct first on PATH; each appends its arguments to calls.log. squeue knows
-    `jobs` (22.05's --json ignores -j and dumps them all); sacct knows nothing."""
+    `jobs` (and prints them all, whatever -j asks: the filter is hpcrl's too); sacct knows nothing."""
     bindir = tmp_path / "bin"
     bindir.mkdir()
-    (tmp_path / "squeue.json").write_text(json.dumps({"errors": [], "jobs": jobs}))
+    (tmp_path / "squeue.txt").write_text("".join(jobs))
     log = f'echo "$(basename "$0") $*" >> {tmp_path}/calls.log\n'
     scripts = {"scontrol": 'echo "Slurmctld(primary) at head is UP"\n',
-               "squeue": f"cat {tmp_path}/squeue.json\n",
+               "squeue": f"cat {tmp_path}/squeue.txt\n",
                "sacct": """echo '{"errors": [], "jobs": []}'\n"""}
     for name, body in scripts.items():
         f = bindir / name
@@ -50,8 +48,19 @@ def _fake_slurm(tmp_path, monkeypatch, jobs: list[dict]):
     monkeypatch.setenv("PATH", f"{bindir}:/usr/bin:/bin")
 
     def calls() -> list[list[str]]:
+        """Each call, in order; `scontrol ping` and squeue start together (slurm._from_squeue), so
+        their lines land in either order: a ping is listed as "ping" right before its squeue."""
         path = tmp_path / "calls.log"
-        return [line.split() for line in path.read_text().splitlines()] if path.exists() else []
+        got = [line.split() for line in path.read_text().splitlines()] if path.exists() else []
+        pings = sum(c[0] == "scontrol" for c in got)
+        got = [c for c in got if c[0] != "scontrol"]
+        out = []
+        for c in got:
+            if c[0] == "squeue":
+                out.append(["ping"])
+            out.append(c)
+        assert pings == sum(c[0] == "squeue" for c in got), "a ping without its squeue, or one more"
+        return out
     return calls
 
 
@@ -103,7 +112,7 @@ def test_listing_1000_jobs_asks_slurm_once_about_the_live_ones(thousand, tmp_pat
     assert len(rows) == N_JOBS
     # One ping, one squeue for every job not known to have ended, one sacct for those squeue did not
     # know: whatever the number of jobs. Nothing about the jobs the registry knows have ended.
-    assert [c[0] for c in calls()] == ["scontrol", "squeue", "sacct"]
+    assert [c[0] for c in calls()] == ["ping", "squeue", "sacct"]
     assert _asked(calls()[1]) == {*ALIVE, *NEVER_KNOWN} and _asked(calls()[2]) == set(NEVER_KNOWN)
     assert "RUNNING" in rows[ALIVE[0]] and f" {N_JOBS - 1} " in rows[ALIVE[-1]]      # its step
     assert "UNKNOWN" in rows[NEVER_KNOWN[0]]
@@ -117,7 +126,7 @@ def test_listing_1000_jobs_asks_slurm_once_about_the_live_ones(thousand, tmp_pat
     assert cli.main(["status", "-n", str(N_JOBS)]) == 0
     rows = _rows(capsys.readouterr().out)
     assert len(rows) == N_JOBS and "UNKNOWN" in rows[NEVER_KNOWN[0]] and "RUNNING" in rows[ALIVE[0]]
-    assert [c[0] for c in calls()[3:]] == ["scontrol", "squeue"] and _asked(calls()[4]) == set(ALIVE)
+    assert [c[0] for c in calls()[3:]] == ["ping", "squeue"] and _asked(calls()[4]) == set(ALIVE)
 
 
 def test_default_listing_shows_and_asks_about_the_newest_50(thousand, tmp_path, monkeypatch, capsys):
@@ -126,12 +135,12 @@ def test_default_listing_shows_and_asks_about_the_newest_50(thousand, tmp_path, 
     assert cli.main(["status"]) == 0
     rows = _rows(capsys.readouterr().out)
     assert len(rows) == 50 and set(ALIVE) <= set(rows) and "42" not in rows
-    assert [c[0] for c in calls()] == ["scontrol", "squeue", "sacct"]
+    assert [c[0] for c in calls()] == ["ping", "squeue", "sacct"]
     assert _asked(calls()[1]) == {*ALIVE, *NEVER_KNOWN}      # not 42: it is not shown
 
     # Slurm forgets jobs it had (aged out of slurmctld, accounting down): status keeps what it
     # knew, and asks again next time (unlike ids Slurm never had).
-    (tmp_path / "squeue.json").write_text(json.dumps({"errors": [], "jobs": [_squeue_job(j) for j in ALIVE[:3]]}))
+    (tmp_path / "squeue.txt").write_text("".join(_squeue_job(j) for j in ALIVE[:3]))
     for run in (2, 3):
         assert cli.main(["status"]) == 0
         rows = _rows(capsys.readouterr().out)
@@ -147,6 +156,55 @@ def test_listing_reads_no_heartbeat(thousand, tmp_path, monkeypatch, capsys):
     _fake_slurm(tmp_path, monkeypatch, [_squeue_job(j) for j in ALIVE])
     monkeypatch.setattr(status_mod, "read_json", lambda path: pytest.fail(f"the list read {path}"))
     assert cli.main(["status", "-n", str(N_JOBS)]) == 0
+
+
+def test_an_ended_jobs_row_is_kept_and_its_files_not_read_again(thousand, tmp_path, monkeypatch, capsys):
+    """A job that ended SHOWN_AFTER_S ago keeps its row (metrics, failure line) in the registry:
+    listing 1,000 old jobs opens only the files of those still running or just ended."""
+    import time
+    just_ended = "100001"          # ended a second ago: its run directory may still be settling
+    thousand.update_state(just_ended, {**_finished(just_ended, "COMPLETED", 0), "end_time": int(time.time())}, 6.0)
+    _fake_slurm(tmp_path, monkeypatch, [_squeue_job(j) for j in ALIVE])
+    opened = []
+    read = status_mod.last_json_line
+    monkeypatch.setattr(status_mod, "last_json_line", lambda path, *a: opened.append(path) or read(path, *a))
+
+    assert cli.main(["status", "-n", str(N_JOBS)]) == 0
+    first = _rows(capsys.readouterr().out)
+    assert len(opened) == N_JOBS
+    kept = thousand.get("100000").last_state
+    assert kept["shown"] == {"step": 0, "reward": 0.5, "tokens_per_s": 900.0, "sync_s": 0.02,
+                             "reason": "rank 7 (node 0, server) was killed by SIGKILL"}
+    assert kept["state"] == "FAILED" and thousand.get("100000").state_seen_at == 5.0
+    # not kept: alive, just ended, or settled only by this status (seen now, not SHOWN_AFTER_S ago)
+    for job_id in (ALIVE[0], just_ended, NEVER_KNOWN[0]):
+        assert "shown" not in thousand.get(job_id).last_state, job_id
+
+    # The kept rows come from the registry: the same table with the files gone.
+    for job_id in ("100000", "100003"):
+        for name in ("metrics.jsonl", "failure.txt"):
+            (tmp_path / "runs" / job_id / name).unlink()
+    opened.clear()
+    assert cli.main(["status", "-n", str(N_JOBS)]) == 0
+    assert _rows(capsys.readouterr().out) == first
+    assert {Path(p).parent.name for p in opened} == {*ALIVE, *NEVER_KNOWN, just_ended}
+
+    # `status JOBID --json` shows Slurm's state, not the kept row under it
+    assert cli.main(["status", "100000", "--json"]) == 0
+    detail = json.loads(capsys.readouterr().out)
+    assert "shown" not in detail["slurm"] and detail["reason"] == kept["shown"]["reason"] and detail["step"] == 0
+
+
+def test_amend_states_writes_only_over_the_state_it_read(hpcrl_home, tmp_path):
+    reg = Registry()
+    reg.add("1", "a", "testbed", tmp_path, tmp_path / "job.sbatch")
+    reg.update_state("1", _finished("1", "COMPLETED", 0), 5.0)
+    assert reg.amend_states({"1": ({"state": "COMPLETED", "shown": {}}, 4.0)}) == []     # not the one read
+    assert reg.amend_states({"1": ({"state": "COMPLETED", "shown": {}}, 5.0)}) == ["1"]
+    assert reg.get("1").last_state == {"state": "COMPLETED", "shown": {}} and reg.get("1").state_seen_at == 5.0
+    reg.add("1", "b", "testbed", tmp_path, tmp_path / "job.sbatch")    # Slurm handed the id out again
+    assert reg.amend_states({"1": ({"state": "COMPLETED", "shown": {}}, 5.0)}) == []
+    assert reg.get("1").last_state is None
 
 
 def test_one_job_of_256_nodes_shows_every_server(hpcrl_home, tmp_path, monkeypatch, capsys):
@@ -183,4 +241,4 @@ def test_one_job_of_256_nodes_shows_every_server(hpcrl_home, tmp_path, monkeypat
     assert shown == {n: f"syncing (weights v{steps - 1})" if n in lagging else f"serving (weights v{steps})"
                      for n in range(NODES)}
     assert f"nodes {NODES} n[1-{NODES}]" in out and f"progress   step {steps}" in out
-    assert [c[0] for c in calls()] == ["scontrol", "squeue"] * 2
+    assert [c[0] for c in calls()] == ["ping", "squeue"] * 2, calls()

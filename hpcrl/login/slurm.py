@@ -4,30 +4,33 @@ Every call is a subprocess bounded by a timeout (env HPCRL_SLURM_TIMEOUT, defaul
 slurmctld makes a command fail with SlurmUnavailable instead of hanging the login shell. The
 parse_* functions are pure (text in, JobInfo out) and are tested on output captured from Slurm 22.05.
 
+squeue is asked in text (`-O` with the fields below), never `--json`: on 22.05.8 `squeue --json`
+ignores -j/-t/-u, writes every job slurmctld holds and cost 26-56 ms against ~5 ms for the text
+(scripts/bench_cli.py), and the text has every field `hpcrl status` shows, the requeue count
+(RestartCnt) and the exit code included.
+
 Known Slurm quirks this module works around (seen on 22.05.8):
-  * `squeue --json` ignores -j/-t/-u and dumps every job in slurmctld; we filter in Python.
-  * squeue JSON's `exit_code` is the raw wait(2) status there (exit 3 -> 768, SIGKILL -> 9); newer
-    releases give {"return_code": .., "signal": ..} objects.  Both are decoded.
+  * squeue's `exit_code` is the raw wait(2) status (exit 3 -> 768, SIGKILL -> 9); sacct gives
+    "3:0", or {"return_code": .., "signal": ..} objects in JSON.  All are decoded.
   * `sacct --json` reports exit code 0 for jobs that exited 3 (the text `ExitCode` is right), so a
     FAILED job with "0:0" in sacct JSON gets its exit code re-read from `sacct -P`.
-  * `squeue --json` against a dead controller exits 0 with an "errors" list, after ~9 s of
-    retries; `scontrol ping` answers at once, so query() pings first.
+  * squeue against a dead controller retries for ~18 s before it fails; `scontrol ping` answers
+    at once, so query() pings while squeue starts, and stops squeue when the ping says DOWN.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
 import subprocess
 import time
-from dataclasses import dataclass
+from collections import namedtuple
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Iterable
 
 __all__ = ["SlurmError", "SlurmUnavailable", "JobInfo", "FINISHED_STATES", "submit", "query", "cancel", "ping",
-           "parse_squeue_json", "parse_sacct_json", "parse_squeue_text", "parse_sacct_text", "parse_slurm_time"]
+           "parse_sacct_json", "parse_squeue_text", "parse_sacct_text", "parse_slurm_time"]
 
 DEFAULT_TIMEOUT = 10.0
 PING_TIMEOUT = 5.0
@@ -49,12 +52,14 @@ _NO_JSON = re.compile(r"json|serializ|unrecognized option|invalid option|openapi
 _INVALID_ID = "Invalid job id specified"
 
 # Per process: commands whose JSON output (or accounting) turned out to be unavailable, so that we
-# do not pay for the failing call again.  Keys: "squeue --json", "sacct --json", "sacct".
+# do not pay for the failing call again.  Keys: "sacct --json", "sacct".
 _broken: set[str] = set()
 
-# Text fallbacks. The job name goes last: it is the one free-text field and may contain the '|'.
+# Text output. The job name goes last: it is the one free-text field and may contain the '|'.
 _SQUEUE_FIELDS = ("JobID", "State", "Reason", "TimeUsed", "TimeLimit", "NumNodes", "NodeList",
-                  "WorkDir", "STDOUT", "SubmitTime", "StartTime", "EndTime", "Name")
+                  "exit_code", "RestartCnt", "UserName", "WorkDir", "STDOUT", "SubmitTime", "StartTime",
+                  "EndTime", "Name")
+SQUEUE_FORMAT = ",".join(f"{f}:|" for f in _SQUEUE_FIELDS[:-1]) + f",{_SQUEUE_FIELDS[-1]}:"
 _SACCT_FIELDS = ("JobIDRaw", "State", "Reason", "ElapsedRaw", "TimelimitRaw", "NNodes", "NodeList",
                  "ExitCode", "WorkDir", "Submit", "Start", "End", "JobName")
 
@@ -71,39 +76,44 @@ class SlurmUnavailable(SlurmError):
     """slurmctld (or a Slurm command) did not answer within the bound, refused, or is not installed."""
 
 
-@dataclass(frozen=True)
-class JobInfo:
+# (name, default) of each JobInfo field. A named tuple, not a dataclass: importing dataclasses
+# (and the inspect module it pulls in) costs `hpcrl status` ~8 ms, a third of its budget.
+_JOBINFO = (
+    ("job_id", None),
+    ("name", ""),
+    ("state", "UNKNOWN"),
+    ("reason", ""),            # why it pends (JobHeldUser, Priority...) or why it ended (NonZeroExitCode)
+    ("elapsed_s", None),
+    ("time_limit_s", None),    # None: unlimited or unknown
+    ("nodes", None),
+    ("node_list", ""),
+    ("exit_code", None),       # set once the job has finished
+    ("signal", None),          # the signal that ended the job (0: none); set once finished
+    ("restarts", 0),           # times Slurm requeued it (squeue; sacct only on newer Slurm)
+    ("work_dir", ""),
+    ("std_out", ""),
+    ("submit_time", None),
+    ("start_time", None),      # actual start; None while pending
+    ("end_time", None),        # actual end; None until finished
+)
+
+
+class JobInfo(namedtuple("JobInfo", [f for f, _ in _JOBINFO], defaults=[d for _, d in _JOBINFO[1:]])):
     """What Slurm says about one job. Times are unix seconds; None where Slurm has no value."""
 
-    job_id: str
-    name: str = ""
-    state: str = "UNKNOWN"
-    reason: str = ""              # why it pends (JobHeldUser, Priority...) or why it ended (NonZeroExitCode)
-    elapsed_s: int | None = None
-    time_limit_s: int | None = None  # None: unlimited or unknown
-    nodes: int | None = None
-    node_list: str = ""
-    exit_code: int | None = None  # set once the job has finished
-    signal: int | None = None     # the signal that ended the job (0: none); set once finished
-    restarts: int = 0             # times Slurm requeued it (squeue; sacct only on newer Slurm)
-    work_dir: str = ""
-    std_out: str = ""
-    submit_time: int | None = None
-    start_time: int | None = None  # actual start; None while pending
-    end_time: int | None = None    # actual end; None until finished
+    __slots__ = ()
 
     @property
     def finished(self) -> bool:
         return self.state in FINISHED_STATES
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+    def to_dict(self) -> dict:
+        return self._asdict()
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> JobInfo:
+    def from_dict(cls, d: dict) -> JobInfo:
         """Inverse of to_dict; ignores keys it does not know (a registry row from another version)."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+        return cls(**{k: v for k, v in d.items() if k in cls._fields})
 
 
 # ----------------------------------------------------------------------------- running commands
@@ -115,39 +125,52 @@ def _timeout() -> float:
         return DEFAULT_TIMEOUT
 
 
-def _run(cmd: list[str], timeout: float | None = None, cwd: Path | None = None,
-         epoch_times: bool = False) -> str:
-    """Run a Slurm command and return its stdout; raise SlurmError/SlurmUnavailable otherwise."""
-    timeout = _timeout() if timeout is None else timeout
+def _start(cmd: list[str], cwd: Path | None = None, epoch_times: bool = False) -> subprocess.Popen:
+    """Start a Slurm command (its output read by _wait); SlurmUnavailable if it is not installed."""
     env = dict(os.environ)
     if "--json" in cmd:
-        # 22.05 parses its own query times with SLURM_TIME_FORMAT: "%s" makes squeue --json fail
-        # and sacct --json ignore -j. JSON times are epoch seconds anyway.
+        # 22.05 parses its own query times with SLURM_TIME_FORMAT: "%s" makes sacct --json ignore
+        # -j. JSON times are epoch seconds anyway.
         env.pop("SLURM_TIME_FORMAT", None)
     elif epoch_times:
         env["SLURM_TIME_FORMAT"] = "%s"   # text output in epoch seconds: no timezone guessing
-    shown = " ".join(cmd)
-    shown = shown if len(shown) <= 160 else shown[:157] + "..."   # -j with many ids
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env,
-                           stdin=subprocess.DEVNULL)
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
+                                env=env, stdin=subprocess.DEVNULL)
     except FileNotFoundError:
         raise SlurmUnavailable(cmd[0], "command not found (is Slurm installed on this node?)") from None
+
+
+def _wait(p: subprocess.Popen, timeout: float | None = None) -> str:
+    """A started command's stdout; SlurmError/SlurmUnavailable when it fails or outlives timeout."""
+    timeout = _timeout() if timeout is None else timeout
+    shown = " ".join(p.args)
+    shown = shown if len(shown) <= 160 else shown[:157] + "..."   # -j with many ids
+    try:
+        out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        p.kill()
+        p.communicate()
         raise SlurmUnavailable(shown, f"no answer within {timeout:g} s (slurmctld down or overloaded?)") \
             from None
     if p.returncode != 0:
-        said = p.stderr.strip() or p.stdout.strip()   # scontrol ping reports DOWN on stdout
-        err = "; ".join(line.strip() for line in said.splitlines() if line.strip())[:400]
+        said = err.strip() or out.strip()   # scontrol ping reports DOWN on stdout
+        detail = "; ".join(line.strip() for line in said.splitlines() if line.strip())[:400]
         exc = SlurmUnavailable if _UNREACHABLE.search(said) else SlurmError
-        raise exc(shown, err or f"exit status {p.returncode}")
-    return p.stdout
+        raise exc(shown, detail or f"exit status {p.returncode}")
+    return out
 
 
-def _ping(timeout: float = PING_TIMEOUT) -> None:
+def _run(cmd: list[str], timeout: float | None = None, cwd: Path | None = None,
+         epoch_times: bool = False) -> str:
+    """Run a Slurm command and return its stdout; raise SlurmError/SlurmUnavailable otherwise."""
+    return _wait(_start(cmd, cwd, epoch_times), timeout)
+
+
+def _ping(timeout: float = PING_TIMEOUT, started: subprocess.Popen | None = None) -> None:
     """Raise SlurmUnavailable unless a slurmctld (primary or backup) says it is UP."""
     try:
-        out = _run(["scontrol", "ping"], timeout=min(timeout, _timeout()))
+        out = _wait(started or _start(["scontrol", "ping"]), timeout=min(timeout, _timeout()))
     except SlurmError as e:   # scontrol ping exits 1 when the controller is DOWN
         raise SlurmUnavailable(e.command, e.detail) from None
     if " is UP" not in out:
@@ -192,43 +215,45 @@ def query(job_ids: Iterable[str]) -> dict[str, JobInfo]:
     ids = list(dict.fromkeys(str(j) for j in job_ids))
     if not ids:
         return {}
-    # A dead slurmctld costs squeue ~9 s of connect retries but scontrol ping an instant.
-    _ping()
     found = _from_squeue(ids)
-    # sacct for jobs slurmctld has forgotten, and for finished jobs whose exit code squeue's text
-    # output could not tell.
+    # sacct for jobs slurmctld has forgotten, and for finished jobs whose exit code squeue's
+    # output did not tell.
     ask = [j for j in ids if j not in found or (found[j].finished and found[j].exit_code is None)]
     for j, acct in (_from_sacct(ask) if ask else {}).items():
         live = found.get(j)
         if live is None:
             found[j] = acct
         elif acct.state != "UNKNOWN":   # keep what only squeue knows
-            found[j] = dataclasses.replace(acct, reason=acct.reason or live.reason,
-                                           std_out=acct.std_out or live.std_out,
-                                           restarts=max(acct.restarts, live.restarts))
+            found[j] = acct._replace(reason=acct.reason or live.reason, std_out=acct.std_out or live.std_out,
+                                     restarts=max(acct.restarts, live.restarts))
     return {j: found.get(j) or JobInfo(j, reason="not known to squeue or sacct") for j in ids}
 
 
 def _from_squeue(ids: list[str]) -> dict[str, JobInfo]:
-    # -j/-t are ignored by 22.05's --json (filtered below) but keep newer releases' output small.
-    select = ["-t", "all", "-j", ",".join(ids)]
+    # The ping and squeue run at once: a dead slurmctld costs squeue ~18 s of connect retries but
+    # scontrol ping an instant (then squeue is stopped), and a live one costs the two processes'
+    # start-up once, not twice.
+    ping = _start(["scontrol", "ping"])
     try:
-        if "squeue --json" not in _broken:
-            try:
-                jobs = parse_squeue_json(_run(["squeue", "--json", *select]))
-            except SlurmError as e:
-                if not _json_unsupported(e):
-                    raise
-                _broken.add("squeue --json")
-            else:
-                return {j: jobs[j] for j in ids if j in jobs}
-        fmt = ",".join(f"{f}:|" for f in _SQUEUE_FIELDS[:-1]) + f",{_SQUEUE_FIELDS[-1]}:"
-        jobs = parse_squeue_text(_run(["squeue", "-h", *select, "-O", fmt], epoch_times=True))
-        return {j: jobs[j] for j in ids if j in jobs}
+        squeue = _start(["squeue", "-h", "-t", "all", "-j", ",".join(ids), "-O", SQUEUE_FORMAT],
+                        epoch_times=True)
+    except SlurmUnavailable:
+        ping.kill()
+        ping.communicate()
+        raise
+    try:
+        _ping(started=ping)
+        jobs = parse_squeue_text(_wait(squeue))
     except SlurmError as e:
         if _INVALID_ID in e.detail:   # every id has aged out of slurmctld: ask sacct
             return {}
         raise
+    finally:
+        if squeue.poll() is None:     # the ping failed: do not wait out squeue's retries
+            squeue.kill()
+            squeue.communicate()
+    # squeue may answer about other jobs than those asked (an array's tasks)
+    return {j: jobs[j] for j in ids if j in jobs}
 
 
 def _from_sacct(ids: list[str]) -> dict[str, JobInfo]:
@@ -250,7 +275,7 @@ def _from_sacct(ids: list[str]) -> dict[str, JobInfo]:
                 fixed = _sacct_text(suspect) if suspect else {}
                 for j in suspect:
                     if j in fixed:
-                        jobs[j] = dataclasses.replace(jobs[j], exit_code=fixed[j].exit_code,
+                        jobs[j] = jobs[j]._replace(exit_code=fixed[j].exit_code,
                                                       signal=fixed[j].signal)
                 return jobs
         return _sacct_text(ids)
@@ -292,7 +317,7 @@ def parse_slurm_time(text: str | None) -> int | None:
     return days * 86400 + a * 3600 + (b or 0) * 60 + (c or 0)
 
 
-def _num(v: Any) -> int | None:
+def _num(v) -> int | None:
     """An integer field: plain (22.05) or {"set", "infinite", "number"} (23.02+). 0 means unset."""
     if isinstance(v, dict):
         if not v.get("set", True) or v.get("infinite"):
@@ -301,24 +326,24 @@ def _num(v: Any) -> int | None:
     return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
-def _time(v: Any) -> int | None:
+def _time(v) -> int | None:
     t = _num(v)
     return t if t else None   # Slurm writes 0 for "no such time yet"
 
 
-def _first(v: Any) -> str:
+def _first(v) -> str:
     """A state: "RUNNING" (22.05) or ["RUNNING", "COMPLETING"] (23.02+)."""
     if isinstance(v, list):
         v = v[0] if v else ""
     return str(v or "")
 
 
-def _reason(v: Any) -> str:
+def _reason(v) -> str:
     v = str(v or "")
     return "" if v == "None" else v
 
 
-def _exit(v: Any) -> tuple[int | None, int | None]:
+def _exit(v) -> tuple[int | None, int | None]:
     """(return code, signal) from an exit_code field of any release."""
     if isinstance(v, dict):
         rc = _num(v.get("return_code"))
@@ -336,9 +361,7 @@ def _errors(doc: dict, cmd: str) -> None:
     errs = [e for e in doc.get("errors") or [] if isinstance(e, dict) and e.get("error_number") != 9003]
     if errs:
         msg = "; ".join(f"{e.get('source', '')}: {e.get('description') or e.get('error', '')}" for e in errs)
-        # squeue's only job is to load jobs from slurmctld: failing that means it did not answer.
-        raise (SlurmUnavailable if cmd == "squeue" and _INVALID_ID not in msg else SlurmError)(
-            f"{cmd} --json", msg)
+        raise SlurmError(f"{cmd} --json", msg)
 
 
 def _std_out(pattern: str, job_id: str, name: str, work_dir: str, user: str = "",
@@ -353,42 +376,6 @@ def _std_out(pattern: str, job_id: str, name: str, work_dir: str, user: str = ""
 def _finish(state: str, rc: int | None, sig: int | None) -> tuple[int | None, int | None]:
     """Exit code and signal only mean something once the job has ended."""
     return (rc, sig) if state in FINISHED_STATES else (None, None)
-
-
-def _elapsed(state: str, start: int | None, end: int | None, now: float | None = None) -> int | None:
-    if start is None:
-        return None
-    if state in FINISHED_STATES:
-        return max(0, (end or start) - start)
-    return max(0, int((now or time.time()) - start))
-
-
-def parse_squeue_json(text: str) -> dict[str, JobInfo]:
-    """`squeue --json` output -> {job_id: JobInfo} for every job in it."""
-    doc = json.loads(text)
-    _errors(doc, "squeue")
-    jobs = {}
-    for j in doc.get("jobs", []):
-        job_id, name = str(j["job_id"]), j.get("name", "")
-        state = _first(j.get("job_state"))
-        start, end = _time(j.get("start_time")), _time(j.get("end_time"))
-        if state not in FINISHED_STATES:
-            # while pending, start_time is the scheduler's guess; while running, end_time is the limit
-            start = start if state not in ("PENDING", "REQUEUED", "REQUEUE_HOLD") else None
-            end = None
-        limit = _num(j.get("time_limit"))
-        rc, sig = _finish(state, *_exit(j.get("exit_code")))
-        work_dir = j.get("current_working_directory", "")
-        jobs[job_id] = JobInfo(
-            job_id=job_id, name=name, state=state, reason=_reason(j.get("state_reason")),
-            elapsed_s=_elapsed(state, start, end), time_limit_s=limit * 60 if limit is not None else None,
-            nodes=_num(j.get("node_count")), node_list=j.get("nodes") or "", exit_code=rc, signal=sig,
-            restarts=_num(j.get("restart_cnt")) or 0, work_dir=work_dir,
-            std_out=_std_out(j.get("standard_output") or "", job_id, name, work_dir, j.get("user_name", ""),
-                             _num(j.get("array_job_id")), _num(j.get("array_task_id")))
-            if j.get("batch_flag", True) else "",   # salloc/srun allocations write no output file
-            submit_time=_time(j.get("submit_time")), start_time=start, end_time=end)
-    return jobs
 
 
 def parse_sacct_json(text: str) -> dict[str, JobInfo]:
@@ -421,7 +408,7 @@ def _int(s: str) -> int | None:
     return int(s) if s.strip().isdigit() else None
 
 
-def _split(text: str, n: int) -> Iterable[list[str]]:
+def _split(text: str, n: int) -> Iterator[list[str]]:
     for line in text.splitlines():
         if line.strip():
             parts = line.split("|", n - 1)
@@ -430,21 +417,25 @@ def _split(text: str, n: int) -> Iterable[list[str]]:
 
 
 def parse_squeue_text(text: str) -> dict[str, JobInfo]:
-    """`squeue -h -O JobID:|,State:|,...,Name:` output (see _SQUEUE_FIELDS), times as epoch seconds."""
+    """`squeue -h -O SQUEUE_FORMAT` output (see _SQUEUE_FIELDS), times as epoch seconds."""
     jobs = {}
-    for (job_id, state, reason, used, limit, nodes, node_list, work_dir, std_out, submit, start, end,
-         name) in _split(text, len(_SQUEUE_FIELDS)):
+    for (job_id, state, reason, used, limit, nodes, node_list, exit_code, restarts, user, work_dir, std_out,
+         submit, start, end, name) in _split(text, len(_SQUEUE_FIELDS)):
         state = state.split()[0] if state.strip() else ""
-        start_t = _int(start) if state not in ("PENDING", "REQUEUED") else None
+        name = name.strip()
+        # while pending, StartTime is the scheduler's guess; while running, EndTime is the limit
+        start_t = _int(start) if state not in ("PENDING", "REQUEUED", "REQUEUE_HOLD") else None
+        rc, _, sig = exit_code.partition(":")   # 22.05: a raw wait status ("768"); "3:0" elsewhere
+        code = _exit(_int(rc)) if not sig else (_int(rc), _int(sig))
+        rc, sig = _finish(state, *code)
         # squeue prints the limit as "5:00" for 5 minutes: parse_slurm_time's m:ss
         jobs[job_id] = JobInfo(
-            job_id=job_id, name=name.strip(), state=state, reason=_reason(reason),
+            job_id=job_id, name=name, state=state, reason=_reason(reason),
             elapsed_s=parse_slurm_time(used) if start_t else None, time_limit_s=parse_slurm_time(limit),
-            nodes=_int(nodes), node_list=node_list, work_dir=work_dir,
-            std_out=_std_out(std_out, job_id, name.strip(), work_dir) if std_out else "",
+            nodes=_int(nodes), node_list=node_list, exit_code=rc, signal=sig, restarts=_int(restarts) or 0,
+            work_dir=work_dir, std_out=_std_out(std_out, job_id, name, work_dir, user) if std_out else "",
             submit_time=_int(submit), start_time=start_t,
             end_time=_int(end) if state in FINISHED_STATES else None)
-    # squeue's text output has no exit code: a finished job's comes from sacct or stays unknown.
     return jobs
 
 

@@ -3,7 +3,8 @@ and `cancel` share (hpcrl.login.commands holds the commands themselves).
 
 Fast on a loaded login node with a thousand registered jobs: one squeue call for the jobs still
 alive (finished jobs keep the final state the registry recorded, and are not asked about again), one
-registry transaction for what Slurm said, one small read per listed job (its metrics tail), no torch,
+registry transaction for what Slurm said, one small read per listed job still running or recently
+ended (its metrics tail; an older job's row is kept in the registry, see SHOWN_AFTER_S), no torch,
 no jinja2, no YAML, no recipe or spec.
 """
 
@@ -122,18 +123,52 @@ def explain(state: dict, run_dir: str) -> str:
     return ""
 
 
+# What a row takes from the job's run directory (the last metrics line; after a failure, the first
+# line of failure.txt) stops changing when the job ends, so `status` keeps it in the registry with
+# the final state (under SHOWN) and lists old jobs without opening their files: of a 1,000-job list,
+# ~15 ms of ~60 (scripts/bench_cli.py). Only once the job ended SHOWN_AFTER_S ago: the run directory
+# is written on compute nodes through a shared file system, whose caches on this node may lag their
+# last writes for a while, and the end time is slurmctld's clock, not this node's.
+SHOWN = "shown"
+SHOWN_AFTER_S = 60.0
+_SHOWN_FIELDS = ("step", "reward", "tokens_per_s", "sync_s", "reason")
+
+
 def job_row(record, state: dict) -> dict:
     """One line of `hpcrl status`: of a job's run directory the list reads its metrics tail (and a
-    failed job's failure.txt), never the heartbeat."""
-    m = latest_metrics(record.run_dir)
+    failed job's failure.txt), never the heartbeat; nothing once the registry keeps the row."""
+    shown = state.get(SHOWN)
+    if shown is None:
+        m = latest_metrics(record.run_dir)
+        shown = {"step": m.get("step"), "reward": m.get("reward"), "tokens_per_s": m.get("tokens_per_s"),
+                 "sync_s": m.get("sync_s"), "reason": explain(state, record.run_dir)}
     return {
         "job_id": record.job_id, "name": record.name, "site": record.site,
-        "state": state.get("state", "UNKNOWN"), "reason": explain(state, record.run_dir),
+        "state": state.get("state", "UNKNOWN"), "reason": shown["reason"],
         "elapsed_s": state.get("elapsed_s"), "time_limit_s": state.get("time_limit_s"),
         "nodes": state.get("nodes"), "restarts": state.get("restarts", 0), "exit_code": state.get("exit_code"),
-        "step": m.get("step"), "reward": m.get("reward"), "tokens_per_s": m.get("tokens_per_s"),
-        "sync_s": m.get("sync_s"), "run_dir": str(record.run_dir),
+        "step": shown["step"], "reward": shown["reward"], "tokens_per_s": shown["tokens_per_s"],
+        "sync_s": shown["sync_s"], "run_dir": str(record.run_dir),
     }
+
+
+def job_rows(registry: Registry, records, states: dict[str, dict]) -> list[dict]:
+    """job_row of each record (states: from refresh); the rows of jobs that ended SHOWN_AFTER_S ago
+    or more are kept in the registry, in one transaction, for the next `status`."""
+    now = time.time()
+    rows, keep = [], {}
+    for record in records:
+        state = states[record.job_id]
+        row = job_row(record, state)
+        rows.append(row)
+        # `state is record.last_state`: the state was settled before this refresh, and is the one
+        # the registry holds as of record.state_seen_at (amend_states writes only over that one).
+        if (SHOWN not in state and state is record.last_state and settled(state)
+                and now - (state.get("end_time") or record.state_seen_at or now) >= SHOWN_AFTER_S):
+            keep[record.job_id] = ({**state, SHOWN: {k: row[k] for k in _SHOWN_FIELDS}}, record.state_seen_at)
+    if keep:
+        registry.amend_states(keep)
+    return rows
 
 
 def find_record(registry: Registry, job_id: str):

@@ -4,7 +4,7 @@ widest cell, no trailing blanks (grep/awk friendly, no rich)."""
 from __future__ import annotations
 
 import sys
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 
 def print_table(header: Sequence[object], rows: Iterable[Sequence[object]], file=None) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 from hpcrl.job import rundir
 from hpcrl.job.slurm_time import format_walltime
 from hpcrl.login.registry import Registry
-from hpcrl.login.status import find_record, job_row, log_path, progress, refresh
+from hpcrl.login.status import SHOWN, find_record, job_row, job_rows, log_path, progress, refresh
 from hpcrl.login.table import print_table
 
 
@@ -24,7 +24,7 @@ def main(args) -> int:
         return _one(registry, args)
     records = registry.list(limit=args.limit)
     states, warning = refresh(registry, records)
-    rows = [job_row(r, states[r.job_id]) for r in records]
+    rows = job_rows(registry, records, states)
     if warning:
         print(warning, file=sys.stderr)
     if args.json:
@@ -102,7 +102,7 @@ def _one(registry: Registry, args) -> int:
     p = progress(record.run_dir)
     job = _job(record.run_dir)
     log = log_path(record, state)
-    detail = {**row, "slurm": state, "heartbeat": p["heartbeat"], "metrics": p["metrics"],
+    detail = {**row, "slurm": {k: v for k, v in state.items() if k != SHOWN}, "heartbeat": p["heartbeat"], "metrics": p["metrics"],
               "log": str(log) if log else None, "log_tail": _tail(log, 20) if log else [],
               "model": _model(record.run_dir, job), "balance": _balance(record.run_dir, job) if job else []}
     if warning:
