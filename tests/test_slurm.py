@@ -287,6 +287,19 @@ def test_testbed_held_then_cancelled(testbed, tmp_path):
 
 
 @pytest.mark.slurm
+def test_testbed_requeue_is_counted(testbed, tmp_path):
+    # the requeue count `hpcrl status` shows (RESTARTS) comes from squeue's RestartCnt
+    job = _submit(tmp_path, "sleep 300", "--requeue")
+    try:
+        _wait(job, done=lambda i: i.state == "RUNNING", timeout=60)
+        slurm._run(["scontrol", "requeue", job])
+        info = _wait(job, done=lambda i: i.state == "PENDING", timeout=60)   # COMPLETING first
+        assert (info.restarts, info.state, info.exit_code) == (1, "PENDING", None), info
+    finally:
+        slurm.cancel(job)
+
+
+@pytest.mark.slurm
 def test_testbed_unknown_job(testbed):
     assert slurm.query(["987654321"])["987654321"].state == "UNKNOWN"
     assert slurm.ping() is True

@@ -139,16 +139,16 @@ def job_row(record, state: dict) -> dict:
     failed job's failure.txt), never the heartbeat; nothing once the registry keeps the row."""
     shown = state.get(SHOWN)
     if shown is None:
-        m = latest_metrics(record.run_dir)
+        m = latest_metrics(record.run_dir_text)
         shown = {"step": m.get("step"), "reward": m.get("reward"), "tokens_per_s": m.get("tokens_per_s"),
-                 "sync_s": m.get("sync_s"), "reason": explain(state, record.run_dir)}
+                 "sync_s": m.get("sync_s"), "reason": explain(state, record.run_dir_text)}
     return {
         "job_id": record.job_id, "name": record.name, "site": record.site,
         "state": state.get("state", "UNKNOWN"), "reason": shown["reason"],
         "elapsed_s": state.get("elapsed_s"), "time_limit_s": state.get("time_limit_s"),
         "nodes": state.get("nodes"), "restarts": state.get("restarts", 0), "exit_code": state.get("exit_code"),
         "step": shown["step"], "reward": shown["reward"], "tokens_per_s": shown["tokens_per_s"],
-        "sync_s": shown["sync_s"], "run_dir": str(record.run_dir),
+        "sync_s": shown["sync_s"], "run_dir": record.run_dir_text,
     }
 
 

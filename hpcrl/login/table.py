@@ -8,7 +8,8 @@ from collections.abc import Iterable, Sequence
 
 
 def print_table(header: Sequence[object], rows: Iterable[Sequence[object]], file=None) -> None:
-    rows = list(rows)
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-    lines = ["  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip() for row in (header, *rows)]
+    # each cell made text once (a 1,000-job status prints 13,000 of them)
+    cells = [[str(x) for x in row] for row in (header, *rows)]
+    widths = [max(map(len, col)) for col in zip(*cells)]
+    lines = ["  ".join([x.ljust(w) for x, w in zip(row, widths)]).rstrip() for row in cells]
     (file or sys.stdout).write("\n".join(lines) + "\n")
