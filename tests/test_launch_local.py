@@ -75,9 +75,9 @@ def test_node_channel_round_trips_and_turns_strangers_away():
     torch = pytest.importorskip("torch")
     secret = os.urandom(32)
     node = int.from_bytes(os.urandom(2), "big")             # a name no other test run uses
-    server = NodeServerChannel(secret, node, [0, 1])
+    server = NodeServerChannel(secret, node, [0, 1], 2)
     stranger = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    stranger.connect(socket_name(secret, node))
+    stranger.connect(socket_name(secret, 2))
 
     def trainer(rank):
         ch = NodeChannel.connect(secret, node, rank, 2, timeout=10)
@@ -269,7 +269,7 @@ def check_rows_against_plan(rows, spec, source="mpi"):
             assert seen["gloo_socket_ifname"] in {name for _, name in socket.if_nameindex()}, seen
         assert all(check["ok"] for check in row["checks"].values()), row["checks"]
         if task.role == "server":
-            assert row["checks"]["channel"]["served"] == [t.rank for t in plan.node_tasks(task.node)[:-1]]
+            assert row["checks"]["channel"]["served"] == [t.rank for t in plan.served_by(task.rank)]
         else:
             assert row["checks"]["channel"]["server_rank"] == task.server_rank
             n = plan.num_trainers

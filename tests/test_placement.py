@@ -24,24 +24,39 @@ FRONTIER_REGION = {4: range(0, 8), 5: range(8, 16), 2: range(16, 24), 3: range(2
 FRONTIER_MI250X = [{0, 1}, {2, 3}, {4, 5}, {6, 7}]     # GCD pairs on one package (200 GB/s)
 
 
-def _check_common(plan, nodes: int, gpus_per_node: int, server_gpus: int, shared_cores: bool = False) -> None:
-    per_node = gpus_per_node - server_gpus + 1
+def _check_common(plan, nodes: int, gpus_per_node: int, server_gpus: int, shared_cores: bool = False,
+                  tp: int = 1) -> None:
+    engines = server_gpus // tp
+    trainers = gpus_per_node - server_gpus
+    per_node = trainers + engines
     assert (plan.nodes, plan.tasks_per_node, plan.world_size) == (nodes, per_node, nodes * per_node)
-    assert plan.num_trainers == nodes * (gpus_per_node - server_gpus)
+    assert plan.num_trainers == nodes * trainers and plan.engines_per_node == engines
     trainer_ranks = [t.trainer_rank for t in plan.tasks if t.role == "trainer"]
     assert trainer_ranks == list(range(plan.num_trainers))      # dense, in rank order
     for t in plan.tasks:
         assert t.rank == t.node * per_node + t.local_rank       # Slurm's block distribution
-        assert t.server_rank == t.node * per_node + per_node - 1
     for n in range(nodes):
         tasks = plan.node_tasks(n)
-        assert [t.role for t in tasks] == ["trainer"] * (per_node - 1) + ["server"]
-        assert tasks[-1].gpus == tuple(range(gpus_per_node - server_gpus, gpus_per_node))  # the last GPU(s)
+        assert [t.role for t in tasks] == ["trainer"] * trainers + ["server"] * engines
+        servers = plan.node_servers(n)
+        assert [s.engine for s in servers] == list(range(engines))
+        assert all(len(s.gpus) == tp for s in servers) and servers[0].gpus[-1] == gpus_per_node - 1
+        assert sorted(g for s in servers for g in s.gpus) == list(range(gpus_per_node - server_gpus, gpus_per_node)) \
+            or gpus_per_node == 8 and plan.tensor_parallel_size < 2   # Frontier's GCD pairs: see below
         used = [g for t in tasks for g in t.gpus]
         assert sorted(used) == list(range(gpus_per_node))       # every GPU once
         cores = [c for t in tasks for c in t.cores]
         assert shared_cores or len(cores) == len(set(cores))    # no core shared on a node
-        assert sum(t.sender for t in tasks) == 1
+        # Every engine: one sender among the trainers it serves, every trainer served, evenly.
+        for s in servers:
+            assert s.server_rank == s.rank and not s.servers and not s.sends_to
+            assert sum(s.rank in t.sends_to for t in tasks) == 1
+            assert plan.sender_of(s.rank) in plan.served_by(s.rank)
+        for t in tasks[:trainers]:
+            assert t.servers and t.server_rank == t.servers[0] and t.sender == bool(t.sends_to)
+            assert set(t.sends_to) <= set(t.servers) <= {s.rank for s in servers}
+        load = [len(plan.served_by(s.rank)) for s in servers]
+        assert max(load) - min(load) <= 1
 
 
 @pytest.mark.parametrize("nodes", [1, 2, 64])
@@ -55,7 +70,7 @@ def test_frontier_plan_matches_the_node(nodes):
         if t.role == "trainer":
             assert len(t.gpus) == 1 and t.gpus[0] != 7
     for n in range(nodes):
-        sender = plan.sender_of(n)
+        sender = plan.sender_of(plan.node_servers(n)[0].rank)
         # GCD 6 shares an MI250X with the server's GCD 7: the fastest path for the weights
         assert sender.gpus == (6,) and {6, 7} in FRONTIER_MI250X
         assert sender.local_rank == 6 and sender.rank == n * 8 + 6
@@ -64,13 +79,13 @@ def test_frontier_plan_matches_the_node(nodes):
 
 
 def test_frontier_tensor_parallel_server_takes_one_whole_mi250x():
-    plan = make_plan(profiles.load("frontier"), 2, server_gpus=2)
-    _check_common(plan, 2, 8, 2)
+    plan = make_plan(profiles.load("frontier"), 2, server_gpus=2, tensor_parallel_size=2)
+    _check_common(plan, 2, 8, 2, tp=2)
     server = plan.node_tasks(0)[-1]
     assert server.gpus == (6, 7)
     assert server.cores == tuple(FRONTIER_REGION[6])[1:] + tuple(FRONTIER_REGION[7])[1:]
     # No trainer shares the server's package; the sender is then the highest trainer GCD.
-    assert plan.sender_of(0).gpus == (5,)
+    assert plan.sender_of(server.rank).gpus == (5,)
 
 
 @pytest.mark.parametrize("nodes", [1, 2, 64])
@@ -83,7 +98,7 @@ def test_cuda_plan_matches_the_node(nodes):
         assert t.cores == tuple(range(12 * gpu, 12 * gpu + 12))     # 96 cores, 12 per GPU
     for n in range(nodes):
         # NVSwitch: every GPU is one hop away, the sender is the highest trainer GPU
-        assert plan.sender_of(n).gpus == (6,)
+        assert plan.sender_of(plan.node_servers(n)[0].rank).gpus == (6,)
     assert plan.world_size == 8 * nodes
 
 
@@ -91,6 +106,62 @@ def test_testbed_plan_gives_the_server_its_own_core():
     plan = make_plan(profiles.load("testbed"), 2)
     _check_common(plan, 2, 4, 1, shared_cores=True)          # 2 real cores for 8 tasks
     assert [t.cores for t in plan.node_tasks(1)] == [(0,), (0,), (0,), (1,)]
+
+
+# ------------------------------------------------------------------ several engines per node
+@pytest.mark.parametrize("nodes", [1, 64])
+@pytest.mark.parametrize("engines, tp", [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)])
+def test_frontier_engines_sit_beside_their_senders_on_one_mi250x(nodes, engines, tp):
+    plan = make_plan(profiles.load("frontier"), nodes, server_gpus=engines * tp, tensor_parallel_size=tp)
+    _check_common(plan, nodes, 8, engines * tp, tp=tp)
+    for n in (0, nodes - 1):
+        for server in plan.node_servers(n):
+            sender = plan.sender_of(server.rank)
+            package = next(p for p in FRONTIER_MI250X if set(server.gpus) & p)
+            if tp == 1:
+                # one GCD of an MI250X generates, the other GCD of the same package sends
+                assert set(server.gpus) | set(sender.gpus) == package
+            else:
+                # a TP-2 engine is one whole MI250X; no trainer shares its package, so its sender
+                # is the highest trainer GCD not sending already
+                assert set(server.gpus) == package
+                assert sender.gpus == (7 - engines * tp - server.engine,)
+            assert sender.cores == tuple(FRONTIER_REGION[sender.gpus[0]])[1:]
+    # 4 engines of 1 GCD: every trainer is a sender and feeds only its own engine
+    if (engines, tp) == (4, 1):
+        assert all(t.sends_to == t.servers and len(t.servers) == 1 for t in plan.node_tasks(0)[:4])
+
+
+@pytest.mark.parametrize("nodes", [1, 64])
+@pytest.mark.parametrize("engines, tp", [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)])
+def test_cuda_engines_take_the_highest_gpus_and_distinct_senders(nodes, engines, tp):
+    plan = make_plan(profiles.load("cuda"), nodes, server_gpus=engines * tp, tensor_parallel_size=tp)
+    _check_common(plan, nodes, 8, engines * tp, tp=tp)
+    servers = plan.node_servers(nodes - 1)
+    # NVSwitch: no link groups; engines in blocks from the top, senders the highest trainer GPUs
+    assert [s.gpus for s in servers] == [tuple(range(8 - (e + 1) * tp, 8 - e * tp)) for e in range(engines)]
+    senders = [plan.sender_of(s.rank).gpus[0] for s in servers]
+    assert senders == list(range(7 - engines * tp, 7 - engines * tp - engines, -1))
+    assert plan.sync_rounds == 1
+
+
+def test_more_engines_than_trainers_share_the_senders_and_sync_in_rounds():
+    site = profiles.load("local")
+    plan = make_plan(replace(site, node=replace(site.node, gpus=3)), 1, server_gpus=2)
+    (trainer,) = plan.node_tasks(0)[:1]
+    assert trainer.servers == trainer.sends_to == (1, 2) and plan.sync_rounds == 2
+    assert plan.senders() == {1: 0, 2: 0}
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["inference.gpus=3", "inference.tensor_parallel_size=2"], "inference.tensor_parallel_size: 2 must divide inference.gpus=3"),
+    (["inference.tensor_parallel_size=2"], "for one engine of 2 GPUs set inference.gpus=2"),
+    (["inference.gpus=8", "inference.tensor_parallel_size=4"], "inference.gpus: 8 server GPU(s) leave no trainer"),
+])
+def test_a_split_that_cannot_be_is_one_line(overrides, message, capsys):
+    assert cli_main(["plan", "--site", "frontier", *overrides]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
 
 
 @pytest.mark.parametrize("site, nodes", [("frontier", 2), ("cuda", 64), ("testbed", 2)])
@@ -101,7 +172,8 @@ def test_hpcrl_plan_json_is_the_plan(site, nodes, capsys):
     # Each row is the task's plus its memory estimate (none for the demo model, built in the job).
     assert all(row.pop("est_memory_gb") is None for row in shown["tasks"])
     assert shown["tasks"] == [json.loads(json.dumps(t.to_dict())) for t in plan.tasks]
-    assert shown["senders"] == {str(n): plan.sender_of(n).rank for n in range(nodes)}
+    assert shown["senders"] == {str(t.rank): t.rank - 1 if site == "frontier" else plan.sender_of(t.rank).rank
+                                for t in plan.tasks if t.role == "server"}
 
 
 # ------------------------------------------------------------------------------ pinning
@@ -118,7 +190,7 @@ def test_nvidia_task_sees_exactly_its_gpu_among_what_slurm_gave():
 
 def test_rocm_task_gets_one_mask_and_no_contradicting_variable():
     site = profiles.load("frontier")
-    plan = make_plan(site, 1, server_gpus=2)
+    plan = make_plan(site, 1, server_gpus=2, tensor_parallel_size=2)
     env = {"ROCR_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7", "HIP_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7",
            "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
     set_vars, removed = pinning.gpu_environment(site, plan.task(6), env)     # the TP server

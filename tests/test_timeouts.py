@@ -8,6 +8,7 @@ import multiprocessing
 import os
 import time
 from pathlib import Path
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -47,19 +48,26 @@ def test_a_silent_server_is_reported_with_the_field_that_bounds_the_wait():
     from hpcrl.compute.inference.client import ServerGenerator, ServerUnavailable
     from hpcrl.compute.inference.types import Sampling
 
+    from hpcrl.job.placement import make_plan
+    from hpcrl.login import profiles
+
     inf = InferenceConfig(request_timeout_s=100, generation_s_per_ktoken=1.5)
-    trainers = (SimpleNamespace(rank=0), SimpleNamespace(rank=1))
-    ctx = SimpleNamespace(spec=SimpleNamespace(recipe=SimpleNamespace(inference=inf)), channel=_SilentChannel(),
-                          server_task=SimpleNamespace(rank=2), task=SimpleNamespace(node=0), node_trainers=trainers)
+    local = profiles.load("local")
+    plan = make_plan(replace(local, node=replace(local.node, gpus=3)), 1)        # 2 trainers, 1 engine (rank 2)
+    channel = _SilentChannel()
+    ctx = SimpleNamespace(spec=SimpleNamespace(recipe=SimpleNamespace(inference=inf)), plan=plan,
+                          task=plan.task(0), channels={2: channel})
     gen = ServerGenerator(ctx, model=None)
     pending = gen.submit([[1, 2, 3]] * 10, Sampling(n=4, max_tokens=500))
     with pytest.raises(ServerUnavailable) as info:
         pending.result()
     # 2 trainers x 10 prompts x 4 x 500 tokens = 40,000 tokens: 100 + 1.5 x 40 s.
-    assert ctx.channel.waited == [pytest.approx(160.0)]
-    assert "within 160 s" in str(info.value) and "inference.request_timeout_s=100" in str(info.value)
+    assert channel.waited == [pytest.approx(160.0)]
+    assert "the server on node 0 (rank 2) did not answer 'generate' within 160 s" in str(info.value)
+    assert "inference.request_timeout_s=100" in str(info.value)
     assert "inference.generation_s_per_ktoken=1.5" in str(info.value)
     gen.in_flight = None
+    gen.engines[2].in_flight = False
     with pytest.raises(ServerUnavailable, match=r"'health' within 600 s \(inference.start_timeout_s\)"):
         gen.wait_ready()
 

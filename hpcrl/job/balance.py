@@ -46,15 +46,19 @@ def _step_s(gen_work: float, train_work: float, server_gpus: int, gpus: int, ove
 
 
 def advise(*, gpus_per_node: int, server_gpus: int, step_s: float, gen_wait_s: float, engine_busy_s: float,
-           train_s: float, overlapped: bool) -> Balance | None:
+           train_s: float, overlapped: bool, tensor_parallel_size: int = 1) -> Balance | None:
     """The balance of one run from its mean seconds per step: the step, the trainers' wait for
     generation, the engines' generating (busy) time and the trainers' training time. None when
-    there is nothing to judge (no step yet, or a node without a choice of split)."""
+    there is nothing to judge (no step yet, or a node without a choice of split). The splits weighed
+    are whole engines of tensor_parallel_size GPUs, with a trainer left on the node."""
     if step_s <= 0 or gpus_per_node < 2 or not 0 < server_gpus < gpus_per_node:
         return None
     gen_work, train_work = engine_busy_s * server_gpus, train_s * (gpus_per_node - server_gpus)
     now = _step_s(gen_work, train_work, server_gpus, gpus_per_node, overlapped)
-    splits = {s: _step_s(gen_work, train_work, s, gpus_per_node, overlapped) for s in range(1, gpus_per_node)}
+    tp = tensor_parallel_size
+    splits = {s: _step_s(gen_work, train_work, s, gpus_per_node, overlapped) for s in range(tp, gpus_per_node, tp)}
+    if server_gpus not in splits:
+        return None
     best = min(splits, key=lambda s: (splits[s], abs(s - server_gpus)))
     gain = now / splits[best] if splits[best] > 0 else 1.0
     return Balance(gen_wait_frac=min(1.0, gen_wait_s / step_s),
@@ -63,8 +67,9 @@ def advise(*, gpus_per_node: int, server_gpus: int, step_s: float, gen_wait_s: f
 
 
 def _engine_busy_fracs(run_dir: str | os.PathLike) -> dict[int, float]:
-    """Each node's engine: the share of its serving time spent generating (its health file)."""
-    out = {}
+    """Each node's engines: the share of their serving time spent generating (their health files;
+    the mean of a node's engines)."""
+    by_node: dict[int, list[float]] = {}
     for path in Path(run_dir, SERVERS_DIR).glob("node-*.json"):
         try:
             h = json.loads(path.read_text())
@@ -72,14 +77,14 @@ def _engine_busy_fracs(run_dir: str | os.PathLike) -> dict[int, float]:
                 continue                    # no request served yet
             serving = float(h["time"]) - float(h["serving_since"])
             if serving > 0:
-                out[int(h["node"])] = min(1.0, float(h["busy_s"]) / serving)
+                by_node.setdefault(int(h["node"]), []).append(min(1.0, float(h["busy_s"]) / serving))
         except (OSError, ValueError, KeyError, TypeError):
             continue
-    return out
+    return {node: sum(fracs) / len(fracs) for node, fracs in by_node.items()}
 
 
 def from_run(run_dir: str | os.PathLike, *, gpus_per_node: int, server_gpus: int, overlapped: bool,
-             last: int = 20) -> tuple[Balance | None, list[str]]:
+             last: int = 20, tensor_parallel_size: int = 1) -> tuple[Balance | None, list[str]]:
     """The balance of a run from its last ``last`` steps' metrics and its engines' health files,
     and a line per node (its trainers' wait, its engine's idle time); (None, []) before a step."""
     # The file's tail: `hpcrl status JOBID` reads this, and a long run's file is large.
@@ -93,10 +98,12 @@ def from_run(run_dir: str | os.PathLike, *, gpus_per_node: int, server_gpus: int
     for m in steps:
         for node, w in enumerate(m.get("time_generation_s_by_node") or ()):
             waits[node] = waits.get(node, 0.0) + w / n
+    engines = "the engine" if server_gpus == tensor_parallel_size else "its engines"
     lines = [f"node {node}: trainers waited {waits[node] / step_s:.0%} of each step for generation, "
-             f"the engine idled {1 - busy[node]:.0%}" for node in sorted(busy) if node in waits]
+             f"{engines} idled {1 - busy[node]:.0%}" for node in sorted(busy) if node in waits]
     balance = advise(gpus_per_node=gpus_per_node, server_gpus=server_gpus, step_s=step_s,
                      gen_wait_s=sum(m.get("time_generation_s") or 0.0 for m in steps) / n,
                      engine_busy_s=step_s * sum(busy.values()) / len(busy),
-                     train_s=sum(m.get("time_train_s") or 0.0 for m in steps) / n, overlapped=overlapped)
+                     train_s=sum(m.get("time_train_s") or 0.0 for m in steps) / n, overlapped=overlapped,
+                     tensor_parallel_size=tensor_parallel_size)
     return balance, lines

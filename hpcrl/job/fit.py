@@ -47,7 +47,8 @@ The adapted layers are read from model.lora_target_modules against the decoder l
 them: None is peft's default for Llama/Qwen/Mistral (q_proj and v_proj), "all-linear" all seven; an
 adapter on lm_head is not counted (r x (hidden + vocabulary): a few MB).
 
-Server, per GPU of its tensor-parallel group (inference.gpus GPUs):
+Server, per GPU of one engine's tensor-parallel group (inference.tensor_parallel_size GPUs; a node
+has inference.gpus / tensor_parallel_size engines, each generating for the trainers it serves):
   weights      params x serving dtype / tp (inference.dtype, else model.dtype; "auto" = the
                checkpoint's; vLLM serves a float32 checkpoint in bfloat16 on GPUs, float32 on CPU
                as hpcrl.compute.inference asks)
@@ -79,7 +80,7 @@ import struct
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from hpcrl.job.placement import Plan, make_plan
+from hpcrl.job.placement import Plan
 from hpcrl.job.recipe import TrainerConfig, engine_dtype
 from hpcrl.job.spec import JobSpec
 
@@ -575,8 +576,12 @@ def _vllm_defaults(spec: JobSpec) -> tuple[int, int]:
 
 
 def _sequences_per_step(spec: JobSpec, plan: Plan) -> int:
+    """The sequences one engine generates per step: those of the trainers it serves (the busiest
+    engine of a node; a trainer fed by several engines splits its prompts evenly over them)."""
     g = spec.recipe.grpo
-    return plan.trainers_per_node * g.per_device_train_batch_size * g.gradient_accumulation_steps
+    per_trainer = g.per_device_train_batch_size * g.gradient_accumulation_steps
+    return max(math.ceil(sum(per_trainer / len(t.servers) for t in plan.served_by(s.rank)))
+               for s in plan.node_servers(0))
 
 
 def _server(spec: JobSpec, plan: Plan, shape: ModelShape) -> tuple[dict[str, int], int | None, dict]:
@@ -586,13 +591,14 @@ def _server(spec: JobSpec, plan: Plan, shape: ModelShape) -> tuple[dict[str, int
     tokens, seqs = _vllm_defaults(spec)
     kv_dtype = str(inf.engine_args.get("kv_cache_dtype", "auto"))
     kv_bytes = 1 if kv_dtype.startswith("fp8") else DTYPE_BYTES[dtype]
-    parts = server_parts(shape, tp=inf.gpus, serve_dtype=dtype, max_model_len=inf.max_model_len,
+    tp = inf.tensor_parallel_size
+    parts = server_parts(shape, tp=tp, serve_dtype=dtype, max_model_len=inf.max_model_len,
                          kv_dtype_bytes=kv_bytes, batched_tokens=tokens, max_seqs=seqs,
                          cuda_graphs=not inf.enforce_eager and spec.site.device == "cuda")
     capacity = task_capacity(spec, plan)
     batch = _sequences_per_step(spec, plan)
-    per_seq = inf.max_model_len * kv_bytes_per_token(shape, inf.gpus, kv_bytes)
-    facts = {"dtype": dtype, "tensor_parallel": inf.gpus, "utilization": inf.gpu_memory_utilization,
+    per_seq = inf.max_model_len * kv_bytes_per_token(shape, tp, kv_bytes)
+    facts = {"dtype": dtype, "tensor_parallel": tp, "engines_per_node": plan.engines_per_node, "utilization": inf.gpu_memory_utilization,
              "sequences_per_step": batch, "kv_bytes_per_sequence": per_seq}
     if inf.engine == "transformers":
         # HF generate holds the KV cache and every step's sampling scores (fp32 over the
@@ -737,14 +743,19 @@ def estimate(spec: JobSpec, plan: Plan | None = None) -> Fit:
     server = RoleFit("server", word, sum(s_parts.values()), s_capacity, s_parts, facts, no_size)
     base, after = spec, ""
     if server.fits is False:
-        fixes, tp = _server_fixes(spec, shape)
+        fixes, change = _server_fixes(spec, shape)
         server = replace(server, fixes=tuple(fixes))
-        if tp:
+        if change:
             # The server's tensor-parallel fix takes GPUs from the trainers: theirs must hold with it.
-            base, after = _with(spec, "inference", gpus=tp), f" (with inference.gpus={tp})"
+            base, after = _with(spec, "inference", **change), f" (with {_assignments(change)})"
     if trainer.fits is False:
         trainer = replace(trainer, fixes=tuple(f + after for f in _trainer_fixes(base, shape, params)))
     return Fit(trainer, server, mesh)
+
+
+def _assignments(change: dict) -> str:
+    """{"gpus": 4, "tensor_parallel_size": 4} -> "inference.gpus=4 inference.tensor_parallel_size=4"."""
+    return " ".join(f"inference.{k}={v}" for k, v in change.items())
 
 
 def _memory_field(spec: JobSpec) -> str:
@@ -767,7 +778,7 @@ def _with(spec: JobSpec, section: str, **changes) -> JobSpec:
 
 
 def _trainer_need(spec: JobSpec, shape: ModelShape, params: int | None) -> tuple[int, int | None]:
-    plan = make_plan(spec.site, spec.nodes, spec.recipe.inference.gpus)
+    plan = spec.plan()
     mesh = _choose_mesh(spec, plan, shape, params)
     return sum(_trainer_parts(spec, shape, mesh.shard).values()), task_capacity(spec, plan)
 
@@ -788,7 +799,7 @@ def _nodes_fix(spec: JobSpec, shape: ModelShape, params: int | None) -> tuple[st
     """The fewest nodes at which FSDP over every trainer fits: only the training state, the
     frozen weights (LoRA), the reference and the reward models shrink with the shard, the rest per
     GPU stays."""
-    plan = make_plan(spec.site, spec.nodes, spec.recipe.inference.gpus)
+    plan = spec.plan()
     capacity = task_capacity(spec, plan)
     one = _trainer_parts(spec, shape, 1)
     sharded = one["training_state"] + one["reference"] + one["reward_models"] + one.get("frozen_weights", 0)
@@ -862,27 +873,33 @@ def _trainer_fixes(spec: JobSpec, shape: ModelShape, params: int | None) -> list
     return []
 
 
-def _server_fixes(spec: JobSpec, shape: ModelShape) -> tuple[list[str], int | None]:
-    """The changes that make a server rank fit, and the tensor-parallel size among them (or None)."""
+def _server_fixes(spec: JobSpec, shape: ModelShape) -> tuple[list[str], dict | None]:
+    """The changes that make a server rank fit, and the inference fields of the tensor-parallel one
+    among them (or None)."""
     fixes, chosen = [], None
     inf, gpus = spec.recipe.inference, spec.site.node.gpus
     if inf.engine == "transformers":
         # It has no tensor parallelism and keeps the whole batch's cache and scores: vLLM pages both.
         variant = _with(spec, "inference", engine="vllm")
-        parts, capacity, _ = _server(variant, make_plan(variant.site, variant.nodes, inf.gpus), shape)
+        parts, capacity, _ = _server(variant, variant.plan(), shape)
         return (["inference.engine=vllm"] if capacity and sum(parts.values()) <= capacity else []), None
-    for tp in range(inf.gpus + 1, gpus):
+    engines = inf.gpus // inf.tensor_parallel_size
+    for tp in range(inf.tensor_parallel_size + 1, gpus):
         # vLLM splits the attention heads evenly over the tensor-parallel ranks.
         if shape.num_heads % tp:
             continue
-        variant = _with(spec, "inference", gpus=tp)
-        parts, capacity, _ = _server(variant, make_plan(variant.site, variant.nodes, tp), shape)
+        # As many engines as now, as long as a trainer is left on the node.
+        n = max(1, min(engines, (gpus - 1) // tp))
+        change = {"gpus": n * tp, "tensor_parallel_size": tp}
+        variant = _with(spec, "inference", **change)
+        parts, capacity, _ = _server(variant, variant.plan(), shape)
         if capacity and sum(parts.values()) <= capacity:
-            fixes.append(f"inference.gpus={tp} (tensor parallel; leaves {gpus - tp} trainers per node)")
-            chosen = tp
+            fixes.append(f"{_assignments(change)} ({n} engine(s) of {tp} GPUs, tensor parallel; leaves "
+                         f"{gpus - n * tp} trainers per node)")
+            chosen = change
             break
     if spec.site.device == "cuda" and inf.engine != "transformers" and spec.site.node.gpu_memory_gb:
-        parts, _, _ = _server(spec, make_plan(spec.site, spec.nodes, inf.gpus), shape)
+        parts, _, _ = _server(spec, spec.plan(), shape)
         wanted = math.ceil(100 * sum(parts.values()) / (spec.site.node.gpu_memory_gb * GIB)) / 100
         if inf.gpu_memory_utilization < wanted <= MAX_SUGGESTED_UTILIZATION:
             fixes.append(f"inference.gpu_memory_utilization={wanted:g}")

@@ -393,7 +393,8 @@ DEMO_GRPO = {
 @dataclass(frozen=True)
 class InferenceConfig:
     engine: Literal["auto", "vllm", "transformers"] = "auto"
-    gpus: int = 1                   # GPUs per node for the server (2 = tensor parallel)
+    gpus: int = 1                   # GPUs per node that generate, in engines of tensor_parallel_size GPUs
+    tensor_parallel_size: int = 1   # GPUs per engine: gpus / tensor_parallel_size engines per node
     gpu_memory_utilization: float = 0.85
     max_model_len: int = 1024
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -417,6 +418,11 @@ class InferenceConfig:
     def validate(self, where: str) -> None:
         if self.gpus < 1:
             raise UserError(f"{where}.gpus: must be at least 1, got {self.gpus}")
+        if self.tensor_parallel_size < 1 or self.gpus % self.tensor_parallel_size:
+            raise UserError(f"{where}.tensor_parallel_size: {self.tensor_parallel_size} must divide {where}.gpus="
+                            f"{self.gpus} (the node's GPUs that generate, in engines of tensor_parallel_size GPUs "
+                            f"each); for one engine of {self.tensor_parallel_size} GPUs set {where}.gpus="
+                            f"{self.tensor_parallel_size}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise UserError(f"{where}.gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
         for name in ("max_model_len", "sync_every", "sync_bucket_mb"):

@@ -35,7 +35,7 @@ MODEL_CHECKPOINT_PREFIX = "checkpoint-"
 # <checkpoints>/step-<N>/ is complete once it holds both files.
 TRAINING_CHECKPOINT_PREFIX = "step-"
 TRAINING_CHECKPOINT_FILES = (".metadata", "meta.json")
-# One health file per node's server (node-<n>.json), read by the trainers into the heartbeat.
+# One health file per engine (node-<n>-engine-<e>.json), read by the trainers into the heartbeat.
 SERVERS_DIR = ".servers"
 # Copies of the recipe's own reward modules (JobSpec.reward_modules): first on the trainers' sys.path.
 REWARDS_DIR = "rewards"
@@ -50,8 +50,19 @@ REQUEUE_MARKER = ".requeue-requested"
 FAILURE_FILE = "failure.txt"
 
 
-def server_health_file(run_dir: str | os.PathLike, node: int) -> Path:
-    return Path(run_dir) / SERVERS_DIR / f"node-{node}.json"
+def server_health_file(run_dir: str | os.PathLike, node: int, engine: int) -> Path:
+    return Path(run_dir) / SERVERS_DIR / f"node-{node}-engine-{engine}.json"
+
+
+def server_key(node: int, engine: int) -> str:
+    """How the heartbeat's `servers` names an engine: "<node>/<engine>"."""
+    return f"{node}/{engine}"
+
+
+def server_key_order(key: str) -> tuple[int, ...]:
+    """Sorts server keys by node, then engine (0, 1, 10 ..., not 0, 1, 10 as text); others last."""
+    parts = str(key).split("/")
+    return tuple(int(p) for p in parts) if all(p.isdigit() for p in parts) else (1 << 62,)
 
 
 def model_dir(run_dir: str | os.PathLike, step: int | None = None, output_dir: str = "") -> Path:

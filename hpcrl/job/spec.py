@@ -48,7 +48,8 @@ class JobSpec:
         return self.recipe.resources.nodes
 
     def plan(self) -> Plan:
-        return make_plan(self.site, self.nodes, self.recipe.inference.gpus)
+        return make_plan(self.site, self.nodes, self.recipe.inference.gpus,
+                         self.recipe.inference.tensor_parallel_size)
 
     def environment(self) -> dict[str, str]:
         """The site's variables for this job: env, with env_single_node or env_multi_node over it.

@@ -220,7 +220,8 @@ def compose(recipe_path: str | None, site_name: str, assignments: list[str] = ()
     recipe = replace(recipe, resources=replace(res, partition=res.partition or site.partition,
                                                qos=res.qos or site.qos))
     time_s = _validate_resources(site, recipe, need_account=not for_plan)
-    plan = make_plan(site, recipe.resources.nodes, recipe.inference.gpus)   # server GPUs vs GPUs per node
+    plan = make_plan(site, recipe.resources.nodes, recipe.inference.gpus,
+                     recipe.inference.tensor_parallel_size)   # server GPUs vs GPUs per node
     _validate_batch(recipe, plan.num_trainers)
     python = sys.executable if site.python == "auto" else site.python
     reward_modules = _reward_modules(recipe, recipe_path, check_installed=python == sys.executable)

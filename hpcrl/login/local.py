@@ -98,7 +98,7 @@ def run(args) -> int:
     env.update(HPCRL_RUN_DIR=spec.run_dir, HPCRL_LAUNCH_ID=f"local-{uuid.uuid4().hex[:12]}", PYTHONUNBUFFERED="1")
     run_dir = rundir.create(spec.run_dir, spec.to_json(), None, spec.reward_modules)
     print(f"hpcrl: run directory {run_dir}; {plan.world_size} tasks ({plan.num_trainers} trainer(s), "
-          f"{plan.nodes} server(s))", file=sys.stderr, flush=True)
+          f"{plan.nodes * plan.engines_per_node} engine(s))", file=sys.stderr, flush=True)
     grace = spec.recipe.launch.peer_failure_timeout_s + AFTER_FAILURE_GRACE_S
     console = ConsoleFilter()
     if spec.recipe.mode != "train":

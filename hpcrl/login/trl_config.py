@@ -42,7 +42,7 @@ RENAMED = {
     "output_dir": "checkpoint.output_dir",
     "vllm_gpu_memory_utilization": "inference.gpu_memory_utilization",
     "vllm_max_model_length": "inference.max_model_len",
-    "vllm_tensor_parallel_size": "inference.gpus",
+    "vllm_tensor_parallel_size": "inference.tensor_parallel_size",
     "ddp_timeout": "launch.collective_timeout_s",
     "run_name": "name",
 }
@@ -285,6 +285,9 @@ def translate(data: dict, whole: bool = True) -> Translation:
             t.inert[key] = f"TRL uses it only with {off[key]}"
         elif key in RENAMED:
             _put(out, RENAMED[key], value, key, t)
+            if key == "vllm_tensor_parallel_size" and whole and "gpus" not in out.get("inference", {}):
+                # TRL's one engine of that many GPUs, unless the recipe's inference: says otherwise
+                out["inference"]["gpus"] = value
         elif key == "report_to":
             _report_to(value, t, out)
         elif key == "save_strategy" and value in ("steps", "no"):

@@ -1,5 +1,5 @@
-"""The trainers' side of the node's server: generation requests over the node channel, and the
-weight sync (every trainer gathers; the node's sender streams to the server). The sync's
+"""The trainers' side of the node's engines: generation requests over the node channels, and the
+weight sync (every trainer gathers; each engine's sender streams to it). The sync's
 transports are in hpcrl.compute.sync: ``TrainerWeightSync`` for a vLLM server, ``ChannelWeightSync``
 for a transformers one."""
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from dataclasses import replace
 from typing import Sequence
 
 from hpcrl.compute.inference.types import Completion, Sampling
@@ -56,110 +57,146 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class _Engine:
+    """One engine of the node as a trainer sees it: its channel, one conversation at a time."""
+
+    def __init__(self, ctx: LaunchContext, rank: int):
+        self.ctx, self.rank = ctx, rank
+        self.channel = ctx.channels[rank]
+        self.label = (f"the server on node {ctx.task.node} (rank {rank})" if ctx.plan.engines_per_node == 1 else
+                      f"engine {ctx.plan.task(rank).engine} on node {ctx.task.node} (rank {rank})")
+        self.in_flight = False
+
+    def request(self, msg: dict, timeout: float, setting: str = "inference.request_timeout_s") -> dict:
+        # A reply must not be taken for another's: nothing else may be in flight on the channel.
+        assert not self.in_flight, f"{msg['op']!r} sent to {self.label} while a generation is in flight"
+        self.channel.send(msg)
+        return self.reply(msg["op"], timeout, setting)
+
+    def reply(self, op: str, timeout: float, setting: str) -> dict:
+        """The engine's answer to ``op`` within ``timeout``; ``setting`` says which recipe fields
+        set that bound, for the message of an engine that stays silent."""
+        try:
+            return self.channel.recv(timeout=timeout)
+        except TimeoutError:
+            raise ServerUnavailable(f"{self.label} did not answer {op!r} within {timeout:.0f} s ({setting})") from None
+
+
 class ServerGenerator:
+    """A trainer's generation and weight sync through the engines its plan row names: its prompts
+    are split evenly over ``task.servers`` (one engine, unless engines outnumber trainers), and it
+    streams the weights to each engine of ``task.sends_to``. Every trainer syncs in
+    ``plan.sync_rounds`` gather rounds, sending in a round only if it feeds an engine in it."""
+
     def __init__(self, ctx: LaunchContext, model):
         self.ctx = ctx
         self.model = model
         self.inf = ctx.spec.recipe.inference
-        self.channel = ctx.channel
-        self.server = ctx.server_task
-        self.engine = None              # the server's engine name and dtype, from its first health reply
+        self.engines = {rank: _Engine(ctx, rank) for rank in ctx.task.servers}
+        self.engine = None              # the engines' name and dtype, from their first health replies
         self.engine_dtype: str | None = None
-        self.sync: TrainerSync | None = None
+        self.syncs: list[TrainerSync] = []
         self.in_flight: _ServerGeneration | None = None
 
-    def _request(self, msg: dict, timeout: float, setting: str = "inference.request_timeout_s") -> dict:
-        # One conversation at a time on the channel: a reply must not be taken for another's.
-        assert self.in_flight is None, f"{msg['op']!r} sent while a generation is in flight"
-        self.channel.send(msg)
-        return self._reply(msg["op"], timeout, setting)
-
-    def _reply(self, op: str, timeout: float, setting: str) -> dict:
-        """The server's answer to ``op`` within ``timeout``; ``setting`` says which recipe fields
-        set that bound, for the message of a server that stays silent."""
-        try:
-            return self.channel.recv(timeout=timeout)
-        except TimeoutError:
-            raise ServerUnavailable(f"the server on node {self.ctx.task.node} (rank {self.server.rank}) did not "
-                                    f"answer {op!r} within {timeout:.0f} s ({setting})") from None
-
     def wait_ready(self) -> None:
-        """The server loads its engine while the trainers load the model: wait for it, bounded."""
+        """The engines load while the trainers load the model: wait for them, bounded."""
         t0 = time.perf_counter()
-        reply = self._request({"op": "health"}, self.inf.start_timeout_s, "inference.start_timeout_s")
-        self.engine, self.engine_dtype = reply["engine"], reply.get("dtype")
-        self.ctx.log(f"server on node {self.ctx.task.node} ready ({self.engine}) after "
-                     f"{time.perf_counter() - t0:.1f} s of waiting")
-        self._make_sync()
+        for e in self.engines.values():
+            reply = e.request({"op": "health"}, self.inf.start_timeout_s, "inference.start_timeout_s")
+            self.engine, self.engine_dtype = reply["engine"], reply.get("dtype")
+        names = ", ".join(e.label for e in self.engines.values())
+        self.ctx.log(f"{names} ready ({self.engine}) after {time.perf_counter() - t0:.1f} s of waiting")
+        self._make_syncs()
 
-    def _make_sync(self) -> None:
+    def _make_syncs(self) -> None:
+        sends_to = self.ctx.task.sends_to
+        for round_ in range(self.ctx.plan.sync_rounds):
+            target = self.engines[sends_to[round_]] if round_ < len(sends_to) else None
+            self.syncs.append(self._make_sync(target, round_))
+
+    def _make_sync(self, target: _Engine | None, round_: int) -> TrainerSync:
         bucket = self.inf.sync_bucket_mb << 20
+        sender = target is not None
+        node_of_rank = {t.trainer_rank: t.node for t in self.ctx.plan.tasks if t.trainer_rank is not None}
         if self.engine == "vllm":
             from hpcrl.compute.sync.trainer import TrainerWeightSync
 
-            token = f"{os.environ.get('SLURM_JOB_ID', 'local')}-n{self.ctx.task.node}-{os.getpid()}"
-            node_of_rank = {t.trainer_rank: t.node for t in self.ctx.plan.tasks if t.trainer_rank is not None}
+            token = f"{os.environ.get('SLURM_JOB_ID', 'local')}-n{self.ctx.task.node}-{os.getpid()}-{round_}"
             backend = default_backend(self.ctx.device)
-            self.sync = TrainerWeightSync(self.model, self._notify if self.ctx.is_sender else None,
-                                          is_sender=self.ctx.is_sender, backend=backend, bucket_bytes=bucket,
-                                          job_token=token, node_of_rank=node_of_rank,
-                                          stall_timeout_s=self.inf.request_timeout_s, log=self.ctx.log,
-                                          **transport_options(backend, self.ctx.is_sender, self.inf.gpus,
-                                                              self.engine_dtype))
-        else:
-            import torch
+            notify = (lambda msg: target.request(msg, self.inf.request_timeout_s)) if sender else None
+            return TrainerWeightSync(self.model, notify, is_sender=sender, backend=backend, bucket_bytes=bucket,
+                                     job_token=token, node_of_rank=node_of_rank,
+                                     stall_timeout_s=self.inf.request_timeout_s, log=self.ctx.log,
+                                     **transport_options(backend, sender, self.inf.tensor_parallel_size,
+                                                         self.engine_dtype))
+        import torch
 
-            from hpcrl.compute.sync.channel import ChannelWeightSync
+        from hpcrl.compute.sync.channel import ChannelWeightSync
 
-            cast_to = getattr(torch, self.engine_dtype or "", None)
-            self.sync = ChannelWeightSync(self.model, self._request, is_sender=self.ctx.is_sender,
-                                          bucket_bytes=bucket, timeout_s=self.inf.request_timeout_s,
-                                          cast_to=cast_to if isinstance(cast_to, torch.dtype) else None)
-
-    def _notify(self, msg: dict) -> dict:
-        """The sync's messages to the server (vLLM's engines call this from their own threads)."""
-        return self._request(msg, self.inf.request_timeout_s)
+        cast_to = getattr(torch, self.engine_dtype or "", None)
+        return ChannelWeightSync(self.model, target.request if sender else _no_request, is_sender=sender,
+                                 bucket_bytes=bucket, timeout_s=self.inf.request_timeout_s,
+                                 cast_to=cast_to if isinstance(cast_to, torch.dtype) else None,
+                                 node_of_rank=node_of_rank)
 
     def submit(self, prompts: Sequence[Sequence[int]], sampling: Sampling) -> "_ServerGeneration":
-        """Ask the server for completions and return at once; `result()` takes them."""
+        """Ask the engine(s) for completions and return at once; `result()` takes them."""
         assert self.in_flight is None, "a second generation submitted before the first was taken"
-        self.channel.send({"op": "generate", "prompts": [list(p) for p in prompts], "sampling": sampling})
-        timeout = generation_timeout_s(self.inf, len(prompts), sampling, max(1, len(self.ctx.node_trainers)))
-        self.in_flight = _ServerGeneration(self, timeout)
+        parts, start, n = [], 0, len(self.engines)
+        for i, e in enumerate(self.engines.values()):
+            end = start + len(prompts) // n + (i < len(prompts) % n)
+            e.channel.send({"op": "generate", "prompts": [list(p) for p in prompts[start:end]], "sampling": sampling,
+                            "first_index": start})
+            e.in_flight = True
+            served = max(1, len(self.ctx.plan.served_by(e.rank)))
+            parts.append((e, start, generation_timeout_s(self.inf, end - start, sampling, served)))
+            start = end
+        self.in_flight = _ServerGeneration(self, parts)
         return self.in_flight
 
     def push_weights(self, model, version: int) -> dict:
-        # The sender's sync messages share the channel with generation: none may be in flight.
+        # The sender's sync messages share the channels with generation: none may be in flight.
         assert self.in_flight is None, "weights pushed while a generation is in flight"
-        self.sync.sync(version)
-        return dict(self.sync.last_traffic)
+        traffic: dict[str, int] = {}
+        for sync in self.syncs:
+            sync.sync(version)
+            for k, v in sync.last_traffic.items():
+                traffic[k] = traffic.get(k, 0) + v
+        return traffic
 
     def close(self) -> None:
-        try:
-            self.channel.send({"op": "done"})
-        except Exception:
-            pass
-        if self.sync is not None:
-            self.sync.close()
+        for e in self.engines.values():
+            try:
+                e.channel.send({"op": "done"})
+            except Exception:
+                pass
+        for sync in self.syncs:
+            sync.close()
+
+
+def _no_request(msg: dict, timeout: float) -> dict:
+    raise AssertionError(f"{msg.get('op')!r}: a trainer that feeds no engine in this sync round sends nothing")
 
 
 class _ServerGeneration:
-    """A generate request on the channel whose reply has not been read yet."""
+    """Generate requests on the channels whose replies have not been read yet."""
 
-    def __init__(self, client: ServerGenerator, timeout_s: float):
+    def __init__(self, client: ServerGenerator, parts: list[tuple[_Engine, int, float]]):
         self.client = client
-        self.timeout_s = timeout_s
+        self.parts = parts              # (engine, index of its first prompt, its timeout)
         self.completions: list[Completion] | None = None
 
     def result(self) -> list[Completion]:
         if self.completions is None:
-            c = self.client
-            reply = c._reply("generate", self.timeout_s, f"inference.request_timeout_s={c.inf.request_timeout_s:g} + "
-                             f"inference.generation_s_per_ktoken={c.inf.generation_s_per_ktoken:g} per 1,000 "
-                             f"completion tokens requested")
+            c, out = self.client, []
+            setting = (f"inference.request_timeout_s={c.inf.request_timeout_s:g} + inference.generation_s_per_ktoken="
+                       f"{c.inf.generation_s_per_ktoken:g} per 1,000 completion tokens requested")
+            for engine, start, timeout in self.parts:
+                reply = engine.reply("generate", timeout, setting)
+                engine.in_flight = False
+                if not reply.get("ok"):
+                    raise RuntimeError(f"{engine.label} refused to generate: {reply.get('error')}")
+                out += [replace(comp, prompt_index=comp.prompt_index + start) for comp in reply["completions"]]
             c.in_flight = None
-            if not reply.get("ok"):
-                raise RuntimeError(f"server on node {c.ctx.task.node} refused to generate: {reply.get('error')}")
-            self.completions = reply["completions"]
+            self.completions = out
         return self.completions
-

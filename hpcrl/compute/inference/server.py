@@ -1,8 +1,9 @@
-"""The server role: the node's last GPU(s) generate for the node's trainers and take their weights.
+"""The server role: one engine of a node (inference.tensor_parallel_size GPUs) generates for the
+trainers the plan gives it and takes the weights from its sender.
 
 One loop in the role's main thread: take messages from the node channel, answer weight-sync
 messages at once (the sender waits on them), and batch generation requests until every trainer
-of the node has asked (or a short window passes), so the engine sees one large batch per step.
+it serves has asked (or a short window passes), so the engine sees one large batch per step.
 Completions carry the weight version they were sampled with; between the start of a sync and its
 successful finish (or after a failed one) the server refuses to generate.
 """
@@ -74,13 +75,14 @@ class Server:
         self.busy_s = 0.0
         self.serving_since: float | None = None
         self.last_health = 0.0
-        self.health_file = rundir.server_health_file(ctx.run_dir, ctx.task.node)
+        self.health_file = rundir.server_health_file(ctx.run_dir, ctx.task.node, ctx.task.engine)
         self.health_file.parent.mkdir(exist_ok=True)
 
     # -------------------------------------------------------------- health for `hpcrl status`
     def write_health(self, state: str) -> None:
-        data = {"node": self.ctx.task.node, "rank": self.ctx.task.rank, "state": state, "engine": self.engine.name,
-                "weight_version": self.engine.version, "requests": self.requests, "time": time.time(),
+        data = {"node": self.ctx.task.node, "engine_index": self.ctx.task.engine, "rank": self.ctx.task.rank,
+                "state": state, "engine": self.engine.name, "weight_version": self.engine.version,
+                "requests": self.requests, "time": time.time(),
                 "pid": os.getpid(), "busy_s": round(self.busy_s, 3), "serving_since": self.serving_since}
         tmp = self.health_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(data))
@@ -160,10 +162,12 @@ class Server:
         prompts, samplings, owners = [], [], []
         for rank, msg in batch:
             sampling: Sampling = msg["sampling"]
+            first = msg.get("first_index", 0)
             for i, p in enumerate(msg["prompts"]):
                 prompts.append(p)
-                # A per-prompt seed keeps each trainer's draws independent of how requests batch.
-                samplings.append(replace(sampling, seed=None if sampling.seed is None else sampling.seed * 1009 + i))
+                # A per-prompt seed keeps each trainer's draws independent of how requests batch, and
+                # of how a trainer fed by several engines splits its prompts (first_index).
+                samplings.append(replace(sampling, seed=None if sampling.seed is None else sampling.seed * 1009 + first + i))
                 owners.append((rank, i))
         t0 = time.perf_counter()
         if self.serving_since is None:
@@ -195,7 +199,7 @@ def run_server(ctx: LaunchContext) -> int:
     tokenizer_dir(recipe.model, model_dir)      # a missing one named here, not deep in the engine
     t0 = time.perf_counter()
     engine = make_engine(ctx, model_dir)
-    ctx.log(f"{engine.name} engine ready in {time.perf_counter() - t0:.1f} s on GPU(s) "
+    ctx.log(f"{engine.name} engine{'' if ctx.task.engine is None else f' {ctx.task.engine}'} ready in {time.perf_counter() - t0:.1f} s on GPU(s) "
             f"{','.join(map(str, ctx.task.gpus))} (cores {','.join(map(str, ctx.task.cores))})")
     try:
         return Server(ctx, engine).serve()

@@ -29,7 +29,7 @@ def vllm_options(model_dir: str, inference: InferenceConfig, model: ModelConfig,
         dtype = "float32"
     options = dict(model=model_dir, tokenizer=model.tokenizer or model_dir, trust_remote_code=model.trust_remote_code,
                    dtype=dtype, max_model_len=inference.max_model_len, enforce_eager=inference.enforce_eager,
-                   seed=seed, tensor_parallel_size=inference.gpus, logprobs_mode="processed_logprobs")
+                   seed=seed, tensor_parallel_size=inference.tensor_parallel_size, logprobs_mode="processed_logprobs")
     if device != "cpu":
         options["gpu_memory_utilization"] = inference.gpu_memory_utilization
     options.update(engine_kwargs(backend))

@@ -1,12 +1,12 @@
-"""The node-local channel between a node's trainers and its inference server.
+"""The node-local channel between an inference engine (a server task) and the trainers it serves.
 
 Control messages, prompts and completions (token ids, logprobs) go over a unix socket in the
 abstract namespace: nothing on disk to clean up or to leave behind after a crash, and fake
 nodes sharing one host (the Slurm testbed) each get their own name. Other users of a node can
 see abstract sockets, so three locks keep them out: the name is derived from the job's secret
-(they cannot find it), the server checks the peer's uid (SO_PEERCRED), and both ends prove they
+and the server's rank (they cannot find it; a node's engines each have their own), the server checks the peer's uid (SO_PEERCRED), and both ends prove they
 hold the secret before a single byte is unpickled (wire.py). The listener closes once the
-node's trainers are all connected: later connections are refused outright.
+engine's trainers are all connected: later connections are refused outright.
 
 Request/response: each trainer `request()`s; the server `recv_any()`s and `reply()`s. The
 server may also push with `send(rank, obj)` / `broadcast(obj)`; trainers `recv()` those.
@@ -36,8 +36,8 @@ class PeerClosed(ChannelClosed):
         self.rank = rank
 
 
-def socket_name(secret: bytes, node: int) -> bytes:
-    digest = hashlib.sha256(secret + b"/node-channel/%d" % node).hexdigest()[:40]
+def socket_name(secret: bytes, server_rank: int) -> bytes:
+    digest = hashlib.sha256(secret + b"/node-channel/%d" % server_rank).hexdigest()[:40]
     return b"\0hpcrl-" + digest.encode()
 
 
@@ -48,15 +48,16 @@ def _peer_uid(sock: socket.socket) -> int:
 
 
 class NodeServerChannel:
-    """The server's end: one connection per trainer of the node, keyed by global rank."""
+    """The server's end: one connection per trainer it serves, keyed by global rank."""
 
-    def __init__(self, secret: bytes, node: int, trainer_ranks: Iterable[int]):
+    def __init__(self, secret: bytes, node: int, trainer_ranks: Iterable[int], server_rank: int):
         self.node = node
+        self.server_rank = server_rank
         self.expected = tuple(sorted(trainer_ranks))
         self._secret = secret
         self._conns: dict[int, socket.socket] = {}
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(socket_name(secret, node))
+        self._listener.bind(socket_name(secret, server_rank))
         self._listener.listen(len(self.expected) + 4)
         self.rejected: list[str] = []      # why strangers were turned away (for the log)
 
@@ -73,7 +74,7 @@ class NodeServerChannel:
                 if left <= 0 or not wire.wait_readable(self._listener, left):
                     missing = [r for r in self.expected if r not in self._conns]
                     raise TimeoutError(f"node {self.node}'s trainer(s) {', '.join(map(str, missing))} did not "
-                                       f"connect to the server's channel within {timeout:.0f} s "
+                                       f"connect to the channel of the server rank {self.server_rank} within {timeout:.0f} s "
                                        f"(launch.rendezvous_timeout_s)")
                 conn, _ = self._listener.accept()
                 self._admit(conn)
@@ -154,7 +155,7 @@ class NodeServerChannel:
 
 
 class NodeChannel:
-    """A trainer's end: one connection to its node's server."""
+    """A trainer's end: one connection to one engine of its node."""
 
     def __init__(self, sock: socket.socket, rank: int, server_rank: int):
         self._sock = sock
@@ -163,12 +164,12 @@ class NodeChannel:
 
     @classmethod
     def connect(cls, secret: bytes, node: int, rank: int, server_rank: int, timeout: float) -> "NodeChannel":
-        """Connect to the node's server, retrying while it is still starting up."""
+        """Connect to the engine `server_rank` of this node, retrying while it is still starting up."""
         deadline, delay = time.monotonic() + timeout, 0.02
         while True:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
-                sock.connect(socket_name(secret, node))
+                sock.connect(socket_name(secret, server_rank))
                 wire.authenticate_client_side(sock, secret, AUTH_TIMEOUT_S)
                 wire.send_msg(sock, {"rank": rank})
                 wire.recv_msg(sock, AUTH_TIMEOUT_S)

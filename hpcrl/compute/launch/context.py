@@ -7,7 +7,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 from hpcrl.compute.launch.channel import NodeChannel, NodeServerChannel
 from hpcrl.job.fit import MeshChoice
@@ -27,8 +27,10 @@ class LaunchContext:
     run_dir: Path
     pinning: Pinning
     watchdog: Watchdog
-    # Trainers: a NodeChannel to their node's server. Servers: a NodeServerChannel to its trainers.
-    channel: Union[NodeChannel, NodeServerChannel, None] = None
+    # Servers: a NodeServerChannel to the trainers they serve.
+    channel: NodeServerChannel | None = None
+    # Trainers: a NodeChannel to each engine of its row's `servers` (prompts, weights), by its rank.
+    channels: dict[int, NodeChannel] = field(default_factory=dict)
     world: Any = None                # mpi4py COMM_WORLD; None under the SLURM_* fallback
     node_comm: Any = None            # mpi4py communicator of this node's tasks (same condition)
     trainer_comm: Any = None         # mpi4py communicator of all trainers (None on servers, or no MPI)
@@ -55,7 +57,7 @@ class LaunchContext:
 
     @property
     def is_sender(self) -> bool:
-        """This trainer streams the weights to its node's server."""
+        """This trainer streams the weights to one or more engines of its node."""
         return self.task.sender
 
     @property
@@ -77,7 +79,8 @@ class LaunchContext:
 
     def log(self, message: str) -> None:
         stamp = time.strftime("%H:%M:%S")
-        write_line(f"[hpcrl {stamp} rank {self.task.rank} node {self.task.node} {self.task.role}] {message}", sys.stderr)
+        role = self.task.role if self.task.engine is None or self.plan.engines_per_node == 1 else f"engine {self.task.engine}"
+        write_line(f"[hpcrl {stamp} rank {self.task.rank} node {self.task.node} {role}] {message}", sys.stderr)
 
 
 def write_line(text: str, stream=None) -> None:

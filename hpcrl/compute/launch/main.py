@@ -75,7 +75,7 @@ def _who(plan) -> str:
     if rank >= plan.world_size:
         return f"rank {rank} (beyond the plan's {plan.world_size} tasks)"
     task = plan.task(rank)
-    return f"rank {rank} (node {task.node}, {task.role})"
+    return f"rank {rank} (node {task.node}, {plan.role_of(task)})"
 
 
 def _exit_failed(code: int) -> int:
@@ -112,7 +112,8 @@ def setup(spec: JobSpec, run_dir: Path, supervisor: Supervisor, book: ArrivalBoo
     task = plan.task(identity.rank)
     pinning.apply_gpu_env(pinned)
     hub, info = _bootstrap(supervisor, book, task, world, spec)
-    me = Peer(task.rank, task.node, task.local_rank, task.role, socket.gethostname(), os.getpid())
+    me = Peer(task.rank, task.node, task.local_rank, task.role, socket.gethostname(), os.getpid(),
+              task.engine if plan.engines_per_node > 1 else None)
     watchdog = Watchdog(me, info["secret"], launch.peer_failure_timeout_s)
     supervisor.stage(f"registering with rank 0's watchdog hub at {info['hub'][0]}:{info['hub'][1]}")
     watchdog.connect(tuple(info["hub"]), plan.world_size, launch.rendezvous_timeout_s)
@@ -179,10 +180,13 @@ def _bootstrap(supervisor: Supervisor, book: ArrivalBook, task, world, spec: Job
 def _connect_node_channel(ctx: LaunchContext, secret: bytes) -> None:
     timeout = ctx.launch.rendezvous_timeout_s
     if ctx.is_server:
-        ctx.channel = NodeServerChannel(secret, ctx.task.node, [t.rank for t in ctx.node_trainers])
+        ctx.channel = NodeServerChannel(secret, ctx.task.node, [t.rank for t in ctx.plan.served_by(ctx.task.rank)],
+                                        ctx.task.rank)
         ctx.channel.accept_all(timeout)
     else:
-        ctx.channel = NodeChannel.connect(secret, ctx.task.node, ctx.task.rank, ctx.task.server_rank, timeout)
+        # Its plan row lists every engine it asks for prompts or streams weights to (servers).
+        for server in ctx.task.servers:
+            ctx.channels[server] = NodeChannel.connect(secret, ctx.task.node, ctx.task.rank, server, timeout)
 
 
 def _join_trainers(ctx: LaunchContext) -> None:
@@ -234,6 +238,8 @@ def teardown(ctx: LaunchContext, code: int) -> int:
         dist.destroy_process_group()
     if ctx.channel is not None:
         ctx.channel.close()
+    for channel in ctx.channels.values():
+        channel.close()
     ctx.watchdog.close()
     if ctx.hub is not None:
         failures = ctx.hub.close(wait_s=ctx.launch.collective_timeout_s)

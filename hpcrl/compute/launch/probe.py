@@ -98,40 +98,55 @@ def observe(ctx: LaunchContext) -> dict:
 def _echo(ctx: LaunchContext) -> dict:
     import torch
 
-    sent = {"op": "echo", "rank": ctx.task.rank,
-            "token_ids": torch.arange(32, dtype=torch.int64) + 1000 * ctx.task.rank,
-            "logprobs": -torch.rand(32), "hidden": torch.randn(4, 8).to(torch.bfloat16)}
-    reply, seconds = _round_trip(ctx, sent)
-    ok = (reply.get("server_rank") == ctx.task.server_rank
-          and all(torch.equal(reply[k], sent[k]) for k in ("token_ids", "logprobs", "hidden")))
-    return {"ok": ok, "server_rank": reply.get("server_rank"), "seconds": round(seconds, 4)}
+    def check(server: int) -> dict:
+        sent = {"op": "echo", "rank": ctx.task.rank,
+                "token_ids": torch.arange(32, dtype=torch.int64) + 1000 * ctx.task.rank,
+                "logprobs": -torch.rand(32), "hidden": torch.randn(4, 8).to(torch.bfloat16)}
+        reply, seconds = _round_trip(ctx, server, sent)
+        ok = (reply.get("server_rank") == server
+              and all(torch.equal(reply[k], sent[k]) for k in ("token_ids", "logprobs", "hidden")))
+        return {"ok": ok, "server_rank": reply.get("server_rank"), "seconds": round(seconds, 4)}
+    return _each_server(ctx, check)
 
 
 def _echo_bytes(ctx: LaunchContext) -> dict:
     payload = hashlib.sha256(b"hpcrl-echo/%d" % ctx.task.rank).digest() * 32       # 1 KiB, this rank's own
-    reply, seconds = _round_trip(ctx, {"op": "echo", "rank": ctx.task.rank, "payload": payload})
-    ok = (reply.get("server_rank") == ctx.task.server_rank and reply.get("rank") == ctx.task.rank
-          and reply.get("payload") == payload)
-    return {"ok": ok, "server_rank": reply.get("server_rank"), "bytes": len(payload), "seconds": round(seconds, 4)}
+
+    def check(server: int) -> dict:
+        reply, seconds = _round_trip(ctx, server, {"op": "echo", "rank": ctx.task.rank, "payload": payload})
+        ok = (reply.get("server_rank") == server and reply.get("rank") == ctx.task.rank
+              and reply.get("payload") == payload)
+        return {"ok": ok, "server_rank": reply.get("server_rank"), "bytes": len(payload), "seconds": round(seconds, 4)}
+    return _each_server(ctx, check)
 
 
-def _round_trip(ctx: LaunchContext, sent: dict) -> tuple[dict, float]:
-    """Send `sent` to the node's server, wait (bounded) for its echo, then say "done"."""
+def _each_server(ctx: LaunchContext, check) -> dict:
+    """A round trip with every engine the trainer's row names; one engine's result as it is."""
+    results = [check(server) for server in ctx.task.servers]
+    if len(results) == 1:
+        return results[0]
+    return {"ok": all(r["ok"] for r in results), "servers": results}
+
+
+def _round_trip(ctx: LaunchContext, server: int, sent: dict) -> tuple[dict, float]:
+    """Send `sent` to the engine `server`, wait (bounded) for its echo, then say "done"."""
+    channel = ctx.channels[server]
     t0 = time.perf_counter()
     try:
-        reply = ctx.channel.request(sent, timeout=ctx.launch.collective_timeout_s)
+        reply = channel.request(sent, timeout=ctx.launch.collective_timeout_s)
     except TimeoutError:
-        raise TimeoutError(f"the server did not echo within {ctx.launch.collective_timeout_s:.0f} s "
+        raise TimeoutError(f"the server rank {server} did not echo within {ctx.launch.collective_timeout_s:.0f} s "
                            f"(launch.collective_timeout_s)") from None
     seconds = time.perf_counter() - t0
-    ctx.channel.send({"op": "done"})
+    channel.send({"op": "done"})
     return reply, seconds
 
 
 def _serve(ctx: LaunchContext) -> dict:
     from hpcrl.compute.launch.channel import PeerClosed
 
-    pending, served = {t.rank for t in ctx.node_trainers}, []
+    expected = sorted(t.rank for t in ctx.plan.served_by(ctx.task.rank))
+    pending, served = set(expected), []
     while pending:
         try:
             rank, msg = ctx.channel.recv_any(timeout=ctx.launch.collective_timeout_s)
@@ -147,7 +162,7 @@ def _serve(ctx: LaunchContext) -> dict:
             served.append(rank)
         elif msg.get("op") == "done":
             pending.discard(rank)
-    return {"ok": sorted(served) == sorted(t.rank for t in ctx.node_trainers), "served": sorted(served)}
+    return {"ok": sorted(served) == expected, "served": sorted(served)}
 
 
 def _all_reduce(ctx: LaunchContext) -> dict:

@@ -165,7 +165,7 @@ def placement_problem(identity: Identity, plan: Plan) -> str | None:
     if identity.size != plan.world_size:
         if identity.size < plan.world_size:
             missing = [plan.task(r) for r in range(identity.size, plan.world_size)]
-            named = ", ".join(f"rank {t.rank} (node {t.node}, {t.role})" for t in missing[:8])
+            named = ", ".join(f"rank {t.rank} (node {t.node}, {plan.role_of(t)})" for t in missing[:8])
             more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
             return (f"the launcher started {identity.size} task(s) but the plan has {plan.world_size} "
                     f"({plan.nodes} node(s) x {plan.tasks_per_node}): missing {named}{more}")
@@ -213,7 +213,7 @@ class ArrivalBook:
             return "no launch id (HPCRL_LAUNCH_ID or SLURM_JOB_ID), so the missing ranks cannot be named"
         if not missing:
             return f"all {self.plan.world_size} tasks started, but they could not connect to each other"
-        named = ", ".join(f"rank {t.rank} (node {t.node}, {t.role})" for t in map(self.plan.task, missing[:8]))
+        named = ", ".join(f"rank {t.rank} (node {t.node}, {self.plan.role_of(t)})" for t in map(self.plan.task, missing[:8]))
         more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
         return f"never arrived: {named}{more}"
 

@@ -44,9 +44,14 @@ class Peer:
     role: str
     host: str
     pid: int
+    engine: int | None = None       # a server's engine index, named when its node has several
+
+    @property
+    def label(self) -> str:
+        return self.role if self.engine is None else f"{self.role}, engine {self.engine}"
 
     def describe(self) -> str:
-        return f"rank {self.rank} (node {self.node}, {self.role}, host {self.host}, pid {self.pid})"
+        return f"rank {self.rank} (node {self.node}, {self.label}, host {self.host}, pid {self.pid})"
 
 
 def heartbeat_interval(peer_timeout_s: float) -> float:
@@ -318,7 +323,7 @@ class Watchdog:
 
     @property
     def who(self) -> str:
-        return f"rank {self.me.rank} (node {self.me.node}, {self.me.role})"
+        return f"rank {self.me.rank} (node {self.me.node}, {self.me.label})"
 
     def connect(self, address: tuple[str, int], world_size: int, timeout: float) -> list[Peer]:
         """Register with the hub and wait until every rank has: returns the table of all ranks."""

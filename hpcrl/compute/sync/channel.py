@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Protocol
 
-from hpcrl.compute.sync.gather import iter_buckets, sync_named_params
+from hpcrl.compute.sync.gather import GatherTraffic, iter_buckets, sync_named_params
 
 __all__ = ["ChannelWeightSync", "ChannelReceiver"]
 
@@ -25,23 +25,31 @@ class ChannelWeightSync:
     (all of them must pass the same; the server's health reply tells each); None: as stored."""
 
     def __init__(self, model, request: Request, *, is_sender: bool, bucket_bytes: int, timeout_s: float,
-                 cast_to=None):
+                 cast_to=None, node_of_rank: dict[int, int] | None = None):
         self.request = request
         self.is_sender = is_sender
         self.params = sync_named_params(model)
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
         self.cast_to = cast_to
+        # With the plan's node of every trainer rank, each sync counts its gathers' bytes inside a
+        # node and between nodes, as TrainerWeightSync does (the job's totals: last_traffic).
+        self.traffic = GatherTraffic(node_of_rank) if node_of_rank else None
         self.last_traffic: dict[str, int] = {}
 
     def sync(self, version: int) -> dict:
         sender = self.is_sender
+        if self.traffic is not None:
+            self.traffic.reset()
         if sender:
             self._call({"op": "weights_start", "version": version})
-        for bucket in iter_buckets(self.params, self.bucket_bytes, keep=sender, cast_to=self.cast_to):
+        for bucket in iter_buckets(self.params, self.bucket_bytes, keep=sender, cast_to=self.cast_to,
+                                   traffic=self.traffic):
             self._call({"op": "weights_bucket", "tensors": [(n, t) for n, t in bucket]})
         if sender:
             self._call({"op": "weights_finish", "version": version})
+        if self.traffic is not None:
+            self.last_traffic = self.traffic.job_totals()
         return {}
 
     def _call(self, msg: dict) -> None:

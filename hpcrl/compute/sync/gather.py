@@ -206,6 +206,19 @@ class GatherTraffic:
     def reset(self) -> None:
         self.in_node = self.cross_node = 0
 
+    def job_totals(self, group=None) -> dict[str, int]:
+        """The sync's bytes over every trainer (a collective over ``group``), as the step logs them."""
+        import torch.distributed as dist
+
+        values = [self.in_node, self.cross_node]
+        if dist.is_available() and dist.is_initialized():
+            device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl"
+                      else "cpu")
+            t = torch.tensor(values, dtype=torch.int64, device=device)
+            dist.all_reduce(t, group=group)
+            values = [int(v) for v in t.tolist()]
+        return {"gathered_bytes_in_node": values[0], "gathered_bytes_cross_node": values[1]}
+
     def count(self, param: torch.Tensor, dtype: torch.dtype | None = None) -> None:
         """Add the gathers of ``param`` moved in ``dtype`` (default: its own)."""
         import torch.distributed as dist

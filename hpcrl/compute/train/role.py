@@ -91,7 +91,7 @@ def _log_balance(ctx: LaunchContext) -> None:
     from hpcrl.job.balance import from_run
 
     balance, per_node = from_run(ctx.run_dir, gpus_per_node=ctx.spec.site.node.gpus,
-                                 server_gpus=ctx.plan.server_gpus,
+                                 server_gpus=ctx.plan.server_gpus, tensor_parallel_size=ctx.plan.tensor_parallel_size,
                                  overlapped=ctx.spec.recipe.inference.overlap_generation)
     for line in per_node:
         ctx.log(line)
@@ -122,11 +122,12 @@ def _print_step(ctx: LaunchContext, step: int, m: dict) -> None:
 
 
 def _server_health(run_dir) -> dict:
+    """Every engine's health file, by rundir.server_key."""
     out = {}
     for path in (Path(run_dir) / rundir.SERVERS_DIR).glob("node-*.json"):
         try:
             data = json.loads(path.read_text())
-            out[str(data["node"])] = data
+            out[rundir.server_key(data["node"], data["engine_index"])] = data
         except (OSError, ValueError, KeyError):
             continue
-    return out
+    return dict(sorted(out.items(), key=lambda kv: rundir.server_key_order(kv[0])))

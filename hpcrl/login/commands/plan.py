@@ -23,18 +23,35 @@ def main(args) -> int:
     if args.json:
         print(json.dumps({"site": spec.site.name, "nodes": plan.nodes, "tasks_per_node": plan.tasks_per_node,
                           "tasks": [{**t.to_dict(), "est_memory_gb": est[t.role]} for t in plan.tasks],
-                          "senders": {str(n): plan.sender_of(n).rank for n in range(plan.nodes)},
+                          "engines_per_node": plan.engines_per_node,
+                          "tensor_parallel_size": plan.tensor_parallel_size,
+                          "senders": {str(s): r for s, r in plan.senders().items()},
                           "model": spec.recipe.model.path, "fits": fit.fits, "memory": fit.to_dict()}, indent=2))
         return 0
-    rows = [(str(t.rank), str(t.node), str(t.local_rank), t.role, ",".join(map(str, t.gpus)),
-             format_cores(t.cores), "sender" if t.sender else "",
-             "-" if est[t.role] is None else f"{est[t.role]:.1f}") for t in plan.tasks]
+    rows = [(str(t.rank), str(t.node), str(t.local_rank), _role(t, plan), ",".join(map(str, t.gpus)),
+             format_cores(t.cores), _weights(t), "-" if est[t.role] is None else f"{est[t.role]:.1f}")
+            for t in plan.tasks]
     print_table(("rank", "node", "local", "role", "gpus", "cores", "weights", "est. GB"), rows)
     for n in range(plan.nodes):
-        s, server = plan.sender_of(n), plan.node_tasks(n)[-1]
-        print(f"node {n}: rank {s.rank} (GPU {s.gpus[0]}) sends weights to the server, "
-              f"rank {server.rank} (GPU {','.join(map(str, server.gpus))})")
+        for server in plan.node_servers(n):
+            s = plan.sender_of(server.rank)
+            fed = ", ".join(str(t.rank) for t in plan.served_by(server.rank))
+            print(f"node {n} engine {server.engine} (rank {server.rank}, GPU {','.join(map(str, server.gpus))}): "
+                  f"weights from rank {s.rank} (GPU {s.gpus[0]}), prompts from rank(s) {fed}")
+    if plan.sync_rounds > 1:
+        print(f"engines outnumber trainers: each sync gathers {plan.sync_rounds} times (once per engine a "
+              f"trainer feeds); fewer engines (inference.gpus / inference.tensor_parallel_size) sync faster")
     print(f"model {spec.recipe.model.path}: {fit.mesh.describe()}")
     print(fit.trainer.verdict())
     print(fit.server.verdict())
     return 0
+
+
+def _role(t, plan) -> str:
+    """"server" with one engine per node, else "engine <index on the node>"."""
+    return t.role if t.engine is None or plan.engines_per_node == 1 else f"engine {t.engine}"
+
+
+def _weights(t) -> str:
+    """A sender's column: the engine(s) it streams weights to."""
+    return ("sends to " + ",".join(map(str, t.sends_to))) if t.sends_to else ""

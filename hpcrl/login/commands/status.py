@@ -90,7 +90,8 @@ def _balance(run_dir, job: dict) -> list[str]:
     from hpcrl.job.balance import from_run
 
     balance, lines = from_run(run_dir, gpus_per_node=gpus, server_gpus=inference.get("gpus", 1),
-                              overlapped=bool(inference.get("overlap_generation")))
+                              overlapped=bool(inference.get("overlap_generation")),
+                              tensor_parallel_size=inference.get("tensor_parallel_size", 1))
     return lines + ([balance.advice()] if balance else [])
 
 
@@ -127,8 +128,11 @@ def _one(registry: Registry, args) -> int:
     for line in detail["balance"]:
         print(f"  balance    {line}")
     servers = p["heartbeat"].get("servers") or {}
-    for node, health in sorted(servers.items(), key=lambda kv: int(kv[0]) if str(kv[0]).isdigit() else -1):
-        print(f"  server     node {node}: {health.get('state', '?')}" +
+    engines = 1 + max((h.get("engine_index") or 0 for h in servers.values() if isinstance(h, dict)), default=0)
+    for key, health in sorted(servers.items(), key=lambda kv: rundir.server_key_order(kv[0])):
+        node, _, engine = str(key).partition("/")       # rundir.server_key: "<node>/<engine>"
+        where = f"node {node}" if engines == 1 else f"node {node} engine {engine}"
+        print(f"  server     {where}: {health.get('state', '?')}" +
               (f" (weights v{health['weight_version']})" if "weight_version" in health else ""))
     if log:
         print(f"  log        {log}")
