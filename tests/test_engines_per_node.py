@@ -79,6 +79,18 @@ def test_one_trainer_feeds_two_transformers_engines_and_the_run_learns(tmp_path,
     assert "node 0: trainers waited" in proc.stderr and "its engines idled" in proc.stderr
 
 
+def test_with_overlap_every_engine_samples_ahead(tmp_path, hpcrl_home):
+    """overlap_generation: the next generation is asked of both engines while the trainer trains,
+    and taken before either is synced."""
+    _, run_dir = _run(tmp_path, *ONE_TRAINER_TWO_ENGINES, "inference.engine=transformers",
+                      "inference.overlap_generation=true", "grpo.max_steps=4")
+    metrics = _metrics(run_dir)
+    assert [m["off_policy_lag"] for m in metrics] == [0, 1, 1, 1]      # sampled one version behind
+    for h in _engines(run_dir).values():
+        # each of the 4 steps' generations (none is asked ahead of the last); synced after steps 1-3
+        assert (h["state"], h["weight_version"], h["requests"]) == ("finished", 3, 4), h
+
+
 @pytest.mark.vllm
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
 def test_one_trainer_syncs_two_vllm_engines(tmp_path, hpcrl_home):
