@@ -172,8 +172,7 @@ def make_plan(site: Site, nodes: int, server_gpus: int = 1, tensor_parallel_size
     # it syncs, the others spread evenly (fewest served first).
     serves: dict[int, list[int]] = {g: [] for g in trainer_gpus}
     for e, g in enumerate(sender_gpus):
-        if n_engines > n_trainers or not serves[g]:
-            serves[g].append(e)
+        serves[g].append(e)
     load = [sum(e in s for s in serves.values()) for e in range(n_engines)]
     for g in trainer_gpus:
         if not serves[g]:

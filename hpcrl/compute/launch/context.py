@@ -66,14 +66,6 @@ class LaunchContext:
         return self.spec.site.device
 
     @property
-    def node_trainers(self) -> tuple[Task, ...]:
-        return tuple(t for t in self.plan.node_tasks(self.task.node) if t.role == "trainer")
-
-    @property
-    def server_task(self) -> Task:
-        return self.plan.task(self.task.server_rank)
-
-    @property
     def launch(self):
         return self.spec.recipe.launch
 
