@@ -189,6 +189,15 @@ def test_lora_keys_hpcrl_does_not_implement_are_named(trl_yaml):
     assert str(e.value).startswith("use_dora: hpcrl's LoRA is plain LoRA")
 
 
+def test_trls_tensor_parallel_size_is_one_engine_of_that_size_unless_the_recipe_says(trl_yaml):
+    trl_yaml.write_text(trl_yaml.read_text() + "vllm_tensor_parallel_size: 2\n")
+    inf = compose.build_recipe(str(trl_yaml)).recipe.inference
+    assert (inf.gpus, inf.tensor_parallel_size) == (2, 2)
+    trl_yaml.write_text(trl_yaml.read_text().replace("inference:\n", "inference:\n  gpus: 4\n"))
+    inf = compose.build_recipe(str(trl_yaml)).recipe.inference
+    assert (inf.gpus, inf.tensor_parallel_size) == (4, 2)         # two engines of 2 GPUs a node
+
+
 def test_a_key_at_trls_default_is_accepted(trl_yaml):
     trl_yaml.write_text(trl_yaml.read_text() + "use_liger_kernel: false\nuse_adaptive_entropy: false\n")
     t = compose.build_recipe(str(trl_yaml)).trl
