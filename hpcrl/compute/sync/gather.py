@@ -19,6 +19,12 @@ torn weights, a sender out of memory):
 Names are mapped to Hugging Face checkpoint names, which is what vLLM's ``model.load_weights``
 takes: wrapper prefixes are stripped and a tied ``lm_head.weight`` is skipped, as HF checkpoints do.
 
+A model trained by DeepSpeed ZeRO-3 (hpcrl.compute.train.deepspeed_engine) holds each parameter
+as an empty tensor and its partition (``ds_tensor``); each is sent as ``PartitionedParam``, which
+knows the full shape and gathers the partitions itself, in the wire dtype, inside the node when
+ZeRO++'s hierarchical partition (hpZ, DeepSpeed's HSDP) keeps a copy of each parameter there. The
+walk, the order and the buckets are the FSDP2 ones: only the gather of one tensor differs.
+
 A model with LoRA adapters (hpcrl.compute.train.lora) is sent as the model it stands for: each
 adapted linear layer is ONE entry, ``MergedWeight``, gathered as its base weight, lora_A and lora_B
 and merged there (W + scale * B A), one layer at a time inside the bucketing, so no merged copy of
@@ -39,6 +45,7 @@ __all__ = [
     "WRAPPER_PREFIXES",
     "ParamSpec",
     "MergedWeight",
+    "PartitionedParam",
     "lora_layers",
     "GatherTraffic",
     "LiveBytes",
@@ -105,6 +112,57 @@ class MergedWeight:
         return tracker.track(merged) if tracker is not None else merged
 
 
+class PartitionedParam:
+    """A ZeRO-3 parameter as a sync sends it: the shape and dtype of the whole tensor (the module's
+    own tensor is empty), and :meth:`gather`, a collective over the ranks holding its partitions.
+
+    Gathered here rather than with ``deepspeed.zero.GatheredParameters`` for two reasons: each rank
+    casts its partition to the wire dtype first (half the bytes of fp32 partitions for a bf16
+    engine), and with hpZ the node's copy is gathered from the node's ranks alone (the primary
+    partitions span every node). The hpZ copy is used only once DeepSpeed has filled it
+    (``ds_secondary_tensor`` is made at the first forward, and updated after every step)."""
+
+    def __init__(self, param: torch.Tensor) -> None:
+        self.param = param
+        self.shape, self.dtype = torch.Size(param.ds_shape), param.dtype
+        self.requires_grad = param.requires_grad
+
+    def numel(self) -> int:
+        return int(self.param.ds_numel)
+
+    def source(self) -> tuple[torch.Tensor, object]:
+        """The partition to gather and its process group: the node's (hpZ) copy when there is one."""
+        p = self.param
+        secondary = getattr(p, "ds_secondary_tensor", None)
+        if secondary is not None and getattr(p, "ds_zero_param_process_group", None) is not None:
+            return secondary, p.ds_zero_param_process_group
+        return p.ds_tensor, p.ds_process_group
+
+    @torch.no_grad()
+    def gather(self, wire: torch.dtype) -> torch.Tensor:
+        import torch.distributed as dist
+
+        part, group = self.source()
+        part = part.detach().to(wire).reshape(-1)
+        world = dist.get_world_size(group)
+        flat = torch.empty(part.numel() * world, dtype=wire, device=part.device)
+        if world == 1:
+            flat.copy_(part)
+        else:
+            dist.all_gather_into_tensor(flat, part, group=group)
+        return flat.narrow(0, 0, self.numel()).view(self.shape).clone()
+
+    def gathered_by(self) -> list[int]:
+        """Global ranks of the gather's group (for the traffic count)."""
+        import torch.distributed as dist
+
+        return dist.get_process_group_ranks(self.source()[1])
+
+
+def _partitioned(param: torch.Tensor) -> bool:
+    return hasattr(param, "ds_id") and hasattr(param, "ds_tensor")
+
+
 def lora_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """The LoRA layers of ``model`` by module path: peft's layers keep the original module as
     ``base_layer`` and the active adapter's matrices in ``lora_A``/``lora_B`` (the adapter "default")."""
@@ -134,6 +192,8 @@ def sync_named_params(model: torch.nn.Module, tie_word_embeddings: bool | None =
         if name.startswith(adapters):
             continue
         param = merged.get(name, param)
+        if _partitioned(param):
+            param = PartitionedParam(param)
         name = hf_name(name.replace(".base_layer.", "."))
         if tie_word_embeddings and name == "lm_head.weight":
             continue
@@ -223,24 +283,28 @@ class GatherTraffic:
         """Add the gathers of ``param`` moved in ``dtype`` (default: its own)."""
         import torch.distributed as dist
 
+        full = param.numel() * (dtype or param.dtype).itemsize
+        if isinstance(param, PartitionedParam):
+            self._add(tuple(param.gathered_by()), full)
+            return
         placements = getattr(param, "placements", None)
         if placements is None:
             return
-        full = param.numel() * (dtype or param.dtype).itemsize
         for dim, placement in enumerate(placements):
-            if not placement.is_shard():
-                continue
-            ranks = tuple(dist.get_process_group_ranks(param.device_mesh.get_group(dim)))
-            if len(ranks) < 2:
-                continue
-            crosses = self._crosses.get(ranks)
-            if crosses is None:
-                crosses = self._crosses[ranks] = len({self.node_of_rank[r] for r in ranks}) > 1
-            received = full * (len(ranks) - 1) // len(ranks)
-            if crosses:
-                self.cross_node += received
-            else:
-                self.in_node += received
+            if placement.is_shard():
+                self._add(tuple(dist.get_process_group_ranks(param.device_mesh.get_group(dim))), full)
+
+    def _add(self, ranks: tuple[int, ...], full: int) -> None:
+        if len(ranks) < 2:
+            return
+        crosses = self._crosses.get(ranks)
+        if crosses is None:
+            crosses = self._crosses[ranks] = len({self.node_of_rank[r] for r in ranks}) > 1
+        received = full * (len(ranks) - 1) // len(ranks)
+        if crosses:
+            self.cross_node += received
+        else:
+            self.in_node += received
 
 
 def _wire_dtype(dtype: torch.dtype, cast_to: torch.dtype | None) -> torch.dtype:
@@ -258,6 +322,9 @@ def full_tensor(param: torch.Tensor, cast_to: torch.dtype | None = None, tracker
         return param.merge(wire, tracker, traffic)
     if traffic is not None:
         traffic.count(param, wire)
+    if isinstance(param, PartitionedParam):
+        tensor = param.gather(wire)
+        return tracker.track(tensor) if tracker is not None else tensor
     if callable(getattr(param, "full_tensor", None)):
         if wire != param.dtype:
             # DTensor's cast is pointwise: each rank casts its own shard, placements unchanged

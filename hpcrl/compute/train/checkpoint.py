@@ -5,6 +5,8 @@ Layout of a checkpoint directory (on a file system every trainer rank sees)::
     <dir>/step-<N>/            one complete checkpoint
         .metadata, __*.distcp  DCP: model + optimizer, sharded (every rank writes its shards);
                                trainable parameters only (LoRA: the adapters)
+        deepspeed/             instead of DCP's files, with trainer.engine deepspeed: DeepSpeed's
+                               own ZeRO-3 files (hpcrl.compute.train.deepspeed_engine)
         rank-<r>.pt            per rank: RNG states, scheduler, the caller's `extra`, the step
         meta.json              step, world size, time (written last, by rank 0)
     <dir>/latest               the name of the newest complete checkpoint ("step-<N>")
@@ -37,7 +39,7 @@ import socket
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -58,6 +60,7 @@ __all__ = [
     "latest_checkpoint",
     "list_checkpoints",
     "checkpoint_step",
+    "is_deepspeed",
     "save",
     "load",
     "capture_rng",
@@ -129,8 +132,17 @@ def checkpoint_step(path: str | os.PathLike) -> int:
     return int(m.group(1))
 
 
+DEEPSPEED_DIR = "deepspeed"
+
+
 def _complete(path: Path) -> bool:
-    return _STEP_DIR.match(path.name) is not None and (path / ".metadata").is_file() and (path / META).is_file()
+    return (_STEP_DIR.match(path.name) is not None and (path / META).is_file()
+            and ((path / ".metadata").is_file() or (path / DEEPSPEED_DIR).is_dir()))
+
+
+def is_deepspeed(path: str | os.PathLike) -> bool:
+    """True for a checkpoint that DeepSpeed's engine wrote (trainer.engine deepspeed)."""
+    return (Path(path) / DEEPSPEED_DIR).is_dir()
 
 
 def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
@@ -290,12 +302,14 @@ def _state_dicts(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -
 
 def save(directory: str | os.PathLike, step: int, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
          scheduler: Any, extra: Optional[dict[str, Any]] = None, keep: int = 2, *,
-         timeout_s: float = DEFAULT_TIMEOUT_S) -> Path:
+         timeout_s: float = DEFAULT_TIMEOUT_S, write_state: Optional[Callable[[Path], None]] = None) -> Path:
     """Save the training state after ``step`` optimizer steps; every trainer rank calls it.
 
     ``extra``: the caller's per-rank picklable state (data sampler position, ...), given back by
     :func:`load`. Returns the committed ``<directory>/step-<step>``. Raises :class:`CheckpointError`
     when a rank does not arrive within ``timeout_s``; the previous checkpoint then stays the latest.
+    ``write_state(tmp)``: writes the model and optimizer into the uncommitted directory instead of
+    DCP (an engine with a checkpoint format of its own); the commit is the same.
     """
     rng = capture_rng()     # first: nothing below may consume randomness before it is recorded
     directory = Path(directory)
@@ -312,7 +326,10 @@ def save(directory: str | os.PathLike, step: int, model: nn.Module, optimizer: O
         tmp.mkdir()
     barrier(f"checkpoint step {step}: preparing {tmp}", timeout_s)
     try:
-        dcp.save(_state_dicts(model, optimizer), checkpoint_id=str(tmp), process_group=group)
+        if write_state is not None:
+            write_state(tmp)
+        else:
+            dcp.save(_state_dicts(model, optimizer), checkpoint_id=str(tmp), process_group=group)
     except Exception as e:  # DCP gathers every rank's failure into one exception on all ranks
         raise CheckpointError(f"rank {rank}: checkpoint step {step}: writing {tmp} failed: {e}") from e
     _torch_save_synced({"step": step, "rank": rank, "world_size": world, "rng": rng,
@@ -328,28 +345,38 @@ def save(directory: str | os.PathLike, step: int, model: nn.Module, optimizer: O
 
 
 def load(path: str | os.PathLike, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
-         scheduler: Any, *, timeout_s: float = DEFAULT_TIMEOUT_S, restore_rng_state: bool = True) -> dict[str, Any]:
+         scheduler: Any, *, timeout_s: float = DEFAULT_TIMEOUT_S, restore_rng_state: bool = True,
+         read_state: Optional[Callable[[Path], None]] = None) -> dict[str, Any]:
     """Load a checkpoint written by :func:`save` into ``model``/``optimizer``/``scheduler`` (in place).
 
     Every trainer rank calls it, with the model already sharded and the optimizer built. Returns this
     rank's ``extra`` plus ``"step"`` (the steps done). RNG states are restored last, so the next
-    random draw is the one the saving run made after its save.
+    random draw is the one the saving run made after its save. ``read_state(path)``: the
+    counterpart of save's ``write_state``.
     """
     path = Path(path)
     if not _complete(path):
         raise CheckpointError(f"{path}: not a complete checkpoint (no .metadata or {META})")
     rank = _rank()
-    group = control_group(timeout_s)
-    state = _state_dicts(model, optimizer)
+    if (read_state is not None) != is_deepspeed(path):
+        written, engine = ("DeepSpeed", "fsdp2") if is_deepspeed(path) else ("FSDP2 (DCP)", "deepspeed")
+        raise CheckpointError(f"{path} was written by the {written} engine; this run's trainer.engine is "
+                              f"{engine}: resume with the engine that wrote it")
     try:
-        dcp.load(state, checkpoint_id=str(path), process_group=group)
+        if read_state is not None:
+            read_state(path)
+        else:
+            state = _state_dicts(model, optimizer)
+            dcp.load(state, checkpoint_id=str(path), process_group=control_group(timeout_s))
+            if optimizer is None:
+                set_model_state_dict(model, state["model"], options=_load_options(model))
+            else:
+                set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                               options=_load_options(model))
+    except CheckpointError:
+        raise
     except Exception as e:
         raise CheckpointError(f"rank {rank}: loading {path} failed: {e}") from e
-    if optimizer is None:
-        set_model_state_dict(model, state["model"], options=_load_options(model))
-    else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                       options=_load_options(model))
     own = _rank_file(path, rank)
     mine = own.is_file()
     ranked = torch.load(own if mine else _rank_file(path, 0), map_location="cpu", weights_only=False)

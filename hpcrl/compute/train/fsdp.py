@@ -6,11 +6,8 @@ A 1-D mesh fully shards; a 2-D ``("replicate", "shard")`` mesh is HSDP (FSDP2 sh
 dimension and all-reduces gradients over the first).
 
 Loading never materialises the model on every rank: all ranks build it on the meta device and
-shard it, then rank 0 reads the Hugging Face checkpoint and streams it tensor by tensor
-(``broadcast``); every rank keeps only its own slice. Non-persistent buffers (rotary ``inv_freq``)
-travel the same way, so nothing is left uninitialised by ``to_empty``. The other ranks' wait for
-rank 0 to read the checkpoint is bounded by ``launch.model_load_timeout_s`` (a gloo group of its
-own), not by the collective timeout: reading a large model is not a hung collective.
+shard it, then rank 0 streams the Hugging Face checkpoint to them (hpcrl.compute.train.loading);
+every rank keeps only its own slice.
 
 Numerics: the policy's master weights are fp32 (so is the optimizer). With bf16 the layers compute in
 bf16 (``MixedPrecisionPolicy``) and gradients are reduced in fp32. The reference model has no optimizer
@@ -21,7 +18,6 @@ to bf16 at every all-gather, in half the memory; recipe model.dtype stores it in
 from __future__ import annotations
 
 import logging
-from datetime import timedelta
 from typing import Any, Callable, Optional
 
 import torch
@@ -29,8 +25,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
+from hpcrl.compute.train.loading import load_group, read_group, stream_from_rank0
 from hpcrl.job.recipe import Recipe
 
 __all__ = [
@@ -42,7 +39,6 @@ __all__ = [
     "load_policy_and_reference",
     "frozen_dtype",
     "disable_dropout",
-    "mix_into_reference",
     "local_param_bytes",
     "global_param_bytes",
     "param_devices",
@@ -138,104 +134,6 @@ def apply_fsdp(
     return model
 
 
-# ----------------------------------------------------------------------------------------------
-# Loading
-
-
-def _named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters and ALL buffers (non-persistent ones too), tied names deduplicated."""
-    out: dict[str, torch.Tensor] = dict(model.named_parameters())
-    out.update(model.named_buffers())
-    return out
-
-
-MODEL_LOAD_SETTING = "launch.model_load_timeout_s"
-_load_groups: dict[tuple[tuple[int, ...], float], dist.ProcessGroup] = {}
-
-
-def _load_group(group: Optional[dist.ProcessGroup], timeout_s: float) -> dist.ProcessGroup:
-    """A gloo group over ``group``'s ranks whose timeout is the model load's (made once per ranks and
-    timeout, so that the policy and the reference share it). Only its members call this."""
-    ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
-    key = (ranks, float(timeout_s))
-    if key not in _load_groups:
-        # Over the whole world (hpcrl's case) every rank makes it, numbered like any other group; a
-        # mesh inside a larger world is made by its members alone (torch then names it by its ranks).
-        _load_groups[key] = dist.new_group(ranks=list(ranks), backend="gloo", timeout=timedelta(seconds=timeout_s),
-                                           use_local_synchronization=len(ranks) < dist.get_world_size())
-    return _load_groups[key]
-
-
-def _receive_header(header: list[Any], group: Optional[dist.ProcessGroup], wait_group: Optional[dist.ProcessGroup],
-                    what: str, timeout_s: Optional[float]) -> None:
-    """Rank 0's list of tensors, which it sends once it has read the whole checkpoint: the one wait
-    that a model load makes long. On ``wait_group`` (the load's own timeout) when there is one."""
-    try:
-        dist.broadcast_object_list(header, group=wait_group or group, group_src=0)
-    except RuntimeError as e:
-        if wait_group is None:
-            raise
-        bound = f"{timeout_s:.0f} s ({MODEL_LOAD_SETTING})"
-        if dist.get_rank(wait_group) == 0:
-            why = f"sending the tensor list of {what} failed: a trainer stopped waiting after {bound}, or died"
-        else:
-            why = f"trainer rank 0 did not finish reading {what} within {bound}, or died"
-        raise RuntimeError(f"trainer rank {dist.get_rank()}: {why}: {e}") from e
-
-
-@torch.no_grad()
-def _stream_from_rank0(model: nn.Module, source: Optional[nn.Module], comm_device: torch.device,
-                       group: Optional[dist.ProcessGroup], *, what: str = "the checkpoint",
-                       load_timeout_s: Optional[float] = None) -> None:
-    """Copy ``source`` (a full model, on group rank 0 only) into the sharded ``model`` on every rank.
-
-    One broadcast per tensor, so the extra memory is one full tensor at a time. Each rank keeps the
-    slice its DTensor placement owns (``distribute_tensor(..., src_data_rank=None)`` slices locally).
-    """
-    rank0 = dist.get_rank(group) == 0
-    targets = _named_tensors(model)
-    header: list[Any] = [None]
-    if rank0:
-        src = _named_tensors(source)
-        missing = sorted(set(targets) - set(src))
-        header = [[(name, tuple(t.shape), t.dtype) for name, t in src.items()], missing]
-    else:
-        header = [None, None]
-    wait_group = _load_group(group, load_timeout_s) if load_timeout_s is not None else None
-    _receive_header(header, group, wait_group, what, load_timeout_s)
-    entries, missing = header
-    if missing:
-        raise RuntimeError(f"checkpoint lacks {len(missing)} tensors the model has: {missing[:5]}")
-    for name, shape, dtype in entries:
-        if rank0:
-            full = src[name].detach().to(comm_device, copy=False).contiguous()
-        else:
-            full = torch.empty(shape, dtype=dtype, device=comm_device)
-        dist.broadcast(full, group=group, group_src=0)
-        target = targets.get(name)
-        if target is None:
-            continue                    # e.g. a buffer the sharded model does not have
-        if isinstance(target, DTensor):
-            if tuple(target.shape) != tuple(shape):
-                raise RuntimeError(f"{name}: checkpoint shape {shape} != model shape {tuple(target.shape)}")
-            piece = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
-            target.to_local().copy_(piece.to_local())
-        else:
-            target.copy_(full)
-        del full
-
-
-_read_groups: dict[tuple[tuple[int, ...], ...], dist.ProcessGroup] = {}
-
-
-def _read_group(read_groups: list[list[int]]) -> dist.ProcessGroup:
-    """This rank's group of ``read_groups`` (made once, by every rank, for the policy and the reference)."""
-    key = tuple(tuple(ranks) for ranks in read_groups)
-    if key not in _read_groups:
-        _read_groups[key], _ = dist.new_subgroups_by_enumeration([list(r) for r in key])
-    return _read_groups[key]
-
-
 def _comm_group(mesh: DeviceMesh) -> Optional[dist.ProcessGroup]:
     if mesh.ndim == 1:
         return mesh.get_group()
@@ -297,16 +195,16 @@ def load_sharded_model(
         for module in model.modules():
             for name, buf in module.named_buffers(recurse=False):
                 module._buffers[name] = buf.to(device)
-    group = _comm_group(mesh) if read_groups is None else _read_group(read_groups)
+    group = _comm_group(mesh) if read_groups is None else read_group(read_groups)
     if load_timeout_s is not None:
-        _load_group(group, load_timeout_s)    # made before rank 0 reads: its making is a rendezvous too
+        load_group(group, load_timeout_s)    # made before rank 0 reads: its making is a rendezvous too
     source = None
     if dist.get_rank(group) == 0:
         source = model_class.from_pretrained(model_dir, dtype=dtype, trust_remote_code=trust_remote_code,
                                              attn_implementation=attn_implementation)
         if adapt is not None:
             source = adapt(source)
-    _stream_from_rank0(model, source, device, group, what=model_dir, load_timeout_s=load_timeout_s)
+    stream_from_rank0(model, source, device, group, what=model_dir, load_timeout_s=load_timeout_s)
     del source
     return model
 
@@ -375,21 +273,6 @@ def disable_dropout(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0
-
-
-@torch.no_grad()
-def mix_into_reference(reference: nn.Module, policy: nn.Module, alpha: float) -> None:
-    """grpo.sync_ref_model: ``reference = alpha * policy + (1 - alpha) * reference`` (TRL's
-    SyncRefModelCallback), shard by shard: policy and reference are sharded alike on the same mesh
-    (load_policy_and_reference), so each rank mixes its own shards and nothing is gathered. The
-    reference keeps its own dtype and device (model.dtype, trainer.reference_offload)."""
-    pairs = list(zip(reference.parameters(), policy.parameters(), strict=True))
-    for ref, pol in pairs:
-        r, p = _local(ref), _local(pol)
-        if r.shape != p.shape:
-            raise RuntimeError(f"reference shard {tuple(r.shape)} and policy shard {tuple(p.shape)} differ: "
-                               "the two models are not sharded alike")
-        r.mul_(1.0 - alpha).add_(p.to(device=r.device, dtype=r.dtype), alpha=alpha)
 
 
 # ----------------------------------------------------------------------------------------------

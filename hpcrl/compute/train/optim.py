@@ -40,7 +40,9 @@ _NO_DECAY = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\
 
 def no_decay(name: str, param: torch.Tensor) -> bool:
     """True for parameters excluded from weight decay (biases, norms, any 1-D parameter)."""
-    return bool(_NO_DECAY.search(name.lower())) or param.ndim < 2
+    # A ZeRO-3 parameter's own tensor is empty; its shape is ds_shape.
+    ndim = len(param.ds_shape) if hasattr(param, "ds_shape") else param.ndim
+    return bool(_NO_DECAY.search(name.lower())) or ndim < 2
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:

@@ -42,9 +42,9 @@ from hpcrl.compute.train import data as data_mod
 from hpcrl.compute.train import fsdp as fsdp_mod
 from hpcrl.compute.train import grpo
 from hpcrl.compute.train.batch import completion_logps, pack_batch
+from hpcrl.compute.train.engine import Fsdp2Engine, TrainEngine
 from hpcrl.compute.train.evaluation import Evaluator, eval_due
 from hpcrl.compute.train.generation import Generation, Requested
-from hpcrl.compute.train.optim import build_optimizer, build_scheduler, clip_grad_norm, current_lr
 from hpcrl.compute.train.rewards import (RewardFunction, RewardLog, as_completions, load_reward_functions,
                                          new_trainer_state, reward_statistics, reward_sums, score_completions)
 
@@ -75,6 +75,8 @@ class TrainerSetup:
     # The node of each trainer rank (the plan's): with it each step logs every node's mean wait
     # for generation (time_generation_s_by_node); () = not logged (in-process tests).
     trainer_nodes: tuple[int, ...] = ()
+    # What steps the policy (hpcrl.compute.train.engine): None = FSDP2 over ``policy`` as loaded.
+    engine: TrainEngine | None = None
 
 
 def _any_true(flag: bool, group) -> bool:
@@ -130,8 +132,8 @@ class Trainer:
             for model in (setup.policy, setup.reference):
                 if model is not None:
                     fsdp_mod.disable_dropout(model)
-        self.optimizer = build_optimizer(setup.policy, self.grpo)
-        self.scheduler = build_scheduler(self.optimizer, self.grpo)
+        self.engine = setup.engine or Fsdp2Engine(setup.policy)
+        self.engine.configure(self.grpo)
         self.sampler = data_mod.PromptSampler(setup.dataset, self.prompts_per_rank * setup.num_trainers,
                                               seed=self.grpo.seed, shuffle=self.recipe.data.shuffle,
                                               rank=setup.trainer_rank, world_size=setup.num_trainers)
@@ -150,6 +152,14 @@ class Trainer:
             setup.eval_dataset, setup.tokenizer, generator, self.rewards, self.grpo, setup.trainer_rank,
             setup.num_trainers, setup.group)
         self.flag = STOP
+
+    @property
+    def optimizer(self):
+        return self.engine.optimizer
+
+    @property
+    def scheduler(self):
+        return self.engine.scheduler
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> str:
@@ -230,8 +240,7 @@ class Trainer:
         latest = ckpt.latest_checkpoint(self.ckpt_dir)
         if latest is None:
             return False
-        extra = ckpt.load(latest, self.setup.policy, self.optimizer, self.scheduler,
-                          timeout_s=self.setup.collective_timeout_s)
+        extra = self.engine.load(latest, timeout_s=self.setup.collective_timeout_s)
         self.step = int(extra["step"])
         self.sampler.load_state_dict(extra["sampler"])
         self.trainer_state.num_input_tokens_seen = int(extra.get("tokens_seen", 0))
@@ -246,13 +255,13 @@ class Trainer:
     def _reference_shards(self) -> list[torch.Tensor] | None:
         if not (self.grpo.sync_ref_model and self.setup.reference is not None):
             return None
-        return [fsdp_mod._local(p).detach().to("cpu", copy=True) for p in self.setup.reference.parameters()]
+        return [p.detach().to("cpu", copy=True) for p in self.engine.local_parts(self.setup.reference)]
 
     @torch.no_grad()
     def _load_reference_shards(self, shards: list[torch.Tensor] | None) -> None:
         if shards is None or not (self.grpo.sync_ref_model and self.setup.reference is not None):
             return
-        local = [fsdp_mod._local(p) for p in self.setup.reference.parameters()]
+        local = self.engine.local_parts(self.setup.reference)
         if len(local) != len(shards) or any(a.shape != b.shape for a, b in zip(local, shards)):
             raise RuntimeError("the checkpoint's reference model (grpo.sync_ref_model) was sharded over another "
                                "number of trainers; resume with the trainers it was written with")
@@ -264,17 +273,16 @@ class Trainer:
         if self.next is not None:
             self.next.take()        # a checkpoint keeps completions, never a request in flight
         generation = None if self.generation is None else self.generation.state_dict(self.generation_steps_done)
-        path = ckpt.save(self.ckpt_dir, self.step, self.setup.policy, self.optimizer, self.scheduler,
-                         extra={"sampler": self.sampler.state_dict(),
-                                "tokens_seen": self.trainer_state.num_input_tokens_seen,
-                                "generation": generation,
-                                # A generation asked for ahead is kept whole: the sampler is past
-                                # its prompts, and a resume trains on exactly these completions.
-                                "next": None if self.next is None else self.next.state_dict(),
-                                # grpo.sync_ref_model moves the reference: this rank's shards of it.
-                                "reference": self._reference_shards()},
-                         keep=self.recipe.checkpoint.keep,
-                         timeout_s=self.setup.collective_timeout_s)
+        extra = {"sampler": self.sampler.state_dict(),
+                 "tokens_seen": self.trainer_state.num_input_tokens_seen,
+                 "generation": generation,
+                 # A generation asked for ahead is kept whole: the sampler is past
+                 # its prompts, and a resume trains on exactly these completions.
+                 "next": None if self.next is None else self.next.state_dict(),
+                 # grpo.sync_ref_model moves the reference: this rank's shards of it.
+                 "reference": self._reference_shards()}
+        path = self.engine.save(self.ckpt_dir, self.step, extra, keep=self.recipe.checkpoint.keep,
+                                timeout_s=self.setup.collective_timeout_s)
         if self.setup.trainer_rank == 0:
             self.setup.log(f"checkpoint {path.name} written in {time.perf_counter() - t0:.1f} s")
         return path
@@ -380,8 +388,8 @@ class Trainer:
         setup = self.setup
         old_logps = None
         if self.steps_per_generation > 1 or self.grpo.vllm_importance_sampling_correction:
-            setup.policy.eval()
-            old_logps = self._micro_batched_logps(setup.policy, tensors)
+            self.engine.model.eval()
+            old_logps = self._micro_batched_logps(self.engine.model, tensors)
         ref_logps = self._micro_batched_logps(setup.reference, tensors) if setup.reference is not None else None
         return old_logps, ref_logps
 
@@ -479,7 +487,7 @@ class Trainer:
         micro-batches, then one optimizer step; returns the step's loss metrics, reduced over all
         trainers."""
         cfg = self.grpo
-        model = self.setup.policy
+        model = self.engine.model
         batch, advantages = generation.tensors, generation.advantages
         old_logps, ref_logps = generation.old_logps, generation.ref_logps
         model.train()
@@ -521,19 +529,15 @@ class Trainer:
                 vespo_k_pos=cfg.vespo_k_pos, vespo_lambda_pos=cfg.vespo_lambda_pos, vespo_k_neg=cfg.vespo_k_neg,
                 vespo_lambda_neg=cfg.vespo_lambda_neg, entropies=entropies, entropy_coef=cfg.entropy_coef,
                 entropy_mask=entropy_mask)
-            loss.backward()
+            self.engine.backward(loss)
             loss_sum += loss.item()
             _merge(metrics, m)
-        grad_norm = clip_grad_norm(model.parameters(), cfg.max_grad_norm)
-        if math.isfinite(grad_norm):
-            self.optimizer.step()
-        else:
+        grad_norm = self.engine.step(cfg.max_grad_norm)
+        if not math.isfinite(grad_norm):
             self.setup.log(f"step {self.step + 1}: non-finite gradient norm {grad_norm}; step skipped")
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
         if cfg.sync_ref_model and self.setup.reference is not None and (self.step + 1) % cfg.ref_model_sync_steps == 0:
             # TRL's SyncRefModelCallback at the end of optimizer step self.step + 1.
-            fsdp_mod.mix_into_reference(self.setup.reference, model, cfg.ref_model_mixup_alpha)
+            self.engine.mix_into_reference(self.setup.reference, cfg.ref_model_mixup_alpha)
         out = grpo.reduce_metrics(metrics, self.setup.group)
         loss_t = _global_sum([loss_sum], self.setup.group)[0]
         out.update(loss=loss_t, grad_norm=grad_norm)
@@ -551,7 +555,7 @@ class Trainer:
             "advantage_mean": gen.advantages.mean().item(), "advantage_std": gen.advantages.std().item(),
             "completion_len_mean": gen.completion_tokens / max(1, gen.completions),
             "truncated_frac": gen.truncated / max(1, gen.completions),
-            "learning_rate": current_lr(self.optimizer), "weight_version": self.weight_version,
+            "learning_rate": self.engine.learning_rate(), "weight_version": self.weight_version,
             # How many weight versions the completions trained on are behind the policy.
             "off_policy_lag": gen.lag,
             "time_generation_s": gen.wait_s if first else 0.0, "time_train_s": train_s,
