@@ -36,6 +36,16 @@ fi
 # Pin whatever torch build is now installed, so nothing below can replace it.
 "$VENV/bin/python" -c "import torch; print('torch==' + torch.__version__)" > "$constraints"
 
+# DeepSpeed (trainer.engine deepspeed) is an sdist whose setup.py imports torch: built against the
+# torch above (no build isolation, which would fetch a CUDA torch), with no compiled ops
+# (DS_BUILD_OPS=0: hpcrl needs none of them on the CPU, and disables the one it would JIT-build).
+DEEPSPEED_VERSION=${HPCRL_DEEPSPEED_VERSION:-0.19.8}
+if ! "$VENV/bin/python" -c "import importlib.metadata as m; m.version('deepspeed')" 2>/dev/null; then
+  log "deepspeed==$DEEPSPEED_VERSION (no compiled ops)"
+  "${PIP[@]}" -c "$constraints" "setuptools>=68" wheel
+  DS_BUILD_OPS=0 "${PIP[@]}" -c "$constraints" --no-build-isolation "deepspeed==$DEEPSPEED_VERSION"
+fi
+
 log "hpcrl[compute,mpich,test] (editable)"
 "${PIP[@]}" -c "$constraints" -e ".[compute,mpich,test]"
 

@@ -101,7 +101,8 @@ def record_metrics(rank: int, metrics_path, die_after: int | None):
     return on_metrics
 
 
-def _w_run(rank, world, model_dir, run_dir, metrics_path, every, mu, overlap, die_after, seed, lora=False):
+def _w_run(rank, world, model_dir, run_dir, metrics_path, every, mu, overlap, die_after, seed, lora=False,
+           engine_name="fsdp2"):
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoTokenizer
@@ -116,8 +117,17 @@ def _w_run(rank, world, model_dir, run_dir, metrics_path, every, mu, overlap, di
     torch.manual_seed(seed + rank)
     recipe = _recipe(run_dir, every, mu, overlap, lora)
     ckpt.control_group(60)
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
-    policy, reference = load_policy_and_reference(model_dir, mesh, torch.device("cpu"), recipe)
+    engine = None
+    if engine_name == "deepspeed":
+        from hpcrl.compute.train import deepspeed_engine
+        from hpcrl.job.deepspeed import build_config
+
+        config = build_config(recipe, num_trainers=world)
+        policy, reference = deepspeed_engine.load_policy_and_reference(model_dir, recipe, config)
+        engine = deepspeed_engine.DeepSpeedEngine(policy, config)
+    else:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+        policy, reference = load_policy_and_reference(model_dir, mesh, torch.device("cpu"), recipe)
     assert reference is not None
 
     on_metrics = record_metrics(rank, metrics_path, die_after)
@@ -125,9 +135,8 @@ def _w_run(rank, world, model_dir, run_dir, metrics_path, every, mu, overlap, di
         recipe=recipe, run_dir=Path(run_dir), device=torch.device("cpu"), policy=policy, reference=reference,
         tokenizer=AutoTokenizer.from_pretrained(model_dir), dataset=load_dataset(recipe.data, recipe.grpo.seed),
         trainer_rank=rank, num_trainers=world, log=lambda line: None, collective_timeout_s=60,
-        on_metrics=on_metrics)
-    engine = TransformersEngine(model_dir, device="cpu", dtype="float32", seed=recipe.grpo.seed)
-    generator = InProcessGenerator(engine)
+        on_metrics=on_metrics, engine=engine)
+    generator = InProcessGenerator(TransformersEngine(model_dir, device="cpu", dtype="float32", seed=recipe.grpo.seed))
     trainer = Trainer(setup, _SampledWhenTaken(generator) if overlap else generator)
     outcome = trainer.run()
     assert outcome == "finished" and trainer.step == N_STEPS, (outcome, trainer.step)
@@ -151,20 +160,23 @@ def _differences(a: dict, b: dict) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("mu,overlap,lora", [(1, False, False), (2, False, False), (1, True, False), (2, False, True)],
-                         ids=["mu1", "mu2", "mu1-overlap", "mu2-lora"])
-def test_killed_and_resumed_run_repeats_the_uninterrupted_one(tmp_path, model_dir, mu, overlap, lora):
+@pytest.mark.parametrize("mu,overlap,lora,engine", [(1, False, False, "fsdp2"), (2, False, False, "fsdp2"),
+                                                    (1, True, False, "fsdp2"), (2, False, True, "fsdp2"),
+                                                    (2, False, False, "deepspeed")],
+                         ids=["mu1", "mu2", "mu1-overlap", "mu2-lora", "mu2-deepspeed"])
+def test_killed_and_resumed_run_repeats_the_uninterrupted_one(tmp_path, model_dir, mu, overlap, lora, engine):
     runs = {name: tmp_path / name for name in ("whole", "killed")}
     for d in runs.values():
         d.mkdir()
     whole, first, second = tmp_path / "whole.jsonl", tmp_path / "first.jsonl", tmp_path / "second.jsonl"
 
     spawn(_w_run, tmp_path / "a", model_dir, str(runs["whole"]), str(whole), 0, mu, overlap, None, 100, lora,
-          timeout=300)
+          engine, timeout=300)
     spawn(_w_run, tmp_path / "b", model_dir, str(runs["killed"]), str(first), K, mu, overlap, K, 100, lora,
-          timeout=300, expect={0: -signal.SIGKILL, 1: -signal.SIGKILL})
+          engine, timeout=300, expect={0: -signal.SIGKILL, 1: -signal.SIGKILL})
     ckpt_dir = runs["killed"] / "ckpt"
     assert (ckpt_dir / "latest").read_text().strip() == f"step-{K}"
+    assert (ckpt_dir / f"step-{K}" / "deepspeed").is_dir() == (engine == "deepspeed")
     if lora:        # the adapters and their optimizer state, not the frozen base
         import torch.distributed.checkpoint as dcp
 
@@ -173,7 +185,7 @@ def test_killed_and_resumed_run_repeats_the_uninterrupted_one(tmp_path, model_di
         assert model_keys and all(".lora_A." in k or ".lora_B." in k for k in model_keys), model_keys[:5]
         assert all(".lora_" in k for k in stored if k.startswith("optim.state."))
     spawn(_w_run, tmp_path / "c", model_dir, str(runs["killed"]), str(second), K, mu, overlap, None, 555, lora,
-          timeout=300)
+          engine, timeout=300)
 
     a, b, c = _read(whole), _read(first), _read(second)
     assert sorted(a) == list(range(1, N_STEPS + 1))

@@ -10,6 +10,8 @@ recipe.py      what a user writes: model, data, rewards, GRPO (TRL's names), inf
 site.py        a site profile as data (finding the TOML files is hpcrl.login.profiles)
 spec.py        JobSpec: recipe + site + resources, validated and frozen; to_json / load
 placement.py   which task trains or serves, on which GPUs and cores, who sends the weights
+fit.py         will it fit: memory per GPU, and the trainers' mesh
+deepspeed.py   trainer.engine=deepspeed: the ZeRO-3 config from the recipe and a user's DeepSpeed/accelerate files
 rundir.py      every name inside a run directory, and its atomic creation
 slurm_time.py  Slurm's --time forms and one duration formatter
 """

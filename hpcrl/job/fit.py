@@ -28,6 +28,16 @@ Trainer, per GPU (FSDP2 with the mixed precision of hpcrl.compute.train.fsdp):
                    0.5 GiB for a CPU task
 Shard: every trainer of the job for FSDP, one node's trainers for HSDP (choose_mesh).
 
+With trainer.engine=deepspeed (ZeRO-3; hpcrl.job.deepspeed) the same parts, for the same mesh: ZeRO-3
+keeps the same 16 B a parameter (bf16: the parameter 2, its gradient 2, the fp32 master 4, two fp32
+Adam moments 8; fp32: the parameter is its own master, with a 4 B gradient), and the hpZ partition of
+an HSDP choice is counted as HSDP's shard (DeepSpeed shards the optimizer state over every trainer
+and keeps a second copy of the parameters per node, which is less: the estimate errs high). On a GPU
+site trainer.offload_optimizer moves all but the parameter (16 B less the compute dtype's) to host
+memory, trainer.offload_params the parameter; the facts say how much host memory each trainer then
+takes. DeepSpeed's own buckets (reduce_bucket_size, prefetch) are not counted beyond FSDP's gathered
+layers.
+
 With LoRA (model.use_peft; hpcrl.compute.train.lora), per GPU:
   frozen weights   every base parameter in model.dtype ("auto": the compute dtype), as the reference
                    above is stored, / shard: no gradients, no optimizer state
@@ -342,11 +352,21 @@ def layer_activation_bytes(shape: ModelShape, compute_bytes: int) -> int:
     return norms + attention + mlp
 
 
+def zero3_device_bytes_per_param(compute_bytes: int, *, offload_optimizer: bool = False,
+                                  offload_params: bool = False) -> int:
+    """The training state ZeRO-3 keeps on the device per parameter: the parameter in the compute
+    dtype unless offload_params, the rest of TRAIN_BYTES_PER_PARAM (its gradient, the fp32 master,
+    two Adam moments) unless offload_optimizer, which moves them to host memory."""
+    return ((0 if offload_params else compute_bytes)
+            + (0 if offload_optimizer else TRAIN_BYTES_PER_PARAM - compute_bytes))
+
+
 def trainer_parts(shape: ModelShape, *, micro_batch: int, seq_len: int, completion_len: int, shard: int = 1,
                   compute_dtype: str = "bfloat16", reference: bool = False, checkpointing: bool = False,
                   logprob_chunk_tokens: int = TrainerConfig.logprob_chunk_tokens, params: int | None = None,
                   overhead_bytes: int = TRAINER_OVERHEAD_GPU, reference_dtype: str | None = None,
-                  reward_model_params: int = 0, lora: LoraTargets | None = None) -> dict[str, int]:
+                  reward_model_params: int = 0, lora: LoraTargets | None = None,
+                  offload_optimizer: bool = False, offload_params: bool = False) -> dict[str, int]:
     """One trainer's peak memory in bytes, by part, for a training step in the given setting: the
     formula `hpcrl plan` and the render checks use, callable by a benchmark that measures the same
     step (pass overhead_bytes=0 to compare with torch's own allocation counters, which see no
@@ -354,7 +374,8 @@ def trainer_parts(shape: ModelShape, *, micro_batch: int, seq_len: int, completi
     `reward_model_params`: the recipe's reward models (rewards[i].model), sharded and stored as the
     reference is. `lora`: LoRA's adapters (model.use_peft): the model's own parameters are then
     frozen weights, stored as the reference is, and there is no reference (`reference` is ignored);
-    the parts get a "frozen_weights" entry."""
+    the parts get a "frozen_weights" entry. `offload_optimizer`, `offload_params`: DeepSpeed ZeRO-3's
+    offload to host memory (zero3_device_bytes_per_param)."""
     c = DTYPE_BYTES[compute_dtype]
     n = params if params is not None else shape.params
     h, v = shape.hidden_size, shape.vocab_size
@@ -369,7 +390,9 @@ def trainer_parts(shape: ModelShape, *, micro_batch: int, seq_len: int, completi
         activations = tokens * (sum(layers) + final_norm)
     chunk = min(logprob_chunk_tokens, micro_batch * completion_len)
     if lora is None:
-        state = {"training_state": math.ceil(n * TRAIN_BYTES_PER_PARAM / shard),
+        per_param = zero3_device_bytes_per_param(c, offload_optimizer=offload_optimizer,
+                                                 offload_params=offload_params)
+        state = {"training_state": math.ceil(n * per_param / shard),
                  "reference": math.ceil(n * frozen / shard) if reference else 0}
         # one layer's fp32 gradients, and the LM head's gradient in the root group
         gathered = GATHERED_LAYERS * shape.layer_params * c + shape.layer_params * 4 + shape.root_params * c + v * h * c
@@ -430,6 +453,12 @@ class MeshChoice:
     def shard(self) -> int:
         """How many trainers share one copy of the model's state."""
         return self.shape[-1]
+
+    @property
+    def hpz_partition_size(self) -> int:
+        """trainer.engine=deepspeed: ZeRO++'s secondary partition (zero_hpz_partition_size), the
+        HSDP of DeepSpeed: each node's trainers for HSDP over several nodes, else 1 (plain ZeRO-3)."""
+        return self.shard if self.kind == "hsdp" and self.shape[0] > 1 else 1
 
 
 def choose_mesh(spec: JobSpec, plan: Plan) -> MeshChoice:
@@ -547,7 +576,20 @@ def _trainer_parts(spec: JobSpec, shape: ModelShape, shard: int) -> dict[str, in
         # A reward model this machine cannot read counts as nothing, as an unknown model does.
         reward_model_params=0 if r.trainer.reference_offload and on_gpu else
         sum(count_parameters(x.model) or 0 for x in r.rewards if x.model),
-        lora=lora_targets(spec, shape))
+        lora=lora_targets(spec, shape),
+        # Offloaded state lives in host memory; on a CPU site that is the same memory.
+        offload_optimizer=r.trainer.offload_optimizer and on_gpu, offload_params=r.trainer.offload_params and on_gpu)
+
+
+def host_offload_bytes(spec: JobSpec, params: int, shard: int) -> int:
+    """What a trainer of a GPU site keeps in host memory with trainer.offload_optimizer and
+    offload_params (0 without): the training state its device does not keep."""
+    if spec.site.device != "cuda":
+        return 0
+    t, c = spec.recipe.trainer, DTYPE_BYTES[compute_dtype(spec)]
+    on_device = zero3_device_bytes_per_param(c, offload_optimizer=t.offload_optimizer,
+                                             offload_params=t.offload_params)
+    return math.ceil(params * (TRAIN_BYTES_PER_PARAM - on_device) / shard)
 
 
 def serve_dtype(spec: JobSpec, shape: ModelShape) -> str:
@@ -660,7 +702,7 @@ class RoleFit:
         if self.fits is None:
             return f"{head} per {self.device}: no verdict: {self.unknown} ({self.parts_text()})"
         head += f" of {self.capacity_text()}"
-        extra = self._kv_text()
+        extra = self._kv_text() + self._host_text()
         if self.fits:
             return f"{head}: fits ({self.parts_text()}){extra}"
         return f"{head}: does not fit ({self.parts_text()}); {self.fix_text()}"
@@ -677,6 +719,17 @@ class RoleFit:
         if at_once >= batch:
             return f"; KV cache room for all {batch} of the node's sequences at once"
         return f"; KV cache room for ~{at_once} of the node's {batch} sequences at once (generation runs in waves)"
+
+    def _host_text(self) -> str:
+        """DeepSpeed's offload: the host memory it takes, against the node's where the site says."""
+        per_trainer, node, have = (self.facts.get(k) for k in ("host_offload_gb", "host_offload_node_gb",
+                                                               "host_memory_gb"))
+        if not per_trainer:
+            return ""
+        text = f"; offloaded to host memory: ~{per_trainer:g} GB per trainer, ~{node:g} GB a node"
+        if have:
+            text += f" of its {have:g} GB" + ("" if node <= have else ": more than the node has")
+        return text
 
     def to_dict(self) -> dict:
         return {"est_memory_gb": self.est_gb,
@@ -738,6 +791,10 @@ def estimate(spec: JobSpec, plan: Plan | None = None) -> Fit:
     lora = lora_targets(spec, shape)
     if lora is not None:
         facts["lora_params"] = lora.params
+    if spec.recipe.trainer.engine == "deepspeed":
+        host = host_offload_bytes(spec, shape.params, mesh.shard)
+        facts.update(engine="deepspeed", hpz_partition_size=mesh.hpz_partition_size, host_offload_gb=_gb(host),
+                     host_offload_node_gb=_gb(host * plan.trainers_per_node), host_memory_gb=spec.site.node.memory_gb)
     trainer = RoleFit("trainers", word, sum(parts.values()), capacity, parts, facts, no_size)
     s_parts, s_capacity, facts = _server(spec, plan, shape)
     server = RoleFit("server", word, sum(s_parts.values()), s_capacity, s_parts, facts, no_size)
@@ -844,6 +901,9 @@ def _trainer_fixes(spec: JobSpec, shape: ModelShape, params: int | None) -> list
         switches.append("activation_checkpointing")
     if r.grpo.beta > 0 and not r.trainer.reference_offload and spec.site.device == "cuda" and not r.model.use_peft:
         switches.append("reference_offload")       # with LoRA there is no reference copy to offload
+    if r.trainer.engine == "deepspeed" and spec.site.device == "cuda":
+        # ZeRO-3's offload: the optimizer state first (the parameter stays for the forward), then the parameters
+        switches += [name for name in ("offload_optimizer", "offload_params") if not getattr(r.trainer, name)]
     alone = [f"trainer.{name}=true" for name in switches
              if _fits(_with(spec, "trainer", **{name: True}), shape, params)]
     for search in (_micro_batch_fix, _nodes_fix):

@@ -435,9 +435,30 @@ class InferenceConfig:
 
 @dataclass(frozen=True)
 class TrainerConfig:
+    # The same GRPO loop, loss and metrics either way; only model wrapping, the optimizer step, the
+    # gather for a weight sync and checkpoints differ. "deepspeed" is ZeRO stage 3, set up by hpcrl
+    # from the recipe (hpcrl.job.deepspeed), for users whose settings are DeepSpeed's.
+    engine: Literal["fsdp2", "deepspeed"] = "fsdp2"
     # "auto" picks HSDP (shard inside a node, replicate across nodes) when the model with its
-    # optimizer state fits one node's trainers, else full sharding.
+    # optimizer state fits one node's trainers, else full sharding. With trainer.engine=deepspeed,
+    # HSDP is ZeRO++'s hierarchical partition (zero_hpz_partition_size = each node's trainers).
     mesh: Literal["auto", "fsdp", "hsdp"] = "auto"
+    # A DeepSpeed JSON of the user's (engine deepspeed), as TRL's `deepspeed` takes it: a path (a
+    # relative one from the current directory, else beside the recipe), or the configuration itself
+    # as a mapping. Its keys that hpcrl owns (batch sizes, gradient accumulation and clipping,
+    # bf16/fp16, the ZeRO stage, optimizer and scheduler) must agree with the recipe or be "auto";
+    # the others reach deepspeed.initialize as they are. Read once, on the login node: job.json
+    # keeps its content (JobSpec.deepspeed_user), so a later edit of the file changes no job.
+    deepspeed_config: Union[str, dict[str, Any]] = ""
+    # An accelerate config file (`accelerate launch --config_file`, as TRL's multi-node recipes
+    # pair with DeepSpeed): its DeepSpeed settings are read as a DeepSpeed JSON's; what hpcrl
+    # decides itself (processes, machines, rendezvous) is named on stderr, not followed.
+    accelerate_config: str = ""
+    # ZeRO-3 offload to host memory (engine deepspeed only): the optimizer state with the fp32
+    # master weights and gradients, or the parameters. Slower steps for a model that would not
+    # fit otherwise; FSDP2 here keeps everything on the GPUs, so fsdp2 refuses both.
+    offload_optimizer: bool = False
+    offload_params: bool = False
     reference_offload: bool = False     # keep the reference model on CPU (explicit, never by accident)
     activation_checkpointing: bool = False
     threads: int = 0                    # torch threads per trainer; 0 = its pinned cores
@@ -452,6 +473,18 @@ class TrainerConfig:
                 raise UserError(f"{where}.{name}: must be >= 0, got {getattr(self, name)}")
         if self.logprob_chunk_tokens < 1:
             raise UserError(f"{where}.logprob_chunk_tokens: must be at least 1, got {self.logprob_chunk_tokens}")
+        if self.engine == "deepspeed":
+            return
+        # Explicit, never a guess: a DeepSpeed setting under FSDP2 would silently change nothing.
+        for name in ("offload_optimizer", "offload_params"):
+            if getattr(self, name):
+                raise UserError(f"{where}.{name}: ZeRO-3 offload to host memory, only with {where}.engine=deepspeed "
+                                f"(the engine is {self.engine}, which keeps everything on the GPUs)")
+        for name in ("deepspeed_config", "accelerate_config"):
+            if getattr(self, name):
+                raise UserError(f"{where}.{name}: a DeepSpeed configuration, read only with {where}.engine=deepspeed; "
+                                f"set {where}.engine=deepspeed to train with DeepSpeed ZeRO-3 (the engine is "
+                                f"{self.engine})")
 
 
 @dataclass(frozen=True)
@@ -561,3 +594,6 @@ class Recipe:
             if self.trainer.reference_offload:
                 raise UserError("trainer.reference_offload: not with model.use_peft (the reference model is the "
                                 "policy's own base weights, there is no copy to offload)")
+            if self.trainer.engine == "deepspeed":
+                raise UserError("trainer.engine=deepspeed: LoRA (model.use_peft) trains with trainer.engine=fsdp2 "
+                                "only in this version")

@@ -34,7 +34,10 @@ MODEL_CHECKPOINT_PREFIX = "checkpoint-"
 # hpcrl.compute.train.checkpoint's layout of a training checkpoint, for the login side (no torch):
 # <checkpoints>/step-<N>/ is complete once it holds both files.
 TRAINING_CHECKPOINT_PREFIX = "step-"
-TRAINING_CHECKPOINT_FILES = (".metadata", "meta.json")
+TRAINING_CHECKPOINT_META = "meta.json"        # written last, once every rank has written its part
+# What holds the model and optimizer: DCP's index file (trainer.engine fsdp2), or DeepSpeed's own
+# directory (trainer.engine deepspeed).
+TRAINING_CHECKPOINT_STATE = (".metadata", "deepspeed")
 # One health file per engine (node-<n>-engine-<e>.json), read by the trainers into the heartbeat.
 SERVERS_DIR = ".servers"
 # Copies of the recipe's own reward modules (JobSpec.reward_modules): first on the trainers' sys.path.
@@ -91,7 +94,13 @@ def is_model_dir(path: str | os.PathLike) -> bool:
 def training_checkpoint(checkpoints_dir: str | os.PathLike, step: int) -> Path | None:
     """``step-<step>`` under ``checkpoints_dir`` if it is a complete training checkpoint, else None."""
     path = Path(checkpoints_dir) / f"{TRAINING_CHECKPOINT_PREFIX}{step}"
-    return path if all((path / f).is_file() for f in TRAINING_CHECKPOINT_FILES) else None
+    return path if is_complete_training_checkpoint(path) else None
+
+
+def is_complete_training_checkpoint(path: str | os.PathLike) -> bool:
+    """Its meta file (the commit's last write) and the model's state (either engine's) are there."""
+    path = Path(path)
+    return (path / TRAINING_CHECKPOINT_META).is_file() and any((path / f).exists() for f in TRAINING_CHECKPOINT_STATE)
 
 
 def training_checkpoint_steps(checkpoints_dir: str | os.PathLike) -> list[int]:

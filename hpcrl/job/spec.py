@@ -10,6 +10,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Optional
 
 from hpcrl.job.config import build, to_dict
 from hpcrl.job.errors import UserError
@@ -38,6 +39,11 @@ class JobSpec:
     # The model directory the job copies to each node's site.stage.model_dest before the run, as
     # compose resolved model.path on the login node ("" = not staged: the demo, or no model_dest).
     model_source: str = ""
+    # trainer.engine=deepspeed: the user's DeepSpeed settings (trainer.deepspeed_config's JSON with
+    # trainer.accelerate_config's) as compose read them on the login node, so the job runs with the
+    # configuration it was submitted with however the files change later. The trainers' config is
+    # hpcrl.job.deepspeed.config_for_job(spec, device_type); None: no user settings.
+    deepspeed_user: Optional[dict[str, Any]] = None
 
     @property
     def name(self) -> str:

@@ -49,7 +49,7 @@ RENAMED = {
 
 _LOGGED = "hpcrl logs every step to metrics.jsonl"
 _ENGINES = "hpcrl starts its own inference engines on every node (the inference: section)"
-_NO_DDP = "hpcrl's trainers are sharded with FSDP2, not DDP"
+_NO_DDP = "hpcrl's trainers are sharded with FSDP2 or DeepSpeed ZeRO-3, not DDP"
 _LOADER = "hpcrl's trainers read prompts without a DataLoader"
 # TRL keys that change nothing about what hpcrl trains, with the reason.
 INERT = {
@@ -97,7 +97,6 @@ NOT_IMPLEMENTED = {
     "lora_target_parameters": "hpcrl's LoRA adapts modules: name them in lora_target_modules (adapters on "
                               "parameters, as for mixture-of-experts weights, are not supported yet)",
     "load_in_4bit": "quantized training is not supported", "load_in_8bit": "quantized training is not supported",
-    "deepspeed": "hpcrl shards the model with FSDP2 itself (the trainer: section)",
     "fsdp": "hpcrl shards the model with FSDP2 itself (trainer.mesh)",
     "fsdp_config": "hpcrl shards the model with FSDP2 itself (trainer.mesh)",
     "fp16": "fp16 training is not supported; use bf16",
@@ -234,6 +233,19 @@ def _report_to(value: Any, t: Translation, out: dict) -> None:
         _put(out, _REPORTERS[name], True, "report_to", t)
 
 
+def _deepspeed(value: Any, t: Translation, out: dict) -> None:
+    """TRL's `deepspeed` (a DeepSpeed JSON's path, or the configuration inline) trains with hpcrl's
+    DeepSpeed ZeRO-3 engine; its keys are checked against the recipe at render (hpcrl.job.deepspeed)."""
+    if not isinstance(value, (str, dict)):
+        t.problems.append(f"deepspeed: expected a DeepSpeed JSON's path or the configuration as a mapping, "
+                          f"got {value!r}")
+        return
+    _put(out, "trainer.deepspeed_config", value, "deepspeed", t)
+    if "engine" not in out["trainer"]:
+        out["trainer"]["engine"] = "deepspeed"     # a recipe's own trainer.engine=fsdp2 is refused, not overridden
+        t.moved["deepspeed"] = "trainer.engine: deepspeed, trainer.deepspeed_config"
+
+
 _UNKNOWN = object()
 
 
@@ -290,6 +302,8 @@ def translate(data: dict, whole: bool = True) -> Translation:
                 out["inference"]["gpus"] = value
         elif key == "report_to":
             _report_to(value, t, out)
+        elif key == "deepspeed" and value not in (None, ""):
+            _deepspeed(value, t, out)
         elif key == "save_strategy" and value in ("steps", "no"):
             if value == "no":
                 _put(out, "grpo.save_steps", 0, key, t)

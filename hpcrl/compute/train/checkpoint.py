@@ -45,6 +45,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+
+from hpcrl.job import rundir
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -71,7 +73,7 @@ log = logging.getLogger(__name__)
 
 PREFIX = "step-"
 LATEST = "latest"
-META = "meta.json"
+META = rundir.TRAINING_CHECKPOINT_META
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -132,12 +134,11 @@ def checkpoint_step(path: str | os.PathLike) -> int:
     return int(m.group(1))
 
 
-DEEPSPEED_DIR = "deepspeed"
+DEEPSPEED_DIR = rundir.TRAINING_CHECKPOINT_STATE[1]
 
 
 def _complete(path: Path) -> bool:
-    return (_STEP_DIR.match(path.name) is not None and (path / META).is_file()
-            and ((path / ".metadata").is_file() or (path / DEEPSPEED_DIR).is_dir()))
+    return _STEP_DIR.match(path.name) is not None and rundir.is_complete_training_checkpoint(path)
 
 
 def is_deepspeed(path: str | os.PathLike) -> bool:

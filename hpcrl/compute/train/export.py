@@ -369,25 +369,55 @@ def save_lora_from_trainers(model: torch.nn.Module, final: Path, *, recipe_model
 
 
 # ---------------------------------------------------------------------------------------- from a checkpoint
-def _checkpoint_buckets(checkpoint: Path, specs: list[tuple[str, tuple[int, ...]]], bucket_bytes: int,
-                        dtype_of: Callable[[torch.dtype], torch.dtype], tracker: LiveBytes | None
-                        ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """The checkpoint's model tensors in ``specs``' order, a bucket at a time, each cast."""
+def _dcp_tensors(checkpoint: Path) -> tuple[dict[str, tuple[tuple[int, ...], torch.dtype]], Callable]:
+    """A torch.distributed.checkpoint's model tensors: name -> (shape, dtype), and a reader of some."""
     import torch.distributed.checkpoint as dcp
 
-    stored = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
-    missing = [name for name, _ in specs if f"model.{name}" not in stored]
-    if missing:
-        raise RuntimeError(f"{checkpoint}: the checkpoint lacks {len(missing)} of the model's tensors: {missing[:5]}")
-    pending: list[tuple[str, tuple[int, ...], torch.dtype]] = []
-    size = 0
+    meta = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    stored = {key[len("model."):]: (tuple(m.size), m.properties.dtype) for key, m in meta.items()
+              if key.startswith("model.") and hasattr(m, "size")}
 
-    def load(entries):
-        track = tracker.track if tracker is not None else (lambda t: t)
+    def read(entries: list[tuple[str, tuple[int, ...], torch.dtype]], track) -> dict[str, torch.Tensor]:
         into = {name: track(torch.empty(shape, dtype=dt)) for name, shape, dt in entries}
         with warnings.catch_warnings():     # one process, no process group, on purpose
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
             dcp.load({"model": into}, checkpoint_id=str(checkpoint), no_dist=True)
+        return into
+
+    return stored, read
+
+
+def _deepspeed_tensors(checkpoint: Path) -> tuple[dict[str, tuple[tuple[int, ...], torch.dtype]], Callable]:
+    """A DeepSpeed ZeRO-3 checkpoint's (trainer.engine deepspeed) fp32 weights, through DeepSpeed's own
+    zero_to_fp32 in its lazy mode: each tensor is put together from the ranks' partitions only when read."""
+    from hpcrl.compute.train.checkpoint import DEEPSPEED_DIR
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    lazy = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag=DEEPSPEED_DIR, lazy_mode=True)
+    stored = {name: (tuple(t.shape), t.dtype) for name, t in lazy.items()}
+
+    def read(entries: list[tuple[str, tuple[int, ...], torch.dtype]], track) -> dict[str, torch.Tensor]:
+        return {name: track(lazy[name].contiguous()) for name, _, _ in entries}
+
+    return stored, read
+
+
+def _checkpoint_buckets(checkpoint: Path, specs: list[tuple[str, tuple[int, ...]]], bucket_bytes: int,
+                        dtype_of: Callable[[torch.dtype], torch.dtype], tracker: LiveBytes | None
+                        ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The checkpoint's model tensors in ``specs``' order, a bucket at a time, each cast."""
+    from hpcrl.compute.train.checkpoint import is_deepspeed
+
+    stored, read = (_deepspeed_tensors if is_deepspeed(checkpoint) else _dcp_tensors)(checkpoint)
+    missing = [name for name, _ in specs if name not in stored]
+    if missing:
+        raise RuntimeError(f"{checkpoint}: the checkpoint lacks {len(missing)} of the model's tensors: {missing[:5]}")
+    pending: list[tuple[str, tuple[int, ...], torch.dtype]] = []
+    size = 0
+    track = tracker.track if tracker is not None else (lambda t: t)
+
+    def load(entries):
+        into = read(entries, track)
         out = []
         for name, _, dt in entries:
             loaded = into.pop(name)
@@ -396,10 +426,9 @@ def _checkpoint_buckets(checkpoint: Path, specs: list[tuple[str, tuple[int, ...]
         return out
 
     for name, shape in specs:
-        meta = stored[f"model.{name}"]
-        dt = meta.properties.dtype
-        if tuple(meta.size) != tuple(shape):
-            raise RuntimeError(f"{checkpoint}: {name} has shape {tuple(meta.size)}, the model {tuple(shape)}")
+        stored_shape, dt = stored[name]
+        if tuple(stored_shape) != tuple(shape):
+            raise RuntimeError(f"{checkpoint}: {name} has shape {tuple(stored_shape)}, the model {tuple(shape)}")
         nbytes = torch.Size(shape).numel() * dt.itemsize
         if pending and size + nbytes > bucket_bytes:
             bucket = load(pending)

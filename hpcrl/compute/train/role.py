@@ -22,7 +22,7 @@ def run_trainer(ctx: LaunchContext) -> int:
     """The trainer role's entry (hpcrl.compute.launch): build everything from the job spec, then train."""
     from hpcrl.compute.inference.client import ServerGenerator
     from hpcrl.compute.metrics import MetricsWriter
-    from hpcrl.compute.train.fsdp import describe, load_policy_and_reference
+    from hpcrl.compute.train.fsdp import describe
     from hpcrl.compute.train.reward_model import load_reward_model
     from hpcrl.compute.train.sources import (job_model_dir, load_dataset, load_eval_dataset, load_tokenizer,
                                              local_or_cached)
@@ -43,11 +43,12 @@ def run_trainer(ctx: LaunchContext) -> int:
         # A staged model: each node's first trainer reads its node's copy for the node's trainers.
         readers = [[r for r, n in enumerate(trainer_nodes) if n == node] for node in sorted(set(trainer_nodes))]
     t0 = time.perf_counter()
-    policy, reference = load_policy_and_reference(model_dir, ctx.mesh, device, recipe, read_groups=readers)
+    policy, reference, engine = _load_models(ctx, model_dir, device, readers)
     if rank0:
         where = f"each node's own copy at {model_dir}" if readers else model_dir
         ctx.log(f"model loaded in {time.perf_counter() - t0:.1f} s from {where}")
-        ctx.log(describe(policy))
+        if engine is None:
+            ctx.log(describe(policy))
     writer = MetricsWriter(ctx.run_dir, 0, tensorboard=recipe.logging.tensorboard,
                            wandb=recipe.logging.wandb, run_name=recipe.name) if rank0 else None
     # A reward model's hub id resolves to its cached snapshot, as model.path's does.
@@ -65,7 +66,7 @@ def run_trainer(ctx: LaunchContext) -> int:
         on_completions=writer.log_completions if rank0 else None, reward_models=reward_models,
         on_heartbeat=(lambda step, phase: writer.heartbeat(step, phase, servers=_server_health(ctx.run_dir)))
         if rank0 else None,
-        trainer_nodes=trainer_nodes,
+        trainer_nodes=trainer_nodes, engine=engine,
     )
     generator.wait_ready()
     trainer = Trainer(setup, generator)
@@ -84,6 +85,32 @@ def run_trainer(ctx: LaunchContext) -> int:
         ctx.log(f"{outcome} at step {trainer.step}")
         _log_balance(ctx)
     return 0
+
+
+def _load_models(ctx: LaunchContext, model_dir: str, device: torch.device, readers):
+    """The policy, the reference (or None) and the engine that trains them (None: FSDP2 over the
+    policy, hpcrl.compute.train.engine), as trainer.engine asks."""
+    recipe = ctx.spec.recipe
+    if recipe.trainer.engine == "deepspeed":
+        from hpcrl.compute.train import deepspeed_engine
+        from hpcrl.job.deepspeed import config_for_job, describe as describe_partition
+
+        config = config_for_job(ctx.spec, device.type, hidden_size=_hidden_size(model_dir))
+        if ctx.task.trainer_rank == 0:
+            ctx.log(describe_partition(ctx.mesh_choice))
+        policy, reference = deepspeed_engine.load_policy_and_reference(model_dir, recipe, config, read_groups=readers)
+        return policy, reference, deepspeed_engine.DeepSpeedEngine(policy, config)
+    from hpcrl.compute.train.fsdp import load_policy_and_reference
+
+    policy, reference = load_policy_and_reference(model_dir, ctx.mesh, device, recipe, read_groups=readers)
+    return policy, reference, None
+
+
+def _hidden_size(model_dir: str) -> int | None:
+    try:
+        return int(json.loads((Path(model_dir) / "config.json").read_text())["hidden_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _log_balance(ctx: LaunchContext) -> None:

@@ -26,7 +26,8 @@ def main(args) -> int:
                           "engines_per_node": plan.engines_per_node,
                           "tensor_parallel_size": plan.tensor_parallel_size,
                           "senders": {str(s): r for s, r in plan.senders().items()},
-                          "model": spec.recipe.model.path, "fits": fit.fits, "memory": fit.to_dict()}, indent=2))
+                          "model": spec.recipe.model.path, "fits": fit.fits, "memory": fit.to_dict(),
+                          "trainer_engine": _engine(spec, fit)}, indent=2))
         return 0
     rows = [(str(t.rank), str(t.node), str(t.local_rank), _role(t, plan), ",".join(map(str, t.gpus)),
              format_cores(t.cores), _weights(t), "-" if est[t.role] is None else f"{est[t.role]:.1f}")
@@ -41,10 +42,24 @@ def main(args) -> int:
     if plan.sync_rounds > 1:
         print(f"engines outnumber trainers: each sync gathers {plan.sync_rounds} times (once per engine a "
               f"trainer feeds); fewer engines (inference.gpus / inference.tensor_parallel_size) sync faster")
-    print(f"model {spec.recipe.model.path}: {fit.mesh.describe()}")
+    if spec.recipe.trainer.engine == "deepspeed":
+        from hpcrl.job import deepspeed     # ZeRO++'s hpZ partition is its HSDP, chosen as the mesh
+
+        print(f"model {spec.recipe.model.path}: {deepspeed.describe(fit.mesh)}")
+    else:
+        print(f"model {spec.recipe.model.path}: {fit.mesh.describe()}")
     print(fit.trainer.verdict())
     print(fit.server.verdict())
     return 0
+
+
+def _engine(spec, fit) -> dict:
+    """--json: the trainers' engine, and DeepSpeed's hpZ partition (the mesh's HSDP) with it."""
+    t = spec.recipe.trainer
+    if t.engine != "deepspeed":
+        return {"engine": t.engine}
+    return {"engine": t.engine, "zero_stage": 3, "hpz_partition_size": fit.mesh.hpz_partition_size,
+            "offload_optimizer": t.offload_optimizer, "offload_params": t.offload_params}
 
 
 def _role(t, plan) -> str:
