@@ -58,8 +58,9 @@ def _hpcrl(*args) -> subprocess.CompletedProcess:
     return proc
 
 
-def _sbatch(script: Path) -> str:
-    proc = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=60)
+def _sbatch(script: Path, *options: str) -> str:
+    proc = subprocess.run(["sbatch", "--parsable", *options, str(script)], capture_output=True, text=True,
+                          timeout=60)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.strip().split(";")[0]
 
@@ -91,7 +92,11 @@ def jobs(testbed, tmp_path_factory):
     for run in (probe, steps):
         _hpcrl("render", "--site", "testbed", "-N", "2", "mode=probe", *TIMEOUTS, "--run-dir", str(run))
     (steps / "steps.sbatch").write_text(STEPS.format(run=steps, py=PY))
-    ids = {"probe": _sbatch(probe / "job.sbatch"), "steps": _sbatch(steps / "steps.sbatch")}
+    probe_id = _sbatch(probe / "job.sbatch")
+    # One after the other: the testbed's fake nodes share one host, and two MPI jobs starting at
+    # once there can meet in MPICH's shared-memory wire-up (seen: a rank's PMI2 exchange garbled,
+    # MPI_Init aborting) - something separate hosts never do.
+    ids = {"probe": probe_id, "steps": _sbatch(steps / "steps.sbatch", f"--dependency=afterany:{probe_id}")}
     return {"probe": probe, "steps": steps, "ids": ids}
 
 
@@ -143,7 +148,8 @@ def check_rows(rows: list[dict], source: str) -> None:
     assert len(set(names.values())) == len(names) and all(
         len({r["observed"]["node_name"] for r in rows if r["plan"]["node"] == n}) == 1 for n in names)
     assert [names[n] for n in sorted(names)] == sorted(names.values(), key=lambda name: int(name[1:]))
-    senders = {str(r["plan"]["node"]): r["plan"]["rank"] for r in rows if r["observed"]["sender"]}
+    # `hpcrl plan --json`'s senders: each engine (server task) by its rank -> the trainer that syncs it.
+    senders = {str(r["plan"]["server_rank"]): r["plan"]["rank"] for r in rows if r["observed"]["sender"]}
     assert senders == plan["senders"]
     trainers = [r for r in rows if r["plan"]["role"] == "trainer"]
     assert all(r["checks"]["all_reduce"]["sum"] == 21 for r in trainers)  # 1 + ... + 6
