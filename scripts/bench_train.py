@@ -31,6 +31,16 @@ Memory per rank (the larger of the ranks; MiB):
              the live tensors (torch has no CPU allocator statistics to ask instead).
   peak       params + ref params + grads + optim + activations
 
+The same for trainer.engine=deepspeed (DeepSpeed ZeRO-3, full fine-tuning) in the same processes
+after those: the model built partitioned and loaded as the trainer does it
+(hpcrl.compute.train.deepspeed_engine, the config of hpcrl.job.deepspeed.build_config), the step
+the trainer's (engine backward per micro-batch, then its step: DeepSpeed's clipping and hpcrl's
+AdamW over this rank's partition), the reference a ZeRO-3 inference engine. Its memory columns
+count DeepSpeed's tensors the same way: params = this rank's partitions plus the whole tensors
+DeepSpeed keeps of its "persistent" parameters (below stage3_param_persistence_threshold, on every
+rank), grads = its gradient partitions, optim = AdamW's state plus DeepSpeed's fp32 master copy of
+the partitions (it keeps one even when training in fp32).
+
 The same for LoRA (model.use_peft on every linear layer, TRL's r 16 and alpha 32) in the same
 processes after the full fine-tuning rows: the frozen base counts in params, the adapters' gradients
 and AdamW state in grads and optim, and with the reference on it is the base itself (ref = 0).
@@ -39,16 +49,18 @@ Last line: peak_mem_ratio_ws2_over_ws1=Y where Y = (params + grads + optim) per 
 over world size 1, reference off: the policy with its optimizer state. Y near 0.5 means sharding
 works (every rank holds half); the goal is Y <= 0.6. Then LoRA over full fine-tuning at world size
 2: lora_over_full_state_ws2 (params + grads + optim), lora_over_full_peak_ws2_ref_on (the peak with
-beta > 0: the reference copy LoRA does not have), lora_over_full_step_time_ws2.
+beta > 0: the reference copy LoRA does not have), lora_over_full_step_time_ws2. Then
+deepspeed_ws2_over_ws1_memory: Y for the deepspeed rows (the goal is <= 0.6 too).
 
     .venv/bin/python scripts/bench_train.py            # the 100M model ("base"), about 2-3 minutes on 2 cores
-    .venv/bin/python scripts/bench_train.py --quick    # the 10M model ("small"), about a minute
+    .venv/bin/python scripts/bench_train.py --quick    # the 10M model ("small"), about two minutes
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import multiprocessing
 import os
@@ -145,6 +157,10 @@ def _rank_main(rank: int, world: int, cfg: dict, store: str, out_dir: str) -> No
                           max_steps=1000, gradient_checkpointing=False)
     out = {"rank": rank, "world": world, "threads": len(mine), "cores": mine}
     for mode in cfg["modes"]:
+        if mode == "deepspeed":
+            out[mode] = _measure_deepspeed(Recipe(grpo=grpo_cfg), rank, world, cfg)
+            gc.collect()
+            continue
         if mode == "full":
             recipe = Recipe(grpo=grpo_cfg)
         else:   # LoRA on every linear layer of the decoder, TRL's r and alpha
@@ -238,6 +254,128 @@ def _measure(recipe, rank: int, world: int, cfg: dict, mesh, cpu) -> dict:
     return out
 
 
+def deepspeed_state_bytes(policy, ds_optimizer=None, client_optimizer=None) -> dict:
+    """This rank's bytes of a ZeRO-3 model's tensors, each storage counted once: params (the
+    partitions, and the whole tensors of parameters DeepSpeed keeps gathered: its "persistent"
+    ones), grads (the optimizer's gradient partitions) and optim (everything else the ZeRO-3
+    optimizer holds: the fp32 master partitions, and the client AdamW's state)."""
+    import torch
+
+    seen: set[int] = set()
+    out = {"params": 0, "grads": 0, "optim": 0}
+
+    def add(kind: str, t) -> None:
+        if isinstance(t, torch.Tensor) and t.numel():
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                out[kind] += storage.nbytes()
+
+    def walk(kind: str, value, depth: int = 0) -> None:
+        if isinstance(value, torch.Tensor):
+            add(kind, value)
+            add("grads", value.grad)
+        elif isinstance(value, (list, tuple)) and depth < 3:
+            for v in value:
+                walk(kind, v, depth + 1)
+        elif isinstance(value, dict) and depth < 3:
+            for v in value.values():
+                walk(kind, v, depth + 1)
+
+    params = list(policy.parameters())
+    for p in params:
+        add("params", p.ds_tensor)
+        add("params", p.data)
+    if ds_optimizer is not None:
+        for name, value in vars(ds_optimizer).items():
+            walk("grads" if "grad" in name.lower() else "optim", value)
+    if client_optimizer is not None:
+        walk("optim", client_optimizer.state)
+    return out
+
+
+def _measure_deepspeed(recipe, rank: int, world: int, cfg: dict) -> dict:
+    """As _measure, for trainer.engine=deepspeed: ZeRO-3 built and loaded as the trainer does it."""
+    import torch
+    import torch.distributed as dist
+
+    from hpcrl.compute.train import deepspeed_engine, grpo
+    from hpcrl.compute.train.batch import completion_logps
+    from hpcrl.job.deepspeed import build_config
+
+    beta = 0.04
+    t0 = time.perf_counter()
+    config = build_config(recipe, num_trainers=world, device_type="cpu", hidden_size=cfg["hidden_size"])
+    policy, _ = deepspeed_engine.load_policy_and_reference(cfg["model_dir"], recipe, config)
+    engine = deepspeed_engine.DeepSpeedEngine(policy, config)
+    engine.configure(recipe.grpo)
+    load_s = time.perf_counter() - t0
+    model = engine.model
+    batch, advantages = fixed_batch(cfg, seed=1000 + rank)
+    rows, micro = batch["input_ids"].shape[0], cfg["micro"]
+    tokens_local = float(batch["completion_mask"].sum())
+    tokens_global = torch.tensor([tokens_local])
+    dist.all_reduce(tokens_global)
+    tokens_global = float(tokens_global)
+    peak_ok = reset_peak_rss()
+    max_grad_norm = recipe.grpo.max_grad_norm
+
+    def step(reference):
+        dist.barrier()
+        base = rss_bytes()
+        reset_peak_rss()
+        t_start = time.perf_counter()
+        ref_logps = None
+        if reference is not None:
+            with torch.no_grad():
+                ref_logps = completion_logps(reference, batch, 1.0)
+        t_ref = time.perf_counter()
+        model.train()
+        for start in range(0, rows, micro):
+            sl = slice(start, start + micro)
+            logps = completion_logps(model, batch, 1.0, sl)
+            loss, _ = grpo.grpo_loss(
+                logps, None, None if ref_logps is None else ref_logps[sl], advantages[sl],
+                batch["completion_mask"][sl], loss_type="dapo", beta=beta if reference is not None else 0.0,
+                max_completion_length=cfg["completion_len"], num_items_in_batch=tokens_global,
+                num_processes=world, gradient_accumulation_steps=rows // micro)
+            engine.backward(loss)
+        t_fb = time.perf_counter()
+        fb_peak = peak_rss_bytes() - base
+        reset_peak_rss()
+        base_opt = rss_bytes()
+        t_opt0 = time.perf_counter()
+        engine.step(max_grad_norm)     # DeepSpeed's clipping + AdamW over the partitions (gradients zeroed there)
+        t_opt = time.perf_counter()
+        return {"fwd_bwd_s": t_fb - t_start, "ref_fwd_s": t_ref - t_start if reference is not None else 0.0,
+                "optimizer_s": t_opt - t_opt0,
+                "step_s": t_opt - t_start, "activations": fb_peak, "optimizer_peak": peak_rss_bytes() - base_opt}
+
+    out = {"load_s": load_s, "peak_rss_resettable": peak_ok, "tokens_per_rank": tokens_local, "rows": rows}
+    reference = None
+    for ref_on in (False, True):
+        if ref_on:
+            # As deepspeed_engine.load_policy_and_reference loads the reference (beta > 0): a ZeRO-3
+            # inference engine, partitioned like the policy, built and streamed in the same way.
+            import deepspeed
+
+            ref_config = deepspeed_engine.reference_config(config, offload=False)
+            ref_module = deepspeed_engine.build_partitioned_model(cfg["model_dir"], ref_config)
+            deepspeed_engine._load_into(ref_module, cfg["model_dir"], ref_config, group=dist.group.WORLD,
+                                        recipe=recipe)
+            ref_module.requires_grad_(False)
+            reference, *_ = deepspeed.initialize(model=ref_module, config=ref_config, dist_init_required=False)
+            reference.eval()
+        steps = [step(reference) for _ in range(cfg["warmup"] + cfg["steps"])][cfg["warmup"]:]
+        res = {k: statistics.median(s[k] for s in steps) for k in steps[0]}
+        res["activations"] = max(s["activations"] for s in steps)
+        res.update(deepspeed_state_bytes(policy, engine.ds.optimizer, engine.optimizer))
+        res["ref_params"] = deepspeed_state_bytes(reference.module)["params"] if reference is not None else 0
+        res["params_global"] = sum(p.ds_numel * p.element_size() for p in policy.parameters())
+        out["ref_on" if ref_on else "ref_off"] = res
+    return out
+
+
 def run_world(world: int, cfg: dict, work: Path, timeout: float) -> list[dict]:
     out_dir = Path(tempfile.mkdtemp(prefix=f"ws{world}-", dir=work))
     store = out_dir / "store"
@@ -313,6 +451,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="where the model is built (kept for the next run)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per world size")
     parser.add_argument("--no-lora", action="store_true", help="full fine-tuning rows only (no model.use_peft rows)")
+    parser.add_argument("--no-deepspeed", action="store_true", help="no trainer.engine=deepspeed rows")
     args = parser.parse_args(argv)
 
     size = args.size or ("small" if args.quick else "base")
@@ -327,7 +466,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     cores = sorted(os.sched_getaffinity(0))
     cfg["cores"] = cores
-    modes = cfg["modes"] = ["full"] + ([] if args.no_lora else ["lora"])
+    deepspeed = not args.no_deepspeed and importlib.util.find_spec("deepspeed") is not None
+    if not args.no_deepspeed and not deepspeed:
+        print("deepspeed is not installed: no trainer.engine=deepspeed rows")
+    modes = cfg["modes"] = ["full"] + ([] if args.no_lora else ["lora"]) + (["deepspeed"] if deepspeed else [])
     args.work_dir.mkdir(parents=True, exist_ok=True)
 
     from hpcrl.compute.models.tiny import SIZES, make_tiny_model
@@ -335,6 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     model_dir = make_tiny_model(args.work_dir / f"model-{size}", size=size, seed=0)
     cfg["model_dir"] = str(model_dir)
+    cfg["hidden_size"] = SIZES[size].hidden_size
     print(f"model: {size} ({SIZES[size].approx_params / 1e6:.1f}M parameters, fp32 policy), {model_dir} "
           f"({time.perf_counter() - t0:.1f} s)")
     print(f"batch per rank: {cfg['batch']} completions ({cfg['batch'] // cfg['num_generations']} prompts x "
@@ -374,9 +517,18 @@ def main(argv: list[str] | None = None) -> int:
                 lora, full = rows_by[("lora", w, ref)], rows_by[("full", w, ref)]
                 ratio_rows.append(["lora / full", str(w), "on" if ref == "ref_on" else "off"]
                                   + [_ratio(lora[k], full[k]) for k, _, _ in COLUMNS])
-    print_table("Ratios (same run): world size 2 over 1; LoRA over full fine-tuning", headers, ratio_rows)
+    if "deepspeed" in modes:
+        for w in (1, 2):
+            for ref in ("ref_off", "ref_on"):
+                ds, full = rows_by[("deepspeed", w, ref)], rows_by[("full", w, ref)]
+                ratio_rows.append(["deepspeed / full", str(w), "on" if ref == "ref_on" else "off"]
+                                  + [_ratio(ds[k], full[k]) for k, _, _ in COLUMNS])
+    print_table("Ratios (same run): world size 2 over 1; LoRA over full fine-tuning; DeepSpeed ZeRO-3 over FSDP2",
+                headers, ratio_rows)
     print("model: full = every weight trains (fp32 masters); lora = model.use_peft on every linear layer (r 16,\n"
-          "alpha 32), the base frozen in the training dtype (fp32 on CPU), the reference = the base itself.\n"
+          "alpha 32), the base frozen in the training dtype (fp32 on CPU), the reference = the base itself;\n"
+          "deepspeed = full fine-tuning with trainer.engine=deepspeed (ZeRO-3; the other rows are FSDP2): params =\n"
+          "its partitions + the whole persistent parameters, optim = AdamW state + DeepSpeed's fp32 master copy.\n"
           "thr: torch threads per rank (pinned to its own cores). time: perf_counter; fwd/bwd includes the\n"
           "reference forward (ref fwd); optim = clipping + AdamW + zeroing; tok/s = completion tokens of all ranks\n"
           "/ step s. memory: params, ref, grads, optim = bytes of this rank's local shards; activ. = peak RSS\n"
@@ -397,6 +549,12 @@ def main(argv: list[str] | None = None) -> int:
         last += (f" lora_over_full_state_ws2={rows_by[('lora', 2, 'ref_off')]['state'] / full2['state']:.3f}"
                  f" lora_over_full_peak_ws2_ref_on={lora_on['peak'] / full_on['peak']:.3f}"
                  f" lora_over_full_step_time_ws2={rows_by[('lora', 2, 'ref_off')]['step_s'] / full2['step_s']:.3f}")
+    if "deepspeed" in modes:
+        ds1, ds2 = rows_by[("deepspeed", 1, "ref_off")], rows_by[("deepspeed", 2, "ref_off")]
+        print(f"deepspeed ZeRO-3 policy + optimizer state per rank: {ds1['state'] / MIB:.1f} MiB at world size 1, "
+              f"{ds2['state'] / MIB:.1f} MiB at 2; with activations (peak) x{ds2['peak'] / ds1['peak']:.2f}; "
+              f"step time at 2 over FSDP2's x{ds2['step_s'] / full2['step_s']:.2f}")
+        last += f" deepspeed_ws2_over_ws1_memory={ds2['state'] / ds1['state']:.3f}"
     print(last)
     return 0
 

@@ -116,11 +116,28 @@ class PartitionedParam:
     """A ZeRO-3 parameter as a sync sends it: the shape and dtype of the whole tensor (the module's
     own tensor is empty), and :meth:`gather`, a collective over the ranks holding its partitions.
 
-    Gathered here rather than with ``deepspeed.zero.GatheredParameters`` for two reasons: each rank
-    casts its partition to the wire dtype first (half the bytes of fp32 partitions for a bf16
-    engine), and with hpZ the node's copy is gathered from the node's ranks alone (the primary
-    partitions span every node). The hpZ copy is used only once DeepSpeed has filled it
-    (``ds_secondary_tensor`` is made at the first forward, and updated after every step)."""
+    Where the whole tensor comes from (DeepSpeed 0.19, deepspeed/runtime/zero/):
+
+    - Without hpZ: the primary partitions (``ds_tensor``, over every trainer), each rank casting its
+      partition to the wire dtype first (half the bytes of fp32 partitions for a bf16 engine).
+    - With hpZ (``zero_hpz_partition_size``) and the node's copy present (``ds_secondary_tensor``):
+      that copy, over the node's ranks alone (``ds_zero_param_process_group``), in the wire dtype.
+    - With hpZ and no node copy: every optimizer step drops the node copies (stage3.py
+      ``_post_step`` -> ``invalidate_secondary_tensor``) and the next forward rebuilds them from the
+      primary partitions, across nodes, when it releases each parameter (partition_parameters.py
+      ``_partition`` -> ``_partition_param_sec``). A sync right after a step therefore gathers the
+      primary partitions across nodes anyway; it does so through DeepSpeed's own
+      ``GatheredParameters``, in the parameter's dtype, whose release fills the node copy from the
+      gathered tensor. The next forward then gathers inside the node: the sync moves across nodes
+      only what that forward would have moved, instead of the same bytes a second time.
+
+    The values are always the current weights: the primary partitions are what the optimizer
+    writes, and a node copy exists only between its (re)build from them and the next step. A
+    parameter whose whole tensor DeepSpeed keeps (a "persistent" one, below
+    ``stage3_param_persistence_threshold``) is gathered like the rest, never through
+    ``GatheredParameters`` (whose release would free the whole tensor DeepSpeed keeps for it).
+    Every rank sees the same state (node copies are dropped and made by collectives), so every rank
+    takes the same path and the gathers match."""
 
     def __init__(self, param: torch.Tensor) -> None:
         self.param = param
@@ -130,8 +147,17 @@ class PartitionedParam:
     def numel(self) -> int:
         return int(self.param.ds_numel)
 
+    def refills(self) -> bool:
+        """hpZ without the node copy, the parameter partitioned: gather it as DeepSpeed does, so that
+        the node copy is made on release."""
+        p = self.param
+        return (getattr(p, "ds_zero_param_process_group", None) is not None
+                and getattr(p, "ds_secondary_tensor", None) is None
+                and getattr(getattr(p, "ds_status", None), "name", None) == "NOT_AVAILABLE")
+
     def source(self) -> tuple[torch.Tensor, object]:
-        """The partition to gather and its process group: the node's (hpZ) copy when there is one."""
+        """The partition to gather and its process group: the node's (hpZ) copy when there is one,
+        else the primary partition over every trainer."""
         p = self.param
         secondary = getattr(p, "ds_secondary_tensor", None)
         if secondary is not None and getattr(p, "ds_zero_param_process_group", None) is not None:
@@ -142,6 +168,12 @@ class PartitionedParam:
     def gather(self, wire: torch.dtype) -> torch.Tensor:
         import torch.distributed as dist
 
+        if self.refills():
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([self.param]):
+                # A copy: the gathered buffer is DeepSpeed's, freed (or reused) on release.
+                return self.param.data.detach().reshape(self.shape).to(wire, copy=True)
         part, group = self.source()
         part = part.detach().to(wire).reshape(-1)
         world = dist.get_world_size(group)
@@ -285,6 +317,8 @@ class GatherTraffic:
 
         full = param.numel() * (dtype or param.dtype).itemsize
         if isinstance(param, PartitionedParam):
+            if param.refills():         # DeepSpeed's own gather: the parameter's dtype on the wire
+                full = param.numel() * param.dtype.itemsize
             self._add(tuple(param.gathered_by()), full)
             return
         placements = getattr(param, "placements", None)

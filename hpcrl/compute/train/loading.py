@@ -109,14 +109,27 @@ def stream_from_rank0(model: nn.Module, source: Optional[nn.Module], comm_device
 
 
 def _copy_zero3_partition(name: str, target: torch.Tensor, full: torch.Tensor) -> None:
-    """This rank's ZeRO-3 partition of ``full``: DeepSpeed keeps rank r of the parameter's group
-    the flat elements [r * size, (r + 1) * size), zero-padded past the end."""
+    """This rank's ZeRO-3 partitions of ``full``: the primary one (``ds_tensor`` over the parameter's
+    group) and, under ZeRO++'s hpZ, the node's copy (``ds_secondary_tensor`` over the node's
+    group), which ``zero.Init`` made from the uninitialised weights and the first forward reads."""
     if tuple(target.ds_shape) != tuple(full.shape):
         raise RuntimeError(f"{name}: checkpoint shape {tuple(full.shape)} != model shape {tuple(target.ds_shape)}")
-    part = target.ds_tensor
-    size = part.ds_numel if hasattr(part, "ds_numel") else part.numel()
-    start = dist.get_rank(target.ds_process_group) * size
     flat = full.reshape(-1)
+    _copy_slice(target.ds_tensor, flat, dist.get_rank(target.ds_process_group))
+    secondary = getattr(target, "ds_secondary_tensor", None)
+    if secondary is None:
+        return
+    if hasattr(secondary, "ds_quant_scale"):
+        target.ds_secondary_tensor = None       # quantized: DeepSpeed remakes it at the first gather
+    else:
+        _copy_slice(secondary, flat, dist.get_rank(target.ds_zero_param_process_group))
+
+
+def _copy_slice(part: torch.Tensor, flat: torch.Tensor, index: int) -> None:
+    """DeepSpeed keeps partition ``index`` of a parameter as the flat elements [index * size,
+    (index + 1) * size), zero-padded past the end."""
+    size = part.ds_numel if hasattr(part, "ds_numel") else part.numel()
+    start = index * size
     n = max(0, min(size, flat.numel() - start))
     part.data.zero_()
     part.data.view(-1).narrow(0, 0, n).copy_(flat.narrow(0, start, n))
