@@ -144,8 +144,12 @@ def test_time_limit_checkpoints_requeues_and_resumes_each_step_once(testbed, hpc
     sends it up to ~30 s earlier still) makes the trainers checkpoint, the script requeues, the job
     resumes, until the work is done. Each step sleeps a little (the slow-steps fault) so that the
     work outlasts one allocation whatever the machine's speed. With overlap_generation the
-    checkpoint also holds the generation asked for ahead, and the resumed job trains on it."""
+    checkpoint also holds the generation asked for ahead, and the resumed job trains on it. Two
+    nodes of DeepSpeed ZeRO-3 trainers (trainer.engine deepspeed), one a node: the checkpoint's
+    partitions come from both nodes, and go through the same commit and requeue (FSDP2's resume is tested in-process, tests/test_trainer_resume.py, and on
+    the testbed by test_killed_trainer_fails_the_job_and_resume_finishes_it)."""
     job_id, run_dir = _submit(hpcrl, *TWO_TASKS, "site.signal=USR2@30", "inference.engine=transformers",
+                              "trainer.engine=deepspeed", "-N", "2",
                               "inference.overlap_generation=true", "grpo.max_steps=160", "-t", "2",
                               env={"HPCRL_FAULT": "slow-steps:0"})
     cancel_after(job_id)
@@ -157,6 +161,8 @@ def test_time_limit_checkpoints_requeues_and_resumes_each_step_once(testbed, hpc
     assert [m["off_policy_lag"] for m in metrics] == [0] + [1] * 159     # across the requeue too
     log = Path(info["log"]).read_text()
     assert "checkpoint and requeue" in log and "resumed from" in log
+    assert "trainer engine: deepspeed ZeRO-3" in log
+    assert (run_dir / "checkpoints" / "step-160" / "deepspeed").is_dir()
 
 
 def test_killed_server_fails_the_job_naming_its_node_and_keeps_the_checkpoint(testbed, hpcrl, cancel_after):
