@@ -25,7 +25,7 @@ from hpcrl.job.recipe import TRL_REWARDS_MATH_VERIFY, expand_shorthands, reward_
 from hpcrl.job.site import Site
 from hpcrl.job.slurm_time import parse_walltime
 from hpcrl.job.spec import SPEC_VERSION, JobSpec
-from hpcrl.login import profiles, trl_config
+from hpcrl.login import deepspeed_inputs, profiles, trl_config
 from hpcrl.login.trl_config import Translation
 
 # Job names, accounts, partitions and QOS land on #SBATCH lines: one plain token only.
@@ -224,7 +224,7 @@ def compose(recipe_path: str | None, site_name: str, assignments: list[str] = ()
                      recipe.inference.tensor_parallel_size)   # server GPUs vs GPUs per node
     _validate_batch(recipe, plan.num_trainers)
     notes: list[str] = []           # warnings, printed once nothing refused the job
-    deepspeed_sources = _read_deepspeed(recipe, notes) if recipe.trainer.engine == "deepspeed" else []
+    deepspeed_sources = deepspeed_inputs.read(recipe, notes) if recipe.trainer.engine == "deepspeed" else []
     deepspeed_user = None
     if deepspeed_sources:
         from hpcrl.job.deepspeed import asked_offloads, merge_user
@@ -241,7 +241,7 @@ def compose(recipe_path: str | None, site_name: str, assignments: list[str] = ()
     if for_plan:
         spec = JobSpec(SPEC_VERSION, __version__, time.time(), "", site, recipe, time_s, python,
                        deepspeed_user=deepspeed_user)
-        _check_deepspeed(spec, plan, deepspeed_sources)
+        deepspeed_inputs.check(spec, plan, deepspeed_sources)
         _print_notes(notes)
         return spec
     run_path = Path(run_dir) if run_dir else default_run_dir(site, recipe.name)
@@ -263,7 +263,7 @@ def compose(recipe_path: str | None, site_name: str, assignments: list[str] = ()
         _check_text(model_source, "model.path")
     spec = JobSpec(SPEC_VERSION, __version__, time.time(), str(run_path), site, recipe, time_s, python,
                    reward_modules, model_source, deepspeed_user)
-    _check_deepspeed(spec, plan, deepspeed_sources)
+    deepspeed_inputs.check(spec, plan, deepspeed_sources)
     if check_fit:
         _check_fit(spec, plan)
     _print_notes(notes)
@@ -305,7 +305,7 @@ def build_recipe(recipe_path: str | None, assignments: list[str] = (),
         data["grpo"] = {**DEMO_GRPO, **(data.get("grpo") or {})}
     data = expand_shorthands(data)
     _local_paths(data)
-    _config_file_paths(data, recipe_path)
+    deepspeed_inputs.resolve_paths(data, recipe_path)
     return ResolvedRecipe(build(Recipe, data), translation)
 
 
@@ -330,126 +330,6 @@ def _local_paths(data: dict) -> None:
         model = reward.get("model") if isinstance(reward, dict) else None
         if isinstance(model, str) and model and not Path(model).is_absolute() and Path(model).expanduser().exists():
             reward["model"] = str(Path(model).expanduser().absolute())
-
-
-def _config_file_paths(data: dict, recipe_path: str | None) -> None:
-    """trainer.deepspeed_config and trainer.accelerate_config, when relative: from the directory
-    hpcrl runs in, as TRL and accelerate take them, else beside the recipe. A file found in neither
-    place is left as it is, for compose to name."""
-    trainer = data.get("trainer")
-    if not isinstance(trainer, dict):
-        return
-    for key in ("deepspeed_config", "accelerate_config"):
-        value = trainer.get(key)
-        if isinstance(value, str) and value:
-            trainer[key] = _find_file(value, recipe_path)
-
-
-def _find_file(value: str, beside: str | None) -> str:
-    """`value` as an absolute path: from the current directory, else from the directory of the
-    file `beside`; as it is where neither has it."""
-    path = Path(value).expanduser()
-    if path.is_absolute():
-        return str(path)
-    places = [Path.cwd()] + ([Path(beside).expanduser().absolute().parent] if beside else [])
-    for place in places:
-        if (place / path).exists():
-            return str(place / path)
-    return value
-
-
-def _read_deepspeed(recipe: Recipe, notes: list[str]) -> list[tuple[str, dict]]:
-    """trainer.engine=deepspeed: the user's DeepSpeed settings, each with the name messages give
-    it: trainer.deepspeed_config (a JSON file, or the mapping itself), and trainer.accelerate_config's
-    DeepSpeed settings with the JSON it may name. What hpcrl does otherwise goes to `notes`."""
-    from hpcrl.job import deepspeed
-
-    t = recipe.trainer
-    sources = []
-    if isinstance(t.deepspeed_config, dict):
-        if t.deepspeed_config:
-            sources.append(("trainer.deepspeed_config", dict(t.deepspeed_config)))
-    elif t.deepspeed_config:
-        sources.append((f"trainer.deepspeed_config ({Path(t.deepspeed_config).name})",
-                        _read_json(t.deepspeed_config, "trainer.deepspeed_config")))
-    if t.accelerate_config:
-        where = f"trainer.accelerate_config ({Path(t.accelerate_config).name})"
-        data = _read_yaml(t.accelerate_config, "trainer.accelerate_config")
-        fragment, unfollowed = deepspeed.read_accelerate_config(data, where)
-        named = deepspeed.deepspeed_config_file(data)
-        if named:
-            if t.deepspeed_config:
-                raise UserError(f"{where}: deepspeed_config_file and trainer.deepspeed_config both give a DeepSpeed "
-                                f"JSON; keep one of them")
-            path = _find_file(named, t.accelerate_config)
-            sources.append((f"{where} deepspeed_config_file ({Path(path).name})",
-                            _read_json(path, f"{where}: deepspeed_config_file")))
-        if fragment:
-            sources.append((where, fragment))
-        if unfollowed:
-            notes.append(f"{where}: not followed: {'; '.join(unfollowed)}")
-    for name, config in sources:
-        unfollowed = deepspeed.not_honoured(config)
-        if unfollowed:
-            notes.append(f"{name}: not followed: {'; '.join(unfollowed)}")
-    return sources
-
-
-def _read_json(path: str, where: str) -> dict:
-    """A DeepSpeed JSON: one line naming the field and the file when it cannot be one."""
-    import json
-
-    try:
-        data = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise UserError(f"{where}: no such file {path}") from None
-    except IsADirectoryError:
-        raise UserError(f"{where}: {path} is a directory, not a DeepSpeed JSON file") from None
-    except OSError as e:
-        raise UserError(f"{where}: cannot read {path} ({e.strerror or e})") from None
-    except UnicodeDecodeError:
-        raise UserError(f"{where}: {path} is not a UTF-8 text file") from None
-    except json.JSONDecodeError as e:
-        raise UserError(f"{where}: {path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
-    if not isinstance(data, dict):
-        raise UserError(f"{where}: {path} is not a DeepSpeed configuration (a JSON object), got {type(data).__name__}")
-    return data
-
-
-def _read_yaml(path: str, where: str) -> Any:
-    import yaml
-
-    try:
-        return yaml.safe_load(Path(path).read_text())
-    except FileNotFoundError:
-        raise UserError(f"{where}: no such file {path}") from None
-    except IsADirectoryError:
-        raise UserError(f"{where}: {path} is a directory, not an accelerate config file") from None
-    except OSError as e:
-        raise UserError(f"{where}: cannot read {path} ({e.strerror or e})") from None
-    except UnicodeDecodeError:
-        raise UserError(f"{where}: {path} is not a UTF-8 text file") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise UserError(f"{where}: {path} is not valid YAML{at}: {getattr(e, 'problem', None) or e}") from None
-
-
-def _check_deepspeed(spec: JobSpec, plan: Plan, sources: list[tuple[str, dict]]) -> None:
-    """Build the trainers' DeepSpeed configuration now, as they will from job.json, so that a
-    conflict with the recipe is refused before the job queues. Each source alone first: the
-    message then names the file the conflicting key is in."""
-    if spec.recipe.trainer.engine != "deepspeed":
-        return
-    from hpcrl.job.deepspeed import build_config, config_for_job
-    from hpcrl.job.fit import choose_mesh
-
-    device_type = "cuda" if spec.site.device == "cuda" else "cpu"
-    hpz = choose_mesh(spec, plan).hpz_partition_size
-    for name, config in sources:
-        build_config(spec.recipe, num_trainers=plan.num_trainers, hpz_partition_size=hpz, user=config,
-                     device_type=device_type, where=name)
-    config_for_job(spec, device_type)
 
 
 def _print_notes(notes: list[str]) -> None:
