@@ -15,4 +15,5 @@ fi
 cleanup() { [ -n "$started" ] && [ -z "${HPCRL_KEEP_TESTBED:-}" ] && bash scripts/slurm-testbed.sh stop || true; }
 trap cleanup EXIT
 export SLURM_CONF=$SLURM_BASE/etc/slurm.conf
-.venv/bin/python -m pytest -ra "$@"
+# The slowest tests are listed last, so that CI time can be kept in view (aim: under 30 minutes).
+.venv/bin/python -m pytest -ra --durations=25 "$@"
