@@ -21,15 +21,14 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import run_to_the_end
 from dist_harness import spawn
 from test_demo_learning import check_learning
+from test_grpo_fields import _Fixed      # fixed completions: the test is the trainer's, not an engine's
 
-from hpcrl.compute.inference.types import Completion
 from hpcrl.job.recipe import DEMO_GRPO, GRPOConfig, ModelConfig, Recipe, TrainerConfig
 
 PY = sys.executable
@@ -43,23 +42,6 @@ def model_dir(tmp_path_factory) -> str:
     from hpcrl.compute.models.tiny import make_tiny_model
 
     return str(make_tiny_model(tmp_path_factory.mktemp("models") / "tiny", size="tiny", seed=0))
-
-
-class _Fixed:
-    """Fixed completions with sampling log-probabilities (no engine: the test is the trainer's)."""
-
-    def __init__(self, vocab: int):
-        self.vocab = vocab
-
-    def submit(self, prompts, sampling):
-        out = [Completion(i, tuple((7 * i + 3 * j + k) % self.vocab for k in range(sampling.max_tokens)),
-                          tuple(-1.0 - 0.1 * k for k in range(sampling.max_tokens)),
-                          "7" if j % 2 else "no", True, 0)
-               for i in range(len(prompts)) for j in range(sampling.n)]
-        return SimpleNamespace(result=lambda: out)
-
-    def push_weights(self, model, version):
-        return {}
 
 
 GRPO = GRPOConfig(learning_rate=1e-2, per_device_train_batch_size=2, gradient_accumulation_steps=2, num_generations=2,

@@ -79,20 +79,26 @@ def read(recipe: Recipe, notes: list[str]) -> list[tuple[str, dict]]:
     return sources
 
 
+def _read_text(path: str, where: str, kind: str) -> str:
+    """The file's text; one line naming the field and the file when it cannot be read."""
+    try:
+        return Path(path).read_text()
+    except FileNotFoundError:
+        raise UserError(f"{where}: no such file {path}") from None
+    except IsADirectoryError:
+        raise UserError(f"{where}: {path} is a directory, not {kind}") from None
+    except OSError as e:
+        raise UserError(f"{where}: cannot read {path} ({e.strerror or e})") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{where}: {path} is not a UTF-8 text file") from None
+
+
 def _read_json(path: str, where: str) -> dict:
     """A DeepSpeed JSON: one line naming the field and the file when it cannot be one."""
     import json
 
     try:
-        data = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise UserError(f"{where}: no such file {path}") from None
-    except IsADirectoryError:
-        raise UserError(f"{where}: {path} is a directory, not a DeepSpeed JSON file") from None
-    except OSError as e:
-        raise UserError(f"{where}: cannot read {path} ({e.strerror or e})") from None
-    except UnicodeDecodeError:
-        raise UserError(f"{where}: {path} is not a UTF-8 text file") from None
+        data = json.loads(_read_text(path, where, "a DeepSpeed JSON file"))
     except json.JSONDecodeError as e:
         raise UserError(f"{where}: {path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
     if not isinstance(data, dict):
@@ -104,15 +110,7 @@ def _read_yaml(path: str, where: str) -> Any:
     import yaml
 
     try:
-        return yaml.safe_load(Path(path).read_text())
-    except FileNotFoundError:
-        raise UserError(f"{where}: no such file {path}") from None
-    except IsADirectoryError:
-        raise UserError(f"{where}: {path} is a directory, not an accelerate config file") from None
-    except OSError as e:
-        raise UserError(f"{where}: cannot read {path} ({e.strerror or e})") from None
-    except UnicodeDecodeError:
-        raise UserError(f"{where}: {path} is not a UTF-8 text file") from None
+        return yaml.safe_load(_read_text(path, where, "an accelerate config file"))
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
