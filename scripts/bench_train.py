@@ -12,7 +12,8 @@ gradient clipping and AdamW (hpcrl.compute.train.optim). Each rank keeps its own
 
 World size 1 is one process with all the cores' threads; world size 2 is two gloo processes (a
 FileStore), each pinned to its half of the cores. Reference off and on run in the same processes
-(the reference is loaded after the reference-off steps).
+(the reference is loaded with the policy, as the trainer loads it when grpo.beta > 0, and left
+unused by the reference-off steps).
 
 Time (time.perf_counter, medians over the measured steps after --warmup steps):
   fwd/bwd    the reference forward (when on) + the policy's forward and backward of every micro-batch
@@ -152,106 +153,88 @@ def _rank_main(rank: int, world: int, cfg: dict, store: str, out_dir: str) -> No
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
     cpu = torch.device("cpu")
-    grpo_cfg = GRPOConfig(learning_rate=1e-6, beta=0.0, per_device_train_batch_size=cfg["micro"],
+    grpo_cfg = GRPOConfig(learning_rate=1e-6, beta=BETA, per_device_train_batch_size=cfg["micro"],
                           num_generations=cfg["num_generations"], max_completion_length=cfg["completion_len"],
                           max_steps=1000, gradient_checkpointing=False)
     out = {"rank": rank, "world": world, "threads": len(mine), "cores": mine}
     for mode in cfg["modes"]:
-        if mode == "deepspeed":
-            out[mode] = _measure_deepspeed(Recipe(grpo=grpo_cfg), rank, world, cfg)
-            gc.collect()
-            continue
-        if mode == "full":
-            recipe = Recipe(grpo=grpo_cfg)
-        else:   # LoRA on every linear layer of the decoder, TRL's r and alpha
+        if mode == "lora":      # LoRA on every linear layer of the decoder, TRL's r and alpha
             recipe = Recipe(grpo=grpo_cfg, model=ModelConfig(use_peft=True, lora_target_modules="all-linear"))
-        out[mode] = _measure(recipe, rank, world, cfg, mesh, cpu)
+        else:
+            recipe = Recipe(grpo=grpo_cfg)
+        t0 = time.perf_counter()
+        trainer = DeepSpeedTrainer(recipe, world, cfg) if mode == "deepspeed" else FsdpTrainer(recipe, cfg, mesh, cpu)
+        out[mode] = _measure(trainer, time.perf_counter() - t0, rank, world, cfg)
+        del trainer
         gc.collect()
     Path(out_dir, f"ws{world}-rank{rank}.json").write_text(json.dumps(out))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _measure(recipe, rank: int, world: int, cfg: dict, mesh, cpu) -> dict:
-    """Load the policy as the trainer does, and time and measure steps with the reference off and on."""
-    import torch
-    import torch.distributed as dist
+BETA = 0.04     # the KL weight of the reference-on rows
 
-    from hpcrl.compute.train import fsdp, grpo
-    from hpcrl.compute.train.optim import build_optimizer, clip_grad_norm
-    from hpcrl.compute.train.batch import completion_logps
 
-    beta = 0.04
-    t0 = time.perf_counter()
-    policy, _ = fsdp.load_policy_and_reference(cfg["model_dir"], mesh, cpu, recipe)
-    load_s = time.perf_counter() - t0
-    opt = build_optimizer(policy, recipe.grpo)
-    batch, advantages = fixed_batch(cfg, seed=1000 + rank)
-    rows, micro = batch["input_ids"].shape[0], cfg["micro"]
-    tokens_local = float(batch["completion_mask"].sum())
-    tokens_global = torch.tensor([tokens_local])
-    dist.all_reduce(tokens_global)
-    tokens_global = float(tokens_global)
-    peak_ok = reset_peak_rss()
-    params = [p for p in policy.parameters()]
+class FsdpTrainer:
+    """The policy and the reference as the trainer loads them for trainer.engine fsdp2
+    (hpcrl.compute.train.fsdp.load_policy_and_reference), the step the trainer's: backward per
+    micro-batch, then clipping and AdamW (hpcrl.compute.train.optim). Gradients are zeroed in place
+    rather than freed (the trainer frees them), so that a step's activations column counts what
+    the step adds on top of the state, not the gradients again."""
 
-    def step(reference):
-        dist.barrier()
-        base = rss_bytes()
-        reset_peak_rss()
-        t_start = time.perf_counter()
-        ref_logps = None
-        if reference is not None:
-            with torch.no_grad():
-                ref_logps = completion_logps(reference, batch, 1.0)
-        t_ref = time.perf_counter()
-        policy.train()
-        for start in range(0, rows, micro):
-            sl = slice(start, start + micro)
-            logps = completion_logps(policy, batch, 1.0, sl)
-            loss, _ = grpo.grpo_loss(
-                logps, None, None if ref_logps is None else ref_logps[sl], advantages[sl],
-                batch["completion_mask"][sl], loss_type="dapo", beta=beta if reference is not None else 0.0,
-                max_completion_length=cfg["completion_len"], num_items_in_batch=tokens_global,
-                num_processes=world, gradient_accumulation_steps=rows // micro)
-            loss.backward()
-        t_fb = time.perf_counter()
-        fb_peak = peak_rss_bytes() - base
-        grads = tensor_bytes(p.grad for p in params if p.grad is not None)
-        reset_peak_rss()
-        base_opt = rss_bytes()
-        t_opt0 = time.perf_counter()
-        clip_grad_norm(params, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=False)    # gradients stay allocated: the next fwd/bwd adds only activations
-        t_opt = time.perf_counter()
-        return {"fwd_bwd_s": t_fb - t_start, "ref_fwd_s": t_ref - t_start if reference is not None else 0.0,
-                "optimizer_s": t_opt - t_opt0,
-                "step_s": t_opt - t_start, "activations": fb_peak, "optimizer_peak": peak_rss_bytes() - base_opt,
-                "grads": grads}
+    def __init__(self, recipe, cfg: dict, mesh, cpu) -> None:
+        from hpcrl.compute.train import fsdp
+        from hpcrl.compute.train.optim import build_optimizer
 
-    out = {"load_s": load_s, "peak_rss_resettable": peak_ok, "tokens_per_rank": tokens_local, "rows": rows}
-    reference = None
-    for ref_on in (False, True):
-        if ref_on and recipe.model.use_peft:
-            from hpcrl.compute.train.lora import BaseModel
+        self.fsdp = fsdp
+        self.model, self.reference = fsdp.load_policy_and_reference(cfg["model_dir"], mesh, cpu, recipe)
+        self.params = list(self.model.parameters())
+        self.optimizer = build_optimizer(self.model, recipe.grpo)
 
-            reference = BaseModel(policy)       # as the trainer's: the policy's own base, no weights of its own
-        elif ref_on:
-            # As fsdp.load_policy_and_reference loads the reference (beta > 0): the same mesh and
-            # sharding, stored in the compute dtype, eval mode, no gradients.
-            param_dtype, _ = fsdp.mixed_precision_for(cpu.type, recipe.grpo.bf16)
-            reference = fsdp.load_sharded_model(cfg["model_dir"], mesh, cpu, dtype=param_dtype)
-            reference.eval()
-            reference.requires_grad_(False)
-        steps = [step(reference) for _ in range(cfg["warmup"] + cfg["steps"])][cfg["warmup"]:]
-        res = {k: statistics.median(s[k] for s in steps) for k in steps[0]}
-        res["activations"] = max(s["activations"] for s in steps)
-        res.update(params=fsdp.local_param_bytes(policy), grads=steps[-1]["grads"], optim=optimizer_state_bytes(opt),
-                   ref_params=fsdp.local_param_bytes(reference) if reference is not None else 0,
-                   params_global=fsdp.global_param_bytes(policy))
-        out["ref_on" if ref_on else "ref_off"] = res
-    return out
+    def backward(self, loss) -> None:
+        loss.backward()
+
+    def step(self, max_grad_norm: float) -> None:
+        from hpcrl.compute.train.optim import clip_grad_norm
+
+        clip_grad_norm(self.params, max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=False)
+
+    def state_bytes(self) -> dict:
+        return {"params": self.fsdp.local_param_bytes(self.model), "optim": optimizer_state_bytes(self.optimizer),
+                "grads": tensor_bytes(p.grad for p in self.params if p.grad is not None),
+                "ref_params": self.fsdp.local_param_bytes(self.reference),
+                "params_global": self.fsdp.global_param_bytes(self.model)}
+
+
+class DeepSpeedTrainer:
+    """The same for trainer.engine deepspeed: ZeRO-3 built and loaded as the trainer does it
+    (hpcrl.compute.train.deepspeed_engine, the config of hpcrl.job.deepspeed.build_config), the
+    reference a ZeRO-3 inference engine; its step DeepSpeed's clipping and hpcrl's AdamW over this
+    rank's partition (gradients zeroed there)."""
+
+    def __init__(self, recipe, world: int, cfg: dict) -> None:
+        from hpcrl.compute.train import deepspeed_engine
+        from hpcrl.job.deepspeed import build_config
+
+        config = build_config(recipe, num_trainers=world, device_type="cpu", hidden_size=cfg["hidden_size"])
+        self.policy, self.reference = deepspeed_engine.load_policy_and_reference(cfg["model_dir"], recipe, config)
+        self.engine = deepspeed_engine.DeepSpeedEngine(self.policy, config)
+        self.engine.configure(recipe.grpo)
+        self.model = self.engine.model
+
+    def backward(self, loss) -> None:
+        self.engine.backward(loss)
+
+    def step(self, max_grad_norm: float) -> None:
+        self.engine.step(max_grad_norm)
+
+    def state_bytes(self) -> dict:
+        out = deepspeed_state_bytes(self.policy, self.engine.ds.optimizer, self.engine.optimizer)
+        out["ref_params"] = deepspeed_state_bytes(self.reference.module)["params"]
+        out["params_global"] = sum(p.ds_numel * p.element_size() for p in self.policy.parameters())
+        return out
 
 
 def deepspeed_state_bytes(policy, ds_optimizer=None, client_optimizer=None) -> dict:
@@ -294,23 +277,15 @@ def deepspeed_state_bytes(policy, ds_optimizer=None, client_optimizer=None) -> d
     return out
 
 
-def _measure_deepspeed(recipe, rank: int, world: int, cfg: dict) -> dict:
-    """As _measure, for trainer.engine=deepspeed: ZeRO-3 built and loaded as the trainer does it."""
+def _measure(trainer, load_s: float, rank: int, world: int, cfg: dict) -> dict:
+    """Time and measure steps with the reference off and on (loaded with the policy, as the
+    trainer loads it when grpo.beta > 0; unused by the reference-off steps)."""
     import torch
     import torch.distributed as dist
 
-    from hpcrl.compute.train import deepspeed_engine, grpo
+    from hpcrl.compute.train import grpo
     from hpcrl.compute.train.batch import completion_logps
-    from hpcrl.job.deepspeed import build_config
 
-    beta = 0.04
-    t0 = time.perf_counter()
-    config = build_config(recipe, num_trainers=world, device_type="cpu", hidden_size=cfg["hidden_size"])
-    policy, _ = deepspeed_engine.load_policy_and_reference(cfg["model_dir"], recipe, config)
-    engine = deepspeed_engine.DeepSpeedEngine(policy, config)
-    engine.configure(recipe.grpo)
-    load_s = time.perf_counter() - t0
-    model = engine.model
     batch, advantages = fixed_batch(cfg, seed=1000 + rank)
     rows, micro = batch["input_ids"].shape[0], cfg["micro"]
     tokens_local = float(batch["completion_mask"].sum())
@@ -318,7 +293,7 @@ def _measure_deepspeed(recipe, rank: int, world: int, cfg: dict) -> dict:
     dist.all_reduce(tokens_global)
     tokens_global = float(tokens_global)
     peak_ok = reset_peak_rss()
-    max_grad_norm = recipe.grpo.max_grad_norm
+    model = trainer.model
 
     def step(reference):
         dist.barrier()
@@ -336,42 +311,29 @@ def _measure_deepspeed(recipe, rank: int, world: int, cfg: dict) -> dict:
             logps = completion_logps(model, batch, 1.0, sl)
             loss, _ = grpo.grpo_loss(
                 logps, None, None if ref_logps is None else ref_logps[sl], advantages[sl],
-                batch["completion_mask"][sl], loss_type="dapo", beta=beta if reference is not None else 0.0,
+                batch["completion_mask"][sl], loss_type="dapo", beta=BETA if reference is not None else 0.0,
                 max_completion_length=cfg["completion_len"], num_items_in_batch=tokens_global,
                 num_processes=world, gradient_accumulation_steps=rows // micro)
-            engine.backward(loss)
+            trainer.backward(loss)
         t_fb = time.perf_counter()
         fb_peak = peak_rss_bytes() - base
         reset_peak_rss()
         base_opt = rss_bytes()
         t_opt0 = time.perf_counter()
-        engine.step(max_grad_norm)     # DeepSpeed's clipping + AdamW over the partitions (gradients zeroed there)
+        trainer.step(1.0)
         t_opt = time.perf_counter()
         return {"fwd_bwd_s": t_fb - t_start, "ref_fwd_s": t_ref - t_start if reference is not None else 0.0,
                 "optimizer_s": t_opt - t_opt0,
                 "step_s": t_opt - t_start, "activations": fb_peak, "optimizer_peak": peak_rss_bytes() - base_opt}
 
     out = {"load_s": load_s, "peak_rss_resettable": peak_ok, "tokens_per_rank": tokens_local, "rows": rows}
-    reference = None
     for ref_on in (False, True):
-        if ref_on:
-            # As deepspeed_engine.load_policy_and_reference loads the reference (beta > 0): a ZeRO-3
-            # inference engine, partitioned like the policy, built and streamed in the same way.
-            import deepspeed
-
-            ref_config = deepspeed_engine.reference_config(config, offload=False)
-            ref_module = deepspeed_engine.build_partitioned_model(cfg["model_dir"], ref_config)
-            deepspeed_engine._load_into(ref_module, cfg["model_dir"], ref_config, group=dist.group.WORLD,
-                                        recipe=recipe)
-            ref_module.requires_grad_(False)
-            reference, *_ = deepspeed.initialize(model=ref_module, config=ref_config, dist_init_required=False)
-            reference.eval()
-        steps = [step(reference) for _ in range(cfg["warmup"] + cfg["steps"])][cfg["warmup"]:]
+        steps = [step(trainer.reference if ref_on else None) for _ in range(cfg["warmup"] + cfg["steps"])][cfg["warmup"]:]
         res = {k: statistics.median(s[k] for s in steps) for k in steps[0]}
         res["activations"] = max(s["activations"] for s in steps)
-        res.update(deepspeed_state_bytes(policy, engine.ds.optimizer, engine.optimizer))
-        res["ref_params"] = deepspeed_state_bytes(reference.module)["params"] if reference is not None else 0
-        res["params_global"] = sum(p.ds_numel * p.element_size() for p in policy.parameters())
+        res.update(trainer.state_bytes())
+        if not ref_on:
+            res["ref_params"] = 0
         out["ref_on" if ref_on else "ref_off"] = res
     return out
 

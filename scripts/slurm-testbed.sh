@@ -134,7 +134,7 @@ JobAcctGatherType=jobacct_gather/linux
 JobCompType=jobcomp/filetxt
 JobCompLoc=$B/log/jobcomp.txt
 SchedulerType=sched/backfill
-SchedulerParameters=batch_sched_delay=0
+SchedulerParameters=batch_sched_delay=0,sched_interval=2,bf_interval=2
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core_Memory
 DefMemPerCPU=500

@@ -142,13 +142,21 @@ def test_demo_on_deepspeed_learns_with_vllm_synced_every_step(tmp_path, hpcrl_ho
     the local site. After every sync the engine serves the trainers' weights: each sampled token's
     log-probability as the engine gave it equals the trainers' own recomputation (the largest
     difference is ~2e-6 here; an engine left unsynced is off by > 2, tests/test_engines_per_node.py).
-    The run learns, and `hpcrl export` of its last DeepSpeed checkpoint equals the model it wrote."""
+    The run learns, and `hpcrl export` of its last DeepSpeed checkpoint equals the model it wrote.
+
+    The default demo's batch over the two trainers (64 completions each, 128 a step) and half its
+    steps: most of the learning is done by step 100 (measured, seed 0: demo_correct 0.60 -> 0.80
+    at step 100, 0.84 at step 200); the whole demo took ~250 s of CI here."""
     run_dir = tmp_path / "run"
+    steps = DEMO_GRPO["max_steps"] // 2
     proc = run_to_the_end([PY, "-m", "hpcrl", "run", "--run-dir", str(run_dir), "trainer.engine=deepspeed",
-                           "site.node.gpus=3", "grpo.vllm_importance_sampling_correction=true"], tmp_path, 900)
+                           "site.node.gpus=3", "grpo.vllm_importance_sampling_correction=true",
+                           f"grpo.per_device_train_batch_size={DEMO_GRPO['per_device_train_batch_size'] // 2}",
+                           f"grpo.max_steps={steps}"], tmp_path, 900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "trainer engine: deepspeed ZeRO-3 over all 2 trainer(s)" in proc.stderr
-    steps = DEMO_GRPO["max_steps"]
+    # DeepSpeed's use of torch's deprecated collectives warned at every call: ~800 lines a run.
+    assert proc.stderr.count("FutureWarning") < 10, proc.stderr.count("FutureWarning")
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     worst = max(m["sampling/sampling_logp_difference/max"] for m in metrics)
     assert worst < 1e-3, [m["sampling/sampling_logp_difference/max"] for m in metrics]

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -56,6 +57,12 @@ def _import_deepspeed():
     # at every new machine) that only its inference all-reduce uses, which hpcrl never calls:
     # marked unavailable, the build and its compiler are not needed.
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+    # DeepSpeed 0.19.8's ZeRO-3 calls torch.distributed's deprecated all_gather_into_tensor and
+    # reduce_scatter_tensor; the FutureWarning came back at every call (four a step on every rank,
+    # ~800 lines in the demo's log) and is DeepSpeed's to act on, not the user's.
+    warnings.filterwarnings("ignore", category=FutureWarning,
+                            message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
 
     # On hpcrl's trainers' process group (made by the launch): DeepSpeed only wraps it. Before
     # this, its config checks count a world of one.
