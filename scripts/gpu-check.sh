@@ -11,7 +11,10 @@
 #                   environment where hpcrl and its needs are installed already (a cluster's).
 # GPU_CHECK_WHEELS  a folder of wheels for what the machine lacks, installed with no index: datasets,
 #                   dill, multiprocess (the demo prompts), mpich (an MPI runtime; installed only when
-#                   mpi4py finds no MPI library or there is no mpiexec).
+#                   mpi4py finds no MPI library or there is no mpiexec); for the ZeRO-3 test,
+#                   deepspeed's wheel (pure Python: DS_BUILD_OPS=0, as install.sh builds it) and
+#                   what it requires beyond torch (einops, hjson, msgpack, ninja, py-cpuinfo,
+#                   pydantic); without deepspeed that test skips.
 # GPU_CHECK_REPORT  where junit.xml and pytest.log go (default /tmp/hpcrl-gpu-check).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1

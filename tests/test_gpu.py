@@ -6,6 +6,10 @@ where torch sees a CUDA GPU and skips elsewhere, so CI stays green without one.
 
   test_fsdp_bf16_grpo_step_on_the_device    FSDP2 in bf16 over NCCL, the reference model on the
                                             device, one GRPO step: loss finite, every weight moved
+  test_deepspeed_bf16_grpo_step_on_the_device
+                                            the same for trainer.engine deepspeed (ZeRO-3 partitions
+                                            and the reference engine on the device); skipped where
+                                            deepspeed is not installed
   test_bf16_logprobs_match_fp32             per-token log-probs in bf16 against fp32 (tolerance below)
   test_killed_and_resumed_run_equals_the_uninterrupted_one
                                             checkpoint and exact resume of the real Trainer loop
@@ -117,6 +121,34 @@ def _full(model) -> dict:
     return {n: p.full_tensor().detach().float().clone() for n, p in model.named_parameters()}
 
 
+def _grpo_batch(model_dir: str, rank: int, g: int, device):
+    """A GRPO batch on ``device``: 4 demo prompts per rank, ``g`` completions each, random tokens of
+    random lengths (1-8), random advantages; and the completion tokens of all ranks (a collective)."""
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoTokenizer
+
+    from hpcrl.compute.inference.types import Completion
+    from hpcrl.compute.models.tiny import VOCAB_SIZE
+    from hpcrl.compute.train.batch import pack_batch
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    prompts = _prompt_ids(tok, [(rank + i, i) for i in range(4)])
+    completions, prompt_of = [], []
+    for i in range(len(prompts) * g):
+        n = int(torch.randint(1, 9, (1,), generator=gen))
+        ids = tuple(torch.randint(3, VOCAB_SIZE, (n,), generator=gen).tolist())     # no special tokens
+        completions.append(Completion(i // g, ids, (), "", n == 8, 0))
+        prompt_of.append(prompts[i // g])
+    batch = pack_batch(prompt_of, completions, _pad_id(tok), device)
+    assert all(_same_device(t, device) for t in batch.values())
+    advantages = torch.randn(len(completions), generator=gen).to(device)
+    tokens = batch["completion_mask"].sum().float()
+    dist.all_reduce(tokens)
+    return batch, advantages, tokens
+
+
 # ----------------------------------------------------------------------------------------------
 # FSDP2 in bf16 over NCCL, the reference model on the device, one GRPO step
 
@@ -127,11 +159,9 @@ def _w_grpo_step(rank, world, device, model_dir, out):
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoTokenizer
 
-    from hpcrl.compute.inference.types import Completion
-    from hpcrl.compute.models.tiny import VOCAB_SIZE
     from hpcrl.compute.train import fsdp, grpo
     from hpcrl.compute.train.optim import build_optimizer, clip_grad_norm
-    from hpcrl.compute.train.batch import completion_logps, pack_batch
+    from hpcrl.compute.train.batch import completion_logps
 
     beta, g = 0.04, 4
     # bf16 explicitly: the CPU self-check takes the same path ("auto" is bf16 on a GPU only).
@@ -154,22 +184,8 @@ def _w_grpo_step(rank, world, device, model_dir, out):
         need = fsdp.local_param_bytes(policy) + fsdp.local_param_bytes(reference)
         assert held >= need, f"{held} bytes allocated on {device}, the two models' shards alone are {need}"
 
-    # A GRPO batch: 4 demo prompts per rank, 4 completions each, random tokens of random lengths.
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    gen = torch.Generator().manual_seed(1000 + rank)
-    prompts = _prompt_ids(tok, [(rank + i, i) for i in range(4)])
-    completions, prompt_of = [], []
-    for i in range(len(prompts) * g):
-        n = int(torch.randint(1, 9, (1,), generator=gen))
-        ids = tuple(torch.randint(3, VOCAB_SIZE, (n,), generator=gen).tolist())     # no special tokens
-        completions.append(Completion(i // g, ids, (), "", n == 8, 0))
-        prompt_of.append(prompts[i // g])
-    batch = pack_batch(prompt_of, completions, _pad_id(tok), device)
-    assert all(_same_device(t, device) for t in batch.values())
-    advantages = torch.randn(len(completions), generator=gen).to(device)
+    batch, advantages, tokens = _grpo_batch(model_dir, rank, g, device)
     mask = batch["completion_mask"]
-    tokens = mask.sum().float()
-    dist.all_reduce(tokens)
 
     with torch.no_grad():
         ref_logps = completion_logps(reference, batch, 1.0)
@@ -225,6 +241,87 @@ def test_fsdp_bf16_grpo_step_on_the_device(tmp_path, gpu_device, tiny_model):
     r = json.loads(out.read_text())
     print(f"{gpu_device}, {world} rank(s): loss {r['loss']:.4f}, grad norm {r['grad_norm']:.3f}, all {r['params']} "
           f"parameters moved (largest {r['largest_change']:.2e}); {seconds:.1f} s")
+
+
+# ----------------------------------------------------------------------------------------------
+# DeepSpeed ZeRO-3 (trainer.engine deepspeed) in bf16 on the device, the reference a ZeRO-3
+# inference engine on the device too, one GRPO step through hpcrl's engine
+
+
+def _w_deepspeed_step(rank, world, device, model_dir, out):
+    import dataclasses
+
+    import torch
+    from transformers import AutoConfig
+
+    from hpcrl.compute.train import deepspeed_engine, grpo
+    from hpcrl.compute.train.batch import completion_logps
+    from hpcrl.job.deepspeed import build_config
+    from hpcrl.job.recipe import TrainerConfig
+
+    beta, g = 0.04, 4
+    # max_steps resolved, as the trainer hands it to the engine (its learning-rate schedule spans it)
+    recipe = dataclasses.replace(_recipe(learning_rate=1e-3, beta=beta, bf16=True, num_generations=g,
+                                         max_completion_length=8, max_steps=10),
+                                 trainer=TrainerConfig(engine="deepspeed"))
+    config = build_config(recipe, num_trainers=world, device_type=device.type,
+                          hidden_size=AutoConfig.from_pretrained(model_dir).hidden_size)
+    # The load checks every partition's device itself (deepspeed_engine.check_partition_devices);
+    # checked here again, in the test's own words.
+    policy, reference = deepspeed_engine.load_policy_and_reference(model_dir, recipe, config)
+    assert reference is not None, "beta > 0 must load a reference model"
+    engine = deepspeed_engine.DeepSpeedEngine(policy, config)
+    engine.configure(recipe.grpo)
+    held = 0
+    for what, model in (("policy", policy), ("reference", reference.module)):
+        off = [f"{n} on {p.ds_tensor.device}" for n, p in model.named_parameters() if not _same_device(p.ds_tensor, device)]
+        assert not off, f"{what}: ZeRO-3 partitions not on {device}: {off[:5]}"
+        dtypes = {p.ds_tensor.dtype for p in model.parameters()}
+        assert dtypes == {torch.bfloat16}, f"{what}: partitions in {dtypes}, bf16 expected"
+        held += sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in model.parameters())
+    assert not reference.module.training and not any(p.requires_grad for p in reference.module.parameters())
+    if device.type == "cuda":
+        allocated = torch.cuda.memory_allocated(device)
+        assert allocated >= held, f"{allocated} bytes allocated on {device}, the two models' partitions alone are {held}"
+
+    batch, advantages, tokens = _grpo_batch(model_dir, rank, g, device)
+    mask = batch["completion_mask"]
+    with torch.no_grad():
+        ref_logps = completion_logps(reference, batch, 1.0)
+        start_logps = completion_logps(engine.model, batch, 1.0)
+    assert ref_logps.dtype == torch.float32 and _same_device(ref_logps, device)
+    same = (start_logps - ref_logps).abs()[mask.bool()].max().item()
+    assert same <= 1e-3, f"policy and reference differ by {same} before any step"
+
+    engine.model.train()
+    logps = completion_logps(engine.model, batch, 1.0)
+    loss, _ = grpo.grpo_loss(logps, None, ref_logps, advantages, mask, loss_type="dapo", beta=beta,
+                             max_completion_length=8, num_items_in_batch=tokens.item(), num_processes=world)
+    assert math.isfinite(loss.item()), f"loss {loss.item()}"
+    engine.backward(loss)
+    grad_norm = engine.step(1.0)
+    assert math.isfinite(grad_norm) and grad_norm > 0, f"grad norm {grad_norm}"
+    with torch.no_grad():
+        moved = (completion_logps(engine.model, batch, 1.0) - start_logps).abs()[mask.bool()].max().item()
+        ref_again = completion_logps(reference, batch, 1.0)
+    assert moved > 0, "the step did not change the policy's log-probabilities"
+    assert torch.equal(ref_again, ref_logps), "the policy's step changed the reference model"
+    if rank == 0:
+        Path(out).write_text(json.dumps({"loss": loss.item(), "grad_norm": grad_norm, "logp_change": moved,
+                                         "partition_bytes": held}))
+
+
+def test_deepspeed_bf16_grpo_step_on_the_device(tmp_path, gpu_device, tiny_model):
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed (scripts/install.sh builds it; GPU_CHECK_WHEELS can carry its wheel)")
+    world = _world(gpu_device)
+    out = tmp_path / "step.json"
+    seconds = spawn(_w_deepspeed_step, tmp_path, tiny_model, str(out), world=world, timeout=300, device=gpu_device)
+    r = json.loads(out.read_text())
+    print(f"{gpu_device}, {world} rank(s), ZeRO-3: loss {r['loss']:.4f}, grad norm {r['grad_norm']:.3f}, "
+          f"log-probs moved {r['logp_change']:.2e}; {seconds:.1f} s")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -463,7 +560,7 @@ def test_hpcrl_run_shares_one_gpu_with_the_transformers_engine(tmp_path, gpu_dev
     assert (ckpts / "latest").read_text().strip() == "step-4", sorted(p.name for p in ckpts.iterdir())
     assert (ckpts / "step-2").is_dir() and (ckpts / "step-4").is_dir(), sorted(p.name for p in ckpts.iterdir())
     assert (run_dir / FINISHED_MARKER).is_file()
-    assert "transformers engine ready" in log, log[-3000:]
+    assert "transformers engine 0 ready" in log, log[-3000:]
     if gpu_device == "cuda":
         assert "cuda:0" in log, f"no sign of the trainer on cuda:0 in the log:\n{log[-3000:]}"
     print(f"{gpu_device}: 4 steps, checkpoints {sorted(p.name for p in ckpts.iterdir())}, "

@@ -40,7 +40,8 @@ from torch import nn
 from hpcrl.compute.train.engine import TrainEngine
 from hpcrl.job.recipe import GRPOConfig, Recipe
 
-__all__ = ["DeepSpeedEngine", "build_partitioned_model", "load_policy_and_reference", "reference_config"]
+__all__ = ["DeepSpeedEngine", "build_partitioned_model", "check_partition_devices", "load_policy_and_reference",
+           "reference_config"]
 
 # DeepSpeed's checkpoint files go in <checkpoint>/deepspeed (hpcrl.compute.train.checkpoint.DEEPSPEED_DIR).
 _TAG = "deepspeed"
@@ -133,6 +134,17 @@ def _load_into(model: nn.Module, model_dir: str, config: dict, *, group, recipe:
     del source
 
 
+def check_partition_devices(model: nn.Module, config: dict, *, what: str) -> None:
+    """Every ZeRO-3 partition of ``model`` where ``config`` puts it: on this task's GPU, in host
+    memory only when the config offloads the parameters (``offload_param``), never left on the
+    host by accident (FSDP2's own check: hpcrl.compute.train.fsdp)."""
+    offload = "offload_param" in config.get("zero_optimization", {})
+    want = "cuda" if torch.cuda.is_available() and not offload else "cpu"
+    bad = sorted({str(p.ds_tensor.device) for p in model.parameters() if p.ds_tensor.device.type != want})
+    if bad:
+        raise RuntimeError(f"{what}: ZeRO-3 partitions on {bad}, expected {want}" + (" (offload)" if offload else ""))
+
+
 def load_policy_and_reference(model_dir: str, recipe: Recipe, config: dict,
                               read_groups: Optional[list[list[int]]] = None
                               ) -> tuple[nn.Module, Optional[nn.Module]]:
@@ -152,12 +164,14 @@ def load_policy_and_reference(model_dir: str, recipe: Recipe, config: dict,
     policy = build_partitioned_model(model_dir, config, activation_checkpointing=bool(
         grpo.gradient_checkpointing or trainer.activation_checkpointing), **build)
     _load_into(policy, model_dir, config, group=group, recipe=recipe)
+    check_partition_devices(policy, config, what="policy")
     policy.train()
     if grpo.beta <= 0:
         return policy, None
     ref_config = reference_config(config, bool(trainer.reference_offload))
     reference = build_partitioned_model(model_dir, ref_config, **build)
     _load_into(reference, model_dir, ref_config, group=group, recipe=recipe)
+    check_partition_devices(reference, ref_config, what="reference")
     reference.requires_grad_(False)
     deepspeed = _import_deepspeed()
     engine, *_ = deepspeed.initialize(model=reference, config=ref_config, dist_init_required=False)
