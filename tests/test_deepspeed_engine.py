@@ -142,7 +142,7 @@ def test_a_partition_off_its_device_fails_the_load_naming_the_model():
     model = torch.nn.Linear(2, 2)
     for p in model.parameters():
         p.ds_tensor = torch.empty(1, device="meta")
-    want = "cuda" if torch.cuda.is_available() else "cpu"
+    want = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
     with pytest.raises(RuntimeError, match=rf"^reference: ZeRO-3 partitions on \['meta'\], expected {want}$"):
         check_partition_devices(model, {"zero_optimization": {"stage": 3}}, what="reference")
     for p in model.parameters():

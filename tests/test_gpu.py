@@ -149,15 +149,45 @@ def _grpo_batch(model_dir: str, rank: int, g: int, device):
     return batch, advantages, tokens
 
 
+def _logps_before_the_step(policy, reference, batch, device):
+    """The reference's and the policy's log-probs of ``batch`` before any step, checked to be the
+    same bf16 function: the policy casts its fp32 masters to bf16 for compute, the reference was
+    stored in bf16. 1e-3 is far below bf16-vs-fp32 differences (~1e-2)."""
+    import torch
+
+    from hpcrl.compute.train.batch import completion_logps
+
+    with torch.no_grad():
+        ref_logps = completion_logps(reference, batch, 1.0)
+        assert ref_logps.dtype == torch.float32 and _same_device(ref_logps, device)
+        start_logps = completion_logps(policy, batch, 1.0)
+    same = (start_logps - ref_logps).abs()[batch["completion_mask"].bool()].max().item()
+    assert same <= 1e-3, f"policy and reference differ by {same} before any step"
+    return ref_logps, start_logps
+
+
+def _check_the_step_moved_the_policy_alone(policy, reference, batch, ref_logps, start_logps) -> float:
+    """After one optimizer step: the policy's log-probs moved, the reference's did not; returns
+    the largest move."""
+    import torch
+
+    from hpcrl.compute.train.batch import completion_logps
+
+    with torch.no_grad():
+        moved = (completion_logps(policy, batch, 1.0) - start_logps).abs()[batch["completion_mask"].bool()].max().item()
+        ref_again = completion_logps(reference, batch, 1.0)
+    assert moved > 0, "the step did not change the policy's log-probabilities"
+    assert torch.equal(ref_again, ref_logps), "the policy's step changed the reference model"
+    return moved
+
+
 # ----------------------------------------------------------------------------------------------
 # FSDP2 in bf16 over NCCL, the reference model on the device, one GRPO step
 
 
 def _w_grpo_step(rank, world, device, model_dir, out):
     import torch
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from transformers import AutoTokenizer
 
     from hpcrl.compute.train import fsdp, grpo
     from hpcrl.compute.train.optim import build_optimizer, clip_grad_norm
@@ -187,14 +217,8 @@ def _w_grpo_step(rank, world, device, model_dir, out):
     batch, advantages, tokens = _grpo_batch(model_dir, rank, g, device)
     mask = batch["completion_mask"]
 
-    with torch.no_grad():
-        ref_logps = completion_logps(reference, batch, 1.0)
-        assert ref_logps.dtype == torch.float32 and _same_device(ref_logps, device)
-        start_logps = completion_logps(policy, batch, 1.0)
-    # The same bf16 function before any step: the policy casts its fp32 shards to bf16 at every
-    # all-gather, the reference was stored in bf16. 1e-3 is far below bf16-vs-fp32 differences (~1e-2).
-    same = (start_logps - ref_logps).abs()[mask.bool()].max().item()
-    assert same <= 1e-3, f"policy and reference differ by {same} before any step"
+    # FSDP2 casts the fp32 shards to bf16 at every all-gather.
+    ref_logps, start_logps = _logps_before_the_step(policy, reference, batch, device)
 
     before = _full(policy)
     optimizer = build_optimizer(policy, recipe.grpo)
@@ -221,11 +245,7 @@ def _w_grpo_step(rank, world, device, model_dir, out):
     after = _full(policy)
     unchanged = [n for n in before if torch.equal(before[n], after[n])]
     assert not unchanged, f"the step left {len(unchanged)} of {len(before)} parameters unchanged: {unchanged[:5]}"
-    with torch.no_grad():
-        moved = (completion_logps(policy, batch, 1.0) - start_logps).abs()[mask.bool()].max().item()
-        ref_again = completion_logps(reference, batch, 1.0)
-    assert moved > 0, "the step did not change the policy's log-probabilities"
-    assert torch.equal(ref_again, ref_logps), "the policy's step changed the reference model"
+    moved = _check_the_step_moved_the_policy_alone(policy, reference, batch, ref_logps, start_logps)
     if rank == 0:
         largest = max((after[n] - before[n]).abs().max().item() for n in before)
         Path(out).write_text(json.dumps({"loss": loss.item(), "grad_norm": grad_norm, "params": len(before),
@@ -286,12 +306,7 @@ def _w_deepspeed_step(rank, world, device, model_dir, out):
 
     batch, advantages, tokens = _grpo_batch(model_dir, rank, g, device)
     mask = batch["completion_mask"]
-    with torch.no_grad():
-        ref_logps = completion_logps(reference, batch, 1.0)
-        start_logps = completion_logps(engine.model, batch, 1.0)
-    assert ref_logps.dtype == torch.float32 and _same_device(ref_logps, device)
-    same = (start_logps - ref_logps).abs()[mask.bool()].max().item()
-    assert same <= 1e-3, f"policy and reference differ by {same} before any step"
+    ref_logps, start_logps = _logps_before_the_step(engine.model, reference, batch, device)
 
     engine.model.train()
     logps = completion_logps(engine.model, batch, 1.0)
@@ -301,11 +316,7 @@ def _w_deepspeed_step(rank, world, device, model_dir, out):
     engine.backward(loss)
     grad_norm = engine.step(1.0)
     assert math.isfinite(grad_norm) and grad_norm > 0, f"grad norm {grad_norm}"
-    with torch.no_grad():
-        moved = (completion_logps(engine.model, batch, 1.0) - start_logps).abs()[mask.bool()].max().item()
-        ref_again = completion_logps(reference, batch, 1.0)
-    assert moved > 0, "the step did not change the policy's log-probabilities"
-    assert torch.equal(ref_again, ref_logps), "the policy's step changed the reference model"
+    moved = _check_the_step_moved_the_policy_alone(engine.model, reference, batch, ref_logps, start_logps)
     if rank == 0:
         Path(out).write_text(json.dumps({"loss": loss.item(), "grad_norm": grad_norm, "logp_change": moved,
                                          "partition_bytes": held}))

@@ -120,7 +120,7 @@ def _load_into(model: nn.Module, model_dir: str, config: dict, *, group, recipe:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from hpcrl.compute.train.loading import load_group, stream_from_rank0
+    from hpcrl.compute.train.loading import load_device, load_group, stream_from_rank0
 
     timeout = recipe.launch.model_load_timeout_s
     load_group(group, timeout)          # made before the reader reads: its making is a rendezvous too
@@ -129,20 +129,17 @@ def _load_into(model: nn.Module, model_dir: str, config: dict, *, group, recipe:
         source = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_dtype(config),
                                                       trust_remote_code=recipe.model.trust_remote_code,
                                                       attn_implementation=recipe.model.attn_implementation or None)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    stream_from_rank0(model, source, device, group, what=model_dir, load_timeout_s=timeout)
+    stream_from_rank0(model, source, load_device(), group, what=model_dir, load_timeout_s=timeout)
     del source
 
 
 def check_partition_devices(model: nn.Module, config: dict, *, what: str) -> None:
     """Every ZeRO-3 partition of ``model`` where ``config`` puts it: on this task's GPU, in host
-    memory only when the config offloads the parameters (``offload_param``), never left on the
-    host by accident (FSDP2's own check: hpcrl.compute.train.fsdp)."""
-    offload = "offload_param" in config.get("zero_optimization", {})
-    want = "cuda" if torch.cuda.is_available() and not offload else "cpu"
-    bad = sorted({str(p.ds_tensor.device) for p in model.parameters() if p.ds_tensor.device.type != want})
-    if bad:
-        raise RuntimeError(f"{what}: ZeRO-3 partitions on {bad}, expected {want}" + (" (offload)" if offload else ""))
+    memory only when the config offloads the parameters (``offload_param``); FSDP2's check."""
+    from hpcrl.compute.train.loading import check_devices, load_device
+
+    check_devices({p.ds_tensor.device for p in model.parameters()}, load_device(),
+                  offload="offload_param" in config.get("zero_optimization", {}), what=what, parts="ZeRO-3 partitions")
 
 
 def load_policy_and_reference(model_dir: str, recipe: Recipe, config: dict,

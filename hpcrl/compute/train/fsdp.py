@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from hpcrl.compute.train.loading import load_group, read_group, stream_from_rank0
+from hpcrl.compute.train.loading import check_devices, load_group, read_group, stream_from_rank0
 from hpcrl.job.recipe import Recipe
 
 __all__ = [
@@ -250,7 +250,7 @@ def load_policy_and_reference(model_dir: str, mesh: DeviceMesh, device: torch.de
         trust_remote_code=trust, load_timeout_s=load_timeout_s, attn_implementation=attention, adapt=adapt,
         read_groups=read_groups)
     policy.train()
-    _check_devices(policy, device, offload=False, what="policy")
+    check_devices(param_devices(policy), device, offload=False, what="policy")
     if grpo.beta <= 0:
         return policy, None
     if lora:
@@ -264,7 +264,7 @@ def load_policy_and_reference(model_dir: str, mesh: DeviceMesh, device: torch.de
         read_groups=read_groups)
     reference.eval()
     reference.requires_grad_(False)
-    _check_devices(reference, device, offload=bool(trainer.reference_offload), what="reference")
+    check_devices(param_devices(reference), device, offload=bool(trainer.reference_offload), what="reference")
     return policy, reference
 
 
@@ -305,18 +305,6 @@ def is_offloaded(model: nn.Module) -> bool:
     state = model._get_fsdp_state()       # FSDP2 keeps the policy on its parameter group
     group = state._fsdp_param_group
     return group is not None and isinstance(group.offload_policy, CPUOffloadPolicy)
-
-
-def _same_device(a: torch.device, b: torch.device) -> bool:
-    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
-
-
-def _check_devices(model: nn.Module, device: torch.device, *, offload: bool, what: str) -> None:
-    want = torch.device("cpu") if offload else device
-    bad = {d for d in param_devices(model) if not _same_device(d, want)}
-    if bad:
-        raise RuntimeError(f"{what}: parameters on {sorted(map(str, bad))}, expected {want}"
-                           + (" (offload)" if offload else ""))
 
 
 def describe(model: nn.Module) -> str:

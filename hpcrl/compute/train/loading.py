@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-__all__ = ["MODEL_LOAD_SETTING", "stream_from_rank0", "load_group", "read_group"]
+__all__ = ["MODEL_LOAD_SETTING", "check_devices", "load_device", "stream_from_rank0", "load_group", "read_group"]
 
 
 def _named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -28,6 +28,27 @@ def _named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = dict(model.named_parameters())
     out.update(model.named_buffers())
     return out
+
+
+def load_device() -> torch.device:
+    """Where a trainer's model parts go: its GPU (one per task: the current device), else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
+def check_devices(devices: set[torch.device], device: torch.device, *, offload: bool, what: str,
+                  parts: str = "parameters") -> None:
+    """A loaded model's parts (``devices``: where this rank's shards or partitions are) are on
+    ``device``, or in host memory only when ``offload`` says so: never left on the host (or on
+    another GPU) by accident. The same check for every engine."""
+    want = torch.device("cpu") if offload else device
+    bad = {d for d in devices if not _same_device(d, want)}
+    if bad:
+        raise RuntimeError(f"{what}: {parts} on {sorted(map(str, bad))}, expected {want}"
+                           + (" (offload)" if offload else ""))
 
 
 MODEL_LOAD_SETTING = "launch.model_load_timeout_s"
