@@ -79,9 +79,14 @@ def sbatch(cwd: Path, *args: str) -> str:
 def metrics_line(step: int) -> str:
     """One line as the trainer's MetricsWriter.log writes it (hpcrl.compute.train.trainer's keys)."""
     m = {"step": step, "time": 1.7e9 + 30 * step, "max_steps": 2000, "reward": 0.5 + step / 5000,
-         "reward_std": 0.21, "rewards/correct": 0.5, "rewards/format": 0.9, "loss": 0.013, "grad_norm": 0.41,
-         "kl": 0.0021, "entropy": 0.37, "clip_ratio": 0.0, "advantage_mean": 0.0, "advantage_std": 0.93,
-         "completion_len_mean": 412.5, "truncated_frac": 0.02, "learning_rate": 1e-6, "weight_version": step,
+         "reward_std": 0.21, "rewards/correct/mean": 0.5, "rewards/correct/std": 0.5, "rewards/format/mean": 0.9,
+         "rewards/format/std": 0.3, "frac_reward_zero_std": 0.1, "loss": 0.013, "grad_norm": 0.41,
+         "learning_rate_used": 1e-6, "kl": 0.0021, "entropy": 0.37, "clip_ratio/region_mean": 0.0,
+         "advantage_mean": 0.0, "advantage_std": 0.93, "completions/mean_length": 412.5,
+         "completions/min_length": 12.0, "completions/max_length": 1024.0, "completions/clipped_ratio": 0.02,
+         "completions/mean_terminated_length": 400.1, "completions/min_terminated_length": 12.0,
+         "completions/max_terminated_length": 1020.0, "num_tokens": 1.2e6 * step, "learning_rate": 1e-6,
+         "epoch": step / 2000, "weight_version": step,
          "off_policy_lag": 0, "time_generation_s": 11.2, "time_train_s": 14.8, "time_sync_s": 0.9,
          "sync_s": 0.9, "sync_gathered_bytes": 3.1e9, "sync_internode_bytes": 0, "time_step_s": 27.4,
          "time_wait_s": 0.5, "tokens_per_s": 9100.0}

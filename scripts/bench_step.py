@@ -54,6 +54,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from hpcrl.job import metric_keys as mk
+
 REPO = Path(__file__).resolve().parent.parent
 REWARD = "hpcrl.compute.train.rewards:demo_correct"
 MIN_TOKENS_ENV = "HPCRL_BENCH_MIN_TOKENS"
@@ -221,10 +223,11 @@ def run_hpcrl(args, model_dir: Path, work: Path, tag: str, overlap: bool = False
     batch = c["prompts"] * c["generations"]
     steps = []
     for m in lines:
-        tokens = m["completion_len_mean"] * batch
-        steps.append(dict(step=m["step"], step_s=m["time_step_s"], gen_s=m["time_generation_s"],
-                          sync_s=m["time_sync_s"], train_s=m["time_train_s"], other_s=m["time_wait_s"],
-                          tokens=tokens, len_mean=m["completion_len_mean"]))
+        m = mk.upgrade(m)
+        tokens = m[mk.COMPLETIONS_MEAN_LENGTH] * batch
+        steps.append(dict(step=m[mk.STEP], step_s=m[mk.TIME_STEP_S], gen_s=m[mk.TIME_GENERATION_S],
+                          sync_s=m[mk.TIME_SYNC_S], train_s=m[mk.TIME_TRAIN_S], other_s=m[mk.TIME_WAIT_S],
+                          tokens=tokens, len_mean=m[mk.COMPLETIONS_MEAN_LENGTH]))
     # Start-up: from the command to the end of the first step, less that step.
     startup = None
     log_text = log_path.read_text(errors="replace")

@@ -106,7 +106,7 @@ CASES = [
     ("optim", None, [*TESTBED, "grpo.optim=sgd"],
      "grpo.optim: 'sgd' is not supported; hpcrl's optimizer is AdamW: one of adamw_torch, adamw_torch_fused"),
     ("trl-optim", "model_name_or_path: demo:tiny\ndataset_name: demo\noptim: adafactor\n", TESTBED,
-     "grpo.optim: 'adafactor' is not supported"),
+     "optim (grpo.optim): 'adafactor' is not supported"),
     ("lr-scheduler-kwargs", None, [*TESTBED, "grpo.lr_scheduler_type=cosine", "grpo.lr_scheduler_kwargs={power: 2}"],
      "grpo.lr_scheduler_kwargs: power not taken by lr_scheduler_type 'cosine' (takes only num_cycles)"),
     ("importance-sampling-level", None, [*TESTBED, "grpo.importance_sampling_level=seq"],

@@ -40,6 +40,15 @@ def test_small_gains_are_not_advice():
     assert b.gain < 1.10 and "balanced" in b.advice()
 
 
+def test_a_node_with_one_possible_split_is_not_called_balanced():
+    # 1 trainer + 1 engine (hpcrl run on one machine, a 2-GPU node): trainers wait 92 %, and no
+    # other split exists, which the advice says instead of "balanced".
+    b = advise(gpus_per_node=2, server_gpus=1, step_s=10, gen_wait_s=9.2, engine_busy_s=9.1, train_s=0.8,
+               overlapped=False)
+    assert b.advice() == ("generation waits 92% of each step, the engines idle 9%: no other split of a node's 2 "
+                          "GPUs exists (inference.gpus=1, the rest training); more nodes add both")
+
+
 @pytest.mark.parametrize(("gpus", "server", "step"), [(1, 1, 10.0), (8, 0, 10.0), (8, 8, 10.0), (8, 1, 0.0)])
 def test_nothing_to_judge(gpus, server, step):
     assert advise(gpus_per_node=gpus, server_gpus=server, step_s=step, gen_wait_s=1, engine_busy_s=1, train_s=1,

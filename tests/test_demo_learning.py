@@ -41,7 +41,7 @@ def window_means(steps: list[dict], key: str, window: int = WINDOW) -> tuple[flo
 def check_learning(steps: list[dict], max_steps: int) -> str:
     """Assert that the run learnt; returns a line with the numbers (for the test's output)."""
     assert [s["step"] for s in steps] == list(range(1, max_steps + 1))
-    correct0, correct1 = window_means(steps, "rewards/demo_correct")
+    correct0, correct1 = window_means(steps, "rewards/demo_correct/mean")
     total0, total1 = window_means(steps, "reward")
     line = (f"demo_correct {correct0:.3f} -> {correct1:.3f}, reward {total0:.3f} -> {total1:.3f} "
             f"(means of the first and last {WINDOW} of {max_steps} steps)")

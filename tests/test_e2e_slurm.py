@@ -276,5 +276,5 @@ def test_a_staged_model_is_loaded_by_each_node_from_its_own_copy(testbed, hpcrl,
     for text in (log, shown):
         assert re.search(r"node 0: trainers waited \d+% of each step for generation, the engine idled \d+%", text)
         assert re.search(r"node 1: trainers waited \d+% of each step", text)
-        assert "the split of GPUs is balanced (inference.gpus=1)" in text
+        assert "no other split of a node's 2 GPUs exists (inference.gpus=1, the rest training)" in text
     assert "  balance    node 0: trainers waited" in shown

@@ -74,8 +74,37 @@ def test_shape_and_parameters_from_config(tmp_path):
 def test_no_estimate_where_the_shape_is_unknown(tmp_path):
     assert model_shape("demo:tiny")[0] is None and "built in the job" in model_shape("demo:tiny")[1]
     assert "no config.json" in model_shape(str(tmp_path / "absent"))[1]
-    moe = dict(QWEN_14B, num_experts=64)
-    assert "mixture-of-experts" in model_shape(_model(tmp_path, "moe", moe))[1]
+
+
+# Qwen3-30B-A3B's config.json (its shape; the most common RL model of 2026)
+QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+                 "num_hidden_layers": 48, "vocab_size": 151936, "intermediate_size": 6144,
+                 "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+                 "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                 "tie_word_embeddings": False, "torch_dtype": "bfloat16", "max_position_embeddings": 40960}
+
+
+def test_a_mixture_of_experts_model_is_estimated_with_all_its_experts_stored_and_its_active_ones_computing(tmp_path):
+    shape = model_shape(_model(tmp_path, "moe", QWEN3_30B_A3B))[0]
+    h = 2048
+    attn = h * 32 * 128 * 2 + h * 4 * 128 * 2
+    layer = attn + 128 * 3 * h * 768 + h * 128 + 2 * h         # every expert, the router, two norms
+    assert shape.layer_params == layer
+    assert shape.params == 2 * 151936 * h + h + 48 * layer == 30_532_110_336   # "30B"
+    assert shape.active_intermediate == 8 * 768
+    # Activations follow the 8 active experts, not the 128 stored: a dense 6144-wide MLP's less 0.
+    dense = model_shape(_model(tmp_path, "dense", {k: v for k, v in QWEN3_30B_A3B.items()
+                                                   if k not in ("num_experts", "moe_intermediate_size")}))[0]
+    assert layer_activation_bytes(shape, 2) == layer_activation_bytes(dense, 2) + 2 * 8 * h + 4 * 128
+    # `hpcrl plan` says whether it fits: one engine of 2 GCDs serves it (57 GiB of bf16 weights do
+    # not fit one); the training state (16 B a parameter: 455 GiB) does not fit one node's 6
+    # trainers, and fits 4 nodes' 24.
+    path = _model(tmp_path, "moe", QWEN3_30B_A3B)
+    tp2 = ["inference.gpus=2", "inference.tensor_parallel_size=2", "trainer.activation_checkpointing=true"]
+    one = estimate(_spec("frontier", 1, f"model.path={path}", *BATCH, *tp2))
+    assert one.trainer.fits is False and one.server.fits is True and "-N 2" in one.trainer.fix_text()
+    four = estimate(_spec("frontier", 4, f"model.path={path}", *BATCH, *tp2))
+    assert four.trainer.fits is True and four.mesh.shard == 24
 
 
 # ------------------------------------------------------------------------- the parts, by hand

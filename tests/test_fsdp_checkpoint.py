@@ -483,7 +483,8 @@ def test_heartbeat_is_whole_json_under_concurrent_rewrites(tmp_path):
 
 
 def test_tensorboard_gets_every_numeric_metric(tmp_path):
-    """logging.tensorboard: the scalars land in <run_dir>/tensorboard, readable by TensorBoard."""
+    """logging.tensorboard: the scalars land in <run_dir>/tensorboard, readable by TensorBoard, under
+    the names transformers' TensorBoard callback gives TRL's (train/..., eval/...)."""
     pytest.importorskip("tensorboard")      # installed by scripts/install.sh (the test extra)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -491,12 +492,15 @@ def test_tensorboard_gets_every_numeric_metric(tmp_path):
 
     w = MetricsWriter(tmp_path, rank=0, tensorboard=True)
     for step in range(1, 4):
-        w.log(step, {"reward": step / 10, "rewards/demo_correct": step / 20, "time_sync_s": 0.5})
+        w.log(step, {"reward": step / 10, "rewards/demo_correct/mean": step / 20, "time_sync_s": 0.5,
+                     **({"eval_reward": 0.7} if step == 3 else {})})
     w.close()
     acc = EventAccumulator(str(tmp_path / "tensorboard"))
     acc.Reload()
-    assert {"reward", "rewards/demo_correct", "time_sync_s"} <= set(acc.Tags()["scalars"])
-    assert [(e.step, round(e.value, 6)) for e in acc.Scalars("reward")] == [(1, 0.1), (2, 0.2), (3, 0.3)]
+    assert set(acc.Tags()["scalars"]) == {"train/reward", "train/rewards/demo_correct/mean", "train/time_sync_s",
+                                          "train/sync_s", "eval/reward"}
+    assert [(e.step, round(e.value, 6)) for e in acc.Scalars("train/reward")] == [(1, 0.1), (2, 0.2), (3, 0.3)]
+    assert [(e.step, round(e.value, 6)) for e in acc.Scalars("eval/reward")] == [(3, 0.7)]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -236,7 +236,7 @@ def _w_contract(rank, world, model_dir, run_dir):
             # Mean over each call on each rank (0, 1 on rank 0; 1, 2 on rank 1), as TRL's.
             assert m["probe/rank"] == 1.0 and m["probe/only_rank1"] == 7.0, m
             assert m["log_metric_names"] == ["probe/only_rank1", "probe/rank"]
-            assert m["rewards/probe"] == 2.5 and m["rewards/bonus_reward"] == 0.25
+            assert m["rewards/probe/mean"] == 2.5 and m["rewards/bonus_reward/mean"] == 0.25
 
 
 def test_trainer_gives_reward_functions_state_and_loggers(tmp_path):

@@ -95,27 +95,28 @@ def test_a_trl_config_translates(trl_yaml, tmp_path):
     assert r.logging.tensorboard is True and r.inference.engine == "transformers"
     assert r.checkpoint.output_dir == str(tmp_path / "out" / "grpo")
     assert t.moved["output_dir"] == "checkpoint.output_dir" and t.moved["beta"] == "grpo.beta"
-    assert set(t.inert) >= {"logging_steps", "use_vllm", "vllm_mode", "save_strategy", "lora_r"}
+    assert set(t.inert) >= {"logging_steps", "use_vllm", "vllm_mode", "lora_r"}
+    assert t.moved["save_strategy"] == "grpo.save_strategy"
     assert t.moved["use_peft"] == "model.use_peft" and r.model.use_peft is False      # lora_r: 8 changes nothing
     assert t.moved["optim"] == "grpo.optim" and g.optim == "adamw_torch"
     assert t.moved["eval_strategy"] == "grpo.eval_strategy" and r.grpo.per_device_eval_batch_size == 4
 
 
 def test_every_unimplemented_key_is_named_in_one_error(trl_yaml):
-    trl_yaml.write_text(trl_yaml.read_text() + "use_liger_kernel: true\nuse_adaptive_entropy: true\n"
+    trl_yaml.write_text(trl_yaml.read_text() + "cast_lm_head_to_fp32: true\nuse_adaptive_entropy: true\n"
                         "push_to_hub: true\nlearnin_rate: 3\ngrpo:\n  betta: 1\n")
     with pytest.raises(UserError) as e:
         compose.build_recipe(str(trl_yaml))
     lines = str(e.value).splitlines()
     assert lines[0] == "5 fields are not accepted (nothing was written):"
     text = "\n".join(lines)
-    for name in ("use_liger_kernel: not implemented", "use_adaptive_entropy: not implemented",
+    for name in ("cast_lm_head_to_fp32: not supported yet", "use_adaptive_entropy: not implemented",
                  "push_to_hub: compute nodes have no internet",
                  'learnin_rate: unknown field (did you mean "learning_rate"?)',
                  'grpo.betta: unknown field (did you mean "beta"?)'):
         assert name in text, text
     # No hint to a field of another meaning (save_steps used to suggest max_steps).
-    assert "did you mean" not in text.split("use_liger_kernel")[1].splitlines()[0]
+    assert "did you mean" not in text.split("cast_lm_head_to_fp32")[1].splitlines()[0]
 
 
 LORA_YAML = """\
@@ -199,9 +200,9 @@ def test_trls_tensor_parallel_size_is_one_engine_of_that_size_unless_the_recipe_
 
 
 def test_a_key_at_trls_default_is_accepted(trl_yaml):
-    trl_yaml.write_text(trl_yaml.read_text() + "use_liger_kernel: false\nuse_adaptive_entropy: false\n")
+    trl_yaml.write_text(trl_yaml.read_text() + "cast_lm_head_to_fp32: false\nuse_adaptive_entropy: false\n")
     t = compose.build_recipe(str(trl_yaml)).trl
-    assert t.inert["use_liger_kernel"] == "TRL's default" and t.inert["use_adaptive_entropy"] == "TRL's default"
+    assert t.inert["cast_lm_head_to_fp32"] == "TRL's default" and t.inert["use_adaptive_entropy"] == "TRL's default"
 
 
 def test_the_demo_task_keeps_its_tuned_values_and_user_data_gets_trls():
@@ -296,20 +297,24 @@ def check_trl_user_run(run_dir: Path, out: Path, steps: int) -> None:
 
     from hpcrl.job import rundir
 
-    # Saved every 2 steps (the last step's model is the final one), save_total_limit 1: the newest stays.
-    assert (out / "config.json").is_file() and rundir.model_checkpoint_steps(out) == [max(range(2, steps, 2))]
+    # Saved every 2 steps and at the last (TRL's checkpoint-<last>: hard links to the final model's
+    # files), save_total_limit 1: the newest stays, as in TRL.
+    assert (out / "config.json").is_file() and rundir.model_checkpoint_steps(out) == [steps]
+    last = out / f"checkpoint-{steps}"
+    assert (last / "model.safetensors").stat().st_ino == (out / "model.safetensors").stat().st_ino
     assert AutoModelForCausalLM.from_pretrained(out) is not None
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, steps + 1)) and metrics[-1]["max_steps"] == steps
     # trainer_state as TRL's: the step being trained is global_step + 1 when the rewards are scored.
     assert [m["my/global_step"] for m in metrics] == list(range(steps))
-    assert "rewards/think_format_reward" in metrics[-1] and "rewards/my-rm" in metrics[-1]
+    assert "rewards/think_format_reward/mean" in metrics[-1] and "rewards/my-rm/mean" in metrics[-1]
     assert (run_dir / "rewards" / "my_rewards.py").is_file()
     # Evaluation on the test split every 3 steps and at the end: 5 prompts x 2 completions.
-    evaluated = {m["step"]: m for m in metrics if "eval/reward" in m}
+    evaluated = {m["step"]: m for m in metrics if "eval_reward" in m}
     assert sorted(evaluated) == sorted({*range(3, steps + 1, 3), steps})
-    assert evaluated[steps]["eval/completions"] == 10
-    assert {"eval/rewards/correct", "eval/rewards/think_format_reward", "eval/rewards/my-rm"} <= set(evaluated[steps])
+    assert evaluated[steps]["eval_completions"] == 10
+    assert {"eval_rewards/correct/mean", "eval_rewards/think_format_reward/mean",
+            "eval_rewards/my-rm/mean"} <= set(evaluated[steps])
 
 
 @pytest.mark.slow
@@ -367,6 +372,9 @@ def test_evaluation_schedule_as_transformers():
     # Two functions of weight 1 over 4 completions (b said None twice: left out), 40 tokens, 1 truncated.
     per_func = torch.tensor([[1.0, 1.0], [1.0, math.nan], [0.0, 0.0], [0.0, math.nan]])
     out = summarize(reward_sums(per_func, [1.0, 1.0]) + [4, 40, 1], ["a", "b"])
-    assert out["eval/reward"] == 0.75 and out["eval/rewards/a"] == 0.5 and out["eval/rewards/b"] == 0.5
-    assert out["eval/completion_len_mean"] == 10 and out["eval/truncated_frac"] == 0.25
-    assert math.isclose(out["eval/reward_std"], math.sqrt(5 / 4 - 0.75 ** 2))
+    assert out["eval_reward"] == 0.75 and out["eval_rewards/a/mean"] == 0.5 and out["eval_rewards/b/mean"] == 0.5
+    assert out["eval_completions/mean_length"] == 10 and out["eval_completions/clipped_ratio"] == 0.25
+    # Bessel-corrected, as TRL's nanstd: totals 2, 1, 0, 0; a's values 1, 1, 0, 0; b's 1, 0.
+    assert math.isclose(out["eval_reward_std"], math.sqrt((5 - 4 * 0.75 ** 2) / 3))
+    assert math.isclose(out["eval_rewards/a/std"], math.sqrt(1 / 3))
+    assert math.isclose(out["eval_rewards/b/std"], math.sqrt(1 / 2))

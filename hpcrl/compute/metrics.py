@@ -11,7 +11,8 @@ Only trainer rank 0 writes (on other ranks every method is a no-op, so callers n
 - ``<run_dir>/heartbeat.json``: rewritten atomically (temp file + ``os.replace``), so a reader
   (``hpcrl status``) always sees a whole file: time, step, phase, pid, host, and per-node server health.
 - Optional TensorBoard (``torch.utils.tensorboard``, only if ``tensorboard`` is installed) and W&B in
-  offline mode (only if ``wandb`` is installed); either missing gives a one-line warning.
+  offline mode (only if ``wandb`` is installed); either missing gives a one-line warning. Both get
+  the names transformers gives TRL's metrics there (``train/reward``, ``eval/reward``).
 
 Importable without torch (the login side reads the same file names).
 """
@@ -29,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from hpcrl.job.metric_keys import STEP, SYNC_S, TIME, TIME_SYNC_S, dashboard_key
 from hpcrl.job.rundir import COMPLETIONS_FILE, HEARTBEAT_FILE, METRICS_FILE, TENSORBOARD_DIR
 
 log = logging.getLogger(__name__)
@@ -118,11 +120,11 @@ class MetricsWriter:
         """
         if not self.active:
             return None
-        record: dict[str, Any] = {"step": int(step), "time": time.time()}
+        record: dict[str, Any] = {STEP: int(step), TIME: time.time()}
         record.update(_plain(dict(metrics)))
-        record["step"] = int(step)
-        if "sync_s" not in record and "time_sync_s" in record:
-            record["sync_s"] = record["time_sync_s"]
+        record[STEP] = int(step)
+        if SYNC_S not in record and TIME_SYNC_S in record:
+            record[SYNC_S] = record[TIME_SYNC_S]
         line = json.dumps(record, separators=(",", ":")) + "\n"
         with self._lock:
             f = self._open()
@@ -228,9 +230,11 @@ class MetricsWriter:
     def _log_backends(self, record: Mapping[str, Any]) -> None:
         if not self._backends_started:
             self._start_backends()
-        step = record["step"]
-        scalars = {k: v for k, v in record.items()
-                   if k not in ("step", "time") and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        step = record[STEP]
+        # Under the names transformers' TensorBoard and W&B callbacks give TRL's (train/reward,
+        # eval/reward), so that a TRL user's dashboards read an hpcrl run unchanged.
+        scalars = {dashboard_key(k): v for k, v in record.items()
+                   if k not in (STEP, TIME) and isinstance(v, (int, float)) and not isinstance(v, bool)}
         if self._tb is not None:
             for k, v in scalars.items():
                 self._tb.add_scalar(k, v, step)

@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpcrl.job import metric_keys as mk
 from hpcrl.job.rundir import SERVERS_DIR, read_metrics
 
 __all__ = ["Balance", "advise", "from_run"]
@@ -30,10 +31,16 @@ class Balance:
     server_gpus: int             # inference.gpus now
     best_server_gpus: int        # the split the model likes best
     gain: float                  # modelled step time now / at best_server_gpus
+    gpus_per_node: int = 0
+    splits: int = 2              # the splits a node's GPUs allow (whole engines, a trainer left)
 
     def advice(self) -> str:
         head = (f"generation waits {self.gen_wait_frac:.0%} of each step, the engines idle "
                 f"{self.engine_idle_frac:.0%}")
+        if self.splits < 2:
+            # One engine and one trainer use a node's GPUs up: "balanced" would be advice with no choice.
+            return (f"{head}: no other split of a node's {self.gpus_per_node} GPUs exists (inference.gpus="
+                    f"{self.server_gpus}, the rest training); more nodes add both")
         if self.best_server_gpus == self.server_gpus or self.gain < MIN_GAIN:
             return f"{head}: the split of GPUs is balanced (inference.gpus={self.server_gpus})"
         return (f"{head}: try inference.gpus={self.best_server_gpus} (a model of this run's timings "
@@ -63,7 +70,8 @@ def advise(*, gpus_per_node: int, server_gpus: int, step_s: float, gen_wait_s: f
     gain = now / splits[best] if splits[best] > 0 else 1.0
     return Balance(gen_wait_frac=min(1.0, gen_wait_s / step_s),
                    engine_idle_frac=max(0.0, 1.0 - engine_busy_s / step_s),
-                   server_gpus=server_gpus, best_server_gpus=best, gain=gain)
+                   server_gpus=server_gpus, best_server_gpus=best, gain=gain, gpus_per_node=gpus_per_node,
+                   splits=len(splits))
 
 
 def _engine_busy_fracs(run_dir: str | os.PathLike) -> dict[int, float]:
@@ -88,22 +96,22 @@ def from_run(run_dir: str | os.PathLike, *, gpus_per_node: int, server_gpus: int
     """The balance of a run from its last ``last`` steps' metrics and its engines' health files,
     and a line per node (its trainers' wait, its engine's idle time); (None, []) before a step."""
     # The file's tail: `hpcrl status JOBID` reads this, and a long run's file is large.
-    steps = [m for m in read_metrics(run_dir, max_bytes=256 * 1024) if m.get("time_step_s")][-last:]
+    steps = [m for m in read_metrics(run_dir, max_bytes=256 * 1024) if m.get(mk.TIME_STEP_S)][-last:]
     busy = _engine_busy_fracs(run_dir)
     if not steps or not busy:
         return None, []
     n = len(steps)
-    step_s = sum(m["time_step_s"] for m in steps) / n
+    step_s = sum(m[mk.TIME_STEP_S] for m in steps) / n
     waits: dict[int, float] = {}
     for m in steps:
-        for node, w in enumerate(m.get("time_generation_s_by_node") or ()):
+        for node, w in enumerate(m.get(mk.TIME_GENERATION_S_BY_NODE) or ()):
             waits[node] = waits.get(node, 0.0) + w / n
     engines = "the engine" if server_gpus == tensor_parallel_size else "its engines"
     lines = [f"node {node}: trainers waited {waits[node] / step_s:.0%} of each step for generation, "
              f"{engines} idled {1 - busy[node]:.0%}" for node in sorted(busy) if node in waits]
     balance = advise(gpus_per_node=gpus_per_node, server_gpus=server_gpus, step_s=step_s,
-                     gen_wait_s=sum(m.get("time_generation_s") or 0.0 for m in steps) / n,
+                     gen_wait_s=sum(m.get(mk.TIME_GENERATION_S) or 0.0 for m in steps) / n,
                      engine_busy_s=step_s * sum(busy.values()) / len(busy),
-                     train_s=sum(m.get("time_train_s") or 0.0 for m in steps) / n, overlapped=overlapped,
+                     train_s=sum(m.get(mk.TIME_TRAIN_S) or 0.0 for m in steps) / n, overlapped=overlapped,
                      tensor_parallel_size=tensor_parallel_size)
     return balance, lines

@@ -17,8 +17,8 @@ Trainer, per GPU (FSDP2 with the mixed precision of hpcrl.compute.train.fsdp):
                    prefetched) + one layer's unsharded fp32 gradients (reduce dtype), + the root group
                    (embeddings, final norm, LM head) unsharded in the compute dtype with the head's
                    gradient, which the root keeps from the head's backward to the end of the backward
-  activations      one micro-batch: per_device_train_batch_size x max_model_len tokens (see
-                   layer_activation_bytes); with activation checkpointing each layer's input plus one
+  activations      one micro-batch: per_device_train_batch_size x train_seq_len tokens (see
+                   layer_activation_bytes, train_seq_len); with activation checkpointing each layer's input plus one
                    layer's activations, recomputed in its backward
   logits           micro-batch x (max_completion_length + 1) x vocabulary in the compute dtype, twice
                    (the logits and their gradient)
@@ -62,7 +62,8 @@ has inference.gpus / tensor_parallel_size engines, each generating for the train
   weights      params x serving dtype / tp (inference.dtype, else model.dtype; "auto" = the
                checkpoint's; vLLM serves a float32 checkpoint in bfloat16 on GPUs, float32 on CPU
                as hpcrl.compute.inference asks)
-  KV cache     one sequence of max_model_len tokens (vLLM will not start with less):
+  KV cache     one sequence of the engine's context (inference.max_model_len, else the model's:
+               vLLM will not start with less):
                2 x layers x kv heads per rank x head_dim x dtype bytes per token
   activations  vLLM's profiling forward: max_num_batched_tokens x (3 hidden + 3 intermediate / tp)
                x dtype bytes, + max_num_seqs x vocabulary x 8 (fp32 logits and probabilities);
@@ -90,6 +91,7 @@ import struct
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from hpcrl.job import context
 from hpcrl.job.placement import Plan
 from hpcrl.job.recipe import TrainerConfig, engine_dtype
 from hpcrl.job.spec import JobSpec
@@ -133,7 +135,8 @@ MAX_SUGGESTED_UTILIZATION = 0.95
 # ---------------------------------------------------------------------------------------- model
 @dataclass(frozen=True)
 class ModelShape:
-    """What the estimate needs of a decoder-only transformer (Llama/Qwen/Mistral layout)."""
+    """What the estimate needs of a decoder-only transformer (Llama/Qwen/Mistral layout; with
+    ``experts``, a mixture-of-experts one: Qwen3-MoE, Mixtral, Qwen2-MoE, DeepSeek-style shared experts)."""
     hidden_size: int
     num_layers: int
     vocab_size: int
@@ -144,6 +147,13 @@ class ModelShape:
     tie_word_embeddings: bool
     dtype: str                     # the checkpoint's: "bfloat16", "float16" or "float32"
     params: int                    # exact from safetensors headers where present, else from the shape
+    # Mixture of experts (0: a dense MLP of intermediate_size): every layer's routed experts of
+    # expert_intermediate each, experts_per_token of them active per token, and shared experts
+    # (shared_intermediate in all) that every token passes through.
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
+    shared_intermediate: int = 0
 
     @classmethod
     def from_config(cls, cfg: dict, params: int | None = None) -> "ModelShape":
@@ -155,18 +165,42 @@ class ModelShape:
         dtype = str(text.get("torch_dtype") or text.get("dtype") or cfg.get("torch_dtype")
                     or cfg.get("dtype") or "float32").removeprefix("torch.")
         tie = text.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
+        inter = int(text.get("intermediate_size") or 4 * h)
+        experts = next((int(text[k]) for k in _MOE_KEYS if isinstance(text.get(k), int) and text[k] > 1), 0)
+        moe = {}
+        if experts:
+            expert_inter = int(text.get("moe_intermediate_size") or inter)      # Mixtral: intermediate_size
+            shared = int(text.get("shared_expert_intermediate_size")
+                         or (text.get("n_shared_experts") or 0) * expert_inter)
+            moe = dict(experts=experts, expert_intermediate=expert_inter, shared_intermediate=shared,
+                       experts_per_token=int(next((text[k] for k in _MOE_TOP_K if text.get(k)), 1)))
         shape = cls(hidden_size=h, num_layers=int(text["num_hidden_layers"]), vocab_size=int(text["vocab_size"]),
-                    intermediate_size=int(text.get("intermediate_size") or 4 * h), num_heads=heads,
+                    intermediate_size=inter, num_heads=heads,
                     num_kv_heads=int(text.get("num_key_value_heads") or heads),
                     head_dim=int(text.get("head_dim") or h // heads), tie_word_embeddings=bool(tie),
-                    dtype=dtype if dtype in DTYPE_BYTES else "float32", params=0)
+                    dtype=dtype if dtype in DTYPE_BYTES else "float32", params=0, **moe)
         return replace(shape, params=params or shape.params_from_shape())
+
+    @property
+    def active_intermediate(self) -> int:
+        """The MLP width one token passes through: its experts' and the shared ones' (dense: the MLP's)."""
+        if not self.experts:
+            return self.intermediate_size
+        return self.experts_per_token * self.expert_intermediate + self.shared_intermediate
+
+    @property
+    def mlp_params(self) -> int:
+        h = self.hidden_size
+        if not self.experts:
+            return 3 * h * self.intermediate_size
+        # every expert's gate, up and down projections, the router, the shared experts
+        return self.experts * 3 * h * self.expert_intermediate + h * self.experts + 3 * h * self.shared_intermediate
 
     @property
     def layer_params(self) -> int:
         h, d = self.hidden_size, self.head_dim
         attn = h * self.num_heads * d * 2 + h * self.num_kv_heads * d * 2
-        return attn + 3 * h * self.intermediate_size + 2 * h
+        return attn + self.mlp_params + 2 * h
 
     @property
     def root_params(self) -> int:
@@ -179,7 +213,7 @@ class ModelShape:
     def linear_features(self) -> dict[str, tuple[int, int]]:
         """(in_features, out_features) of each linear layer of a decoder layer (DECODER_LINEARS)."""
         h, q, kv, inter = (self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
-                           self.intermediate_size)
+                           self.expert_intermediate or self.intermediate_size)
         return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
                 "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
 
@@ -249,8 +283,9 @@ class LoraTargets:
                 - c * sum(size for group, size in inputs.items() if group not in kept))
 
 
-# Config keys of mixture-of-experts models: their parameters and activations are not a dense layer's.
+# Config keys of mixture-of-experts models: the number of routed experts, and of those active per token.
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+_MOE_TOP_K = ("num_experts_per_tok", "moe_top_k", "num_experts_per_token")
 
 
 def model_shape(model_path: str) -> tuple[ModelShape | None, str]:
@@ -266,9 +301,6 @@ def model_shape(model_path: str) -> tuple[ModelShape | None, str]:
         return None, f"cannot read {model_path}/config.json ({e.__class__.__name__})"
     if not isinstance(cfg, dict):
         return None, f"{model_path}/config.json is not a mapping"
-    text = cfg.get("text_config") or cfg
-    if any((text.get(k) or 0) > 1 for k in _MOE_KEYS if isinstance(text.get(k, 0), int)):
-        return None, f"{model_path} is a mixture-of-experts model, which the estimate does not model"
     try:
         return ModelShape.from_config(cfg, count_parameters(model_path)), ""
     except (KeyError, TypeError, ValueError, ZeroDivisionError):
@@ -319,17 +351,8 @@ def _safetensors_params(path: Path) -> int:
 
 
 def _params_from_config(cfg: dict) -> int:
-    """Decoder-only transformer (Llama/Qwen/Mistral layout): embeddings, attention, gated MLP."""
-    cfg = cfg.get("text_config", cfg)
-    h, layers, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
-    inter = cfg.get("intermediate_size", 4 * h)
-    heads = cfg.get("num_attention_heads", 1)
-    head_dim = cfg.get("head_dim") or h // heads
-    kv = cfg.get("num_key_value_heads", heads)
-    attn = h * heads * head_dim * 2 + h * kv * head_dim * 2
-    per_layer = attn + 3 * h * inter + 2 * h
-    embed = vocab * h * (1 if cfg.get("tie_word_embeddings", False) else 2)
-    return embed + layers * per_layer + h
+    """Decoder-only transformer (Llama/Qwen/Mistral layout, dense or MoE): embeddings, attention, MLP."""
+    return ModelShape.from_config(cfg).params_from_shape()
 
 
 # -------------------------------------------------------------------------------- the formulas
@@ -344,11 +367,15 @@ def layer_activation_bytes(shape: ModelShape, compute_bytes: int) -> int:
                    padding mask is passed, which the trainer always does); SDPA's flash/efficient
                    kernels keep no s x s scores, only a fp32 logsumexp per head
       MLP          gate, SiLU(gate), up and their product (down_proj's input)
+      MoE          the same for each of a token's experts_per_token experts (and the shared ones),
+                   plus each expert's copy of its tokens' input and the router's fp32 logits
     Residual adds and the rotary multiplications by cos/sin keep nothing of this size."""
     c, h, d = compute_bytes, shape.hidden_size, shape.head_dim
     norms = 2 * (4 + c) * h
     attention = c * 5 * shape.num_heads * d + 4 * shape.num_heads
-    mlp = 4 * c * shape.intermediate_size
+    mlp = 4 * c * shape.active_intermediate
+    if shape.experts:
+        mlp += c * shape.experts_per_token * h + 4 * shape.experts
     return norms + attention + mlp
 
 
@@ -426,7 +453,7 @@ def server_parts(shape: ModelShape, *, tp: int = 1, serve_dtype: str = "bfloat16
     """A vLLM server rank's memory in bytes, by part, before the KV cache for the batch."""
     s = DTYPE_BYTES[serve_dtype]
     kv = kv_bytes_per_token(shape, tp, kv_dtype_bytes or s)
-    act = (batched_tokens * (3 * shape.hidden_size + 3 * shape.intermediate_size // tp) * s
+    act = (batched_tokens * (3 * shape.hidden_size + 3 * shape.active_intermediate // tp) * s
            + max_seqs * shape.vocab_size * 8)
     return {
         "weights": math.ceil(shape.params * s / tp),
@@ -556,6 +583,30 @@ def lora_targets(spec: JobSpec, shape: ModelShape) -> LoraTargets | None:
     return LoraTargets.of(shape, m.lora_target_modules, m.lora_r, m.lora_dropout) if m.use_peft else None
 
 
+# The prompt tokens the trainers' estimate allows beside max_completion_length when the engine's
+# context is the model's own (inference.max_model_len unset): a 32k-token context would otherwise
+# size every micro-batch as 32k tokens wide and refuse most jobs of a long-context model.
+ASSUMED_PROMPT_TOKENS = 1024
+
+
+def engine_len(spec: JobSpec) -> int:
+    """The engine's context: inference.max_model_len, else the model's (hpcrl.job.context)."""
+    if spec.recipe.inference.max_model_len:
+        return spec.recipe.inference.max_model_len
+    ctx = context.model_context(spec.recipe.model.path, spec.recipe.model.tokenizer)
+    return ctx.tokens if ctx else context.VLLM_DEFAULT
+
+
+def train_seq_len(spec: JobSpec) -> int:
+    """The widest micro-batch row the trainers' estimate holds for: the engine's context where the
+    recipe bounds it (inference.max_model_len), else max_completion_length + ASSUMED_PROMPT_TOKENS
+    within the model's context."""
+    r = spec.recipe
+    if r.inference.max_model_len:
+        return r.inference.max_model_len
+    return min(engine_len(spec), r.grpo.max_completion_length + ASSUMED_PROMPT_TOKENS)
+
+
 def _trainer_parts(spec: JobSpec, shape: ModelShape, shard: int) -> dict[str, int]:
     r = spec.recipe
     on_gpu = spec.site.device == "cuda"
@@ -565,7 +616,7 @@ def _trainer_parts(spec: JobSpec, shape: ModelShape, shard: int) -> dict[str, in
         # the engine takes prompts up to max_model_len - max_completion_length, so a full-width
         # batch comes as soon as one long prompt gets a full-length completion. The estimate holds
         # for that batch: a step that runs out of memory hours in is what it is here to prevent.
-        seq_len=r.inference.max_model_len, completion_len=r.grpo.max_completion_length, shard=shard,
+        seq_len=train_seq_len(spec), completion_len=r.grpo.max_completion_length, shard=shard,
         compute_dtype=compute_dtype(spec),
         reference_dtype=None if r.model.dtype == "auto" else r.model.dtype,
         # An offloaded reference lives in host memory; on a CPU site that is the same memory.
@@ -634,12 +685,12 @@ def _server(spec: JobSpec, plan: Plan, shape: ModelShape) -> tuple[dict[str, int
     kv_dtype = str(inf.engine_args.get("kv_cache_dtype", "auto"))
     kv_bytes = 1 if kv_dtype.startswith("fp8") else DTYPE_BYTES[dtype]
     tp = inf.tensor_parallel_size
-    parts = server_parts(shape, tp=tp, serve_dtype=dtype, max_model_len=inf.max_model_len,
+    parts = server_parts(shape, tp=tp, serve_dtype=dtype, max_model_len=engine_len(spec),
                          kv_dtype_bytes=kv_bytes, batched_tokens=tokens, max_seqs=seqs,
                          cuda_graphs=not inf.enforce_eager and spec.site.device == "cuda")
     capacity = task_capacity(spec, plan)
     batch = _sequences_per_step(spec, plan)
-    per_seq = inf.max_model_len * kv_bytes_per_token(shape, tp, kv_bytes)
+    per_seq = engine_len(spec) * kv_bytes_per_token(shape, tp, kv_bytes)
     facts = {"dtype": dtype, "tensor_parallel": tp, "engines_per_node": plan.engines_per_node, "utilization": inf.gpu_memory_utilization,
              "sequences_per_step": batch, "kv_bytes_per_sequence": per_seq}
     if inf.engine == "transformers":
@@ -787,7 +838,7 @@ def estimate(spec: JobSpec, plan: Plan | None = None) -> Fit:
     no_size = "" if capacity else f"site {spec.site.name} gives no memory size ({_memory_field(spec)})"
     parts = _trainer_parts(spec, shape, mesh.shard)
     facts = {"mesh": mesh.kind, "shard": mesh.shard, "compute_dtype": compute_dtype(spec),
-             "micro_batch_tokens": spec.recipe.grpo.per_device_train_batch_size * spec.recipe.inference.max_model_len}
+             "micro_batch_tokens": spec.recipe.grpo.per_device_train_batch_size * train_seq_len(spec)}
     lora = lora_targets(spec, shape)
     if lora is not None:
         facts["lora_params"] = lora.params

@@ -18,8 +18,21 @@ from hpcrl.job.errors import UserError
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 # grpo.optim: the TRL (transformers) names of the AdamW that hpcrl runs.
 OPTIMS = ("adamw_torch", "adamw_torch_fused")
-# grpo.lr_scheduler_kwargs each lr_scheduler_type takes (transformers' schedule functions' own arguments).
-SCHEDULER_KWARGS = {"constant": (), "constant_with_warmup": (), "linear": (), "cosine": ("num_cycles",)}
+# grpo.lr_scheduler_type: every transformers.SchedulerType that steps once per optimizer step, with
+# the lr_scheduler_kwargs its schedule function takes (transformers.optimization; a test holds the
+# names to transformers'), and those of them it cannot go without.
+SCHEDULER_KWARGS = {
+    "linear": (), "constant": (), "constant_with_warmup": (),
+    "cosine": ("num_cycles",), "cosine_with_restarts": ("num_cycles",),
+    "polynomial": ("lr_end", "power"), "inverse_sqrt": ("timescale",),
+    "cosine_with_min_lr": ("num_cycles", "min_lr", "min_lr_rate"),
+    "cosine_warmup_with_min_lr": ("num_cycles", "min_lr", "min_lr_rate", "warmup_lr_rate"),
+    "warmup_stable_decay": ("num_decay_steps", "num_stable_steps", "warmup_type", "decay_type", "min_lr_ratio",
+                            "num_cycles"),
+}
+SCHEDULER_REQUIRED = {"warmup_stable_decay": ("num_decay_steps",)}
+# transformers' schedules that step on an evaluation metric, not once per optimizer step.
+SCHEDULERS_ON_METRICS = ("reduce_lr_on_plateau", "greedy")
 # A reward function or other import path: "package.module:function" or "package.module.function".
 IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?$")
 
@@ -93,6 +106,47 @@ def engine_dtype(inference_dtype: str, model_dtype: str) -> str:
     return model_dtype if inference_dtype == "auto" else inference_dtype
 
 
+# datasets' packaged builders (datasets 5.2): a mixture source whose path names one reads the files
+# of its data_files or data_dir (relative to the directory hpcrl runs in); a test holds this equal
+# to datasets.packaged_modules. Kept here because the login side never imports datasets.
+DATASET_BUILDERS = ("arrow", "audiofolder", "conll", "csv", "eval", "fasta", "fastq", "genbank", "harbor", "hdf5",
+                    "iceberg", "imagefolder", "json", "lance", "meshfolder", "mmcif", "niftifolder", "pandas",
+                    "parquet", "pdb", "pdffolder", "text", "tsfile", "videofolder", "vortex", "webdataset", "xml")
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """One dataset of a mixture, TRL's DatasetConfig (TRL 1.16): loaded as TRL's get_dataset loads
+    it, datasets.load_dataset(path, name, data_dir, data_files, split), then only `columns` kept
+    (None: all). `path` is what load_dataset takes: a builder ("json", "csv", "parquet", ...) with
+    data_files or data_dir, a directory of data files, or a hub dataset id in the Hugging Face cache.
+    `fraction`: this dataset's share of the mixture, set for all of them or none (TRL's rule: the
+    first round(share * N) rows of each, N as large as no dataset runs out)."""
+    path: str
+    name: Optional[str] = None
+    data_dir: Optional[str] = None
+    data_files: Union[str, tuple[str, ...], dict[str, Union[str, tuple[str, ...]]], None] = None
+    split: str = "train"
+    columns: Optional[tuple[str, ...]] = None
+    fraction: Optional[float] = None
+
+    def validate(self, where: str) -> None:
+        if not self.path.strip():
+            raise UserError(f"{where}.path: empty; give what datasets.load_dataset takes (a builder such as "
+                            f"json with data_files, a directory of data files, or a cached hub dataset id)")
+        if not self.split.strip():
+            raise UserError(f"{where}.split: empty; give a split name such as \"train\"")
+        if self.columns is not None:
+            if not self.columns or any(not c.strip() for c in self.columns):
+                raise UserError(f"{where}.columns: a list of column names (leave it out for every column), "
+                                f"got {list(self.columns)!r}")
+            twice = next((c for i, c in enumerate(self.columns) if c in self.columns[:i]), None)
+            if twice is not None:
+                raise UserError(f"{where}.columns: {twice!r} is named twice")
+        if self.fraction is not None and not self.fraction >= 0:
+            raise UserError(f"{where}.fraction: the dataset's share of the mixture must be >= 0, got {self.fraction}")
+
+
 @dataclass(frozen=True)
 class DataConfig:
     # What datasets.load_dataset(path) reads, as TRL's dataset_name: a local .jsonl/.json/.parquet/.csv
@@ -109,6 +163,40 @@ class DataConfig:
     eval_split: str = "test"
     prompt_column: str = "prompt"
     shuffle: bool = True
+    # A mixture instead of data.path, TRL's `datasets` (DatasetMixtureConfig): every source loaded in
+    # order and concatenated, as TRL's get_dataset does. Its splits are "train" and, with
+    # test_split_size, "test"; data.split and data.eval_split pick from them as TRL's
+    # dataset_train_split and dataset_test_split do.
+    datasets: tuple[DataSource, ...] = ()
+    # TRL's test_split_size: that share (0 < x < 1) or number of rows of the mixture becomes "test"
+    # (datasets' train_test_split). Seeded with grpo.seed where TRL leaves it unseeded: every rank
+    # must draw the same split.
+    test_split_size: Union[int, float, None] = None
+
+    def validate(self, where: str) -> None:
+        if not self.datasets:
+            if self.test_split_size is not None:
+                raise UserError(f"{where}.test_split_size: splits a mixture only (give {where}.datasets), as in TRL")
+            return
+        for other, unset in (("path", "demo"), ("data_files", ()), ("config", "")):
+            if getattr(self, other) != unset:
+                raise UserError(f"{where}.{other}: give {where}.{other} or {where}.datasets, not both (a "
+                                f"mixture sets path, data_files and name per dataset)")
+        fractions = [s.fraction for s in self.datasets]
+        if None in fractions and any(f is not None for f in fractions):
+            i = fractions.index(None)
+            raise UserError(f"{where}.datasets[{i}].fraction: unset while another dataset sets one; set a "
+                            f"fraction for every dataset of the mixture or for none (TRL's rule)")
+        if fractions[0] is not None and not sum(fractions) > 0:
+            raise UserError(f"{where}.datasets: the fractions add up to 0; give at least one dataset a share")
+        size = self.test_split_size
+        if size is not None and not (isinstance(size, int) and size >= 1 or isinstance(size, float) and 0 < size < 1):
+            raise UserError(f"{where}.test_split_size: a share of the rows (0 < x < 1) or a number of rows "
+                            f"(>= 1), got {size!r}")
+        splits = ("train", "test") if size is not None else ("train",)
+        if self.split not in splits:
+            raise UserError(f"{where}.split: {self.split!r}: a mixture's splits are {', '.join(splits)}"
+                            + ("" if size is not None else " (test_split_size adds \"test\")"))
 
 
 # trl.rewards' functions (TRL 1.16): a recipe may name them alone, as TRL's CLI does (`func: accuracy_reward`).
@@ -207,7 +295,8 @@ class GRPOConfig:
     steps_per_generation: Optional[int] = None
     generation_batch_size: Optional[int] = None
     loss_type: str = "dapo"
-    scale_rewards: Literal["group", "batch", "none"] = "group"
+    # TRL's booleans too: true = "group", false = "none" (normalized in __post_init__).
+    scale_rewards: Union[Literal["group", "batch", "none"], bool] = "group"
     mask_truncated_completions: bool = False
     importance_sampling_level: Literal["token", "sequence"] = "token"    # "sequence": GSPO
     delta: Optional[float] = None           # two-sided clipping (INTELLECT-2): the ratio is capped at delta
@@ -221,6 +310,9 @@ class GRPOConfig:
     vespo_k_neg: float = 3.0
     vespo_lambda_neg: float = 2.0
     entropy_coef: float = 0.0               # static entropy bonus: loss - entropy_coef * mean token entropy
+    # A mixture of experts' load-balancing loss, added as TRL adds it: coef x the routers' aux loss;
+    # None = the model config's own router_aux_loss_coef (0 for a dense model).
+    router_aux_loss_coef: Optional[float] = None
     # Train only on the tokens whose entropy is in this top fraction of the micro-batch's (over every
     # trainer), as TRL's "Beyond the 80/20 rule" option; 1.0 = every token.
     top_entropy_quantile: float = 1.0
@@ -242,8 +334,10 @@ class GRPOConfig:
     num_train_epochs: float = 3.0
     # Linear warmup: a whole number of steps, or a fraction (< 1) of all steps, as transformers'.
     warmup_steps: float = 0.0
-    lr_scheduler_type: Literal["constant", "cosine", "linear", "constant_with_warmup"] = "linear"
-    # transformers.get_scheduler's scheduler_specific_kwargs (cosine: num_cycles).
+    # Any of SCHEDULER_KWARGS: transformers.get_scheduler's names.
+    lr_scheduler_type: str = "linear"
+    # transformers.get_scheduler's scheduler_specific_kwargs (cosine: num_cycles; cosine_with_min_lr:
+    # min_lr or min_lr_rate; warmup_stable_decay: num_decay_steps, ...).
     lr_scheduler_kwargs: Optional[dict[str, Any]] = None
     optim: str = "adamw_torch_fused"        # AdamW: "adamw_torch" (torch's default kernel) or fused
     max_grad_norm: float = 1.0
@@ -255,22 +349,27 @@ class GRPOConfig:
     gradient_checkpointing: bool = True
     # Mixed precision: "auto" = bf16 compute with fp32 reduce on GPU, fp32 on CPU.
     bf16: Optional[bool] = None
-    # Optimizer steps between Hugging Face model directories <output_dir>/checkpoint-<step>/
-    # (checkpoint.output_dir); 0 = only the final one.
+    # Hugging Face model directories <output_dir>/checkpoint-<step>/ (checkpoint.output_dir), as
+    # TRL's: "steps" every save_steps optimizer steps and at the last (0 = only the final model),
+    # "epoch" after each pass over the prompts, "no" only the final model.
+    save_strategy: Literal["no", "steps", "epoch"] = "steps"
     save_steps: int = 500
     save_total_limit: Optional[int] = None  # keep only this many newest checkpoint-<step> directories
     # Evaluation on the data's eval_split (hpcrl.compute.train.evaluation): "steps" = every
     # eval_steps optimizer steps (None: 10, TRL's logging_steps; a fraction < 1 of max_steps) and
-    # after the last; per_device_eval_batch_size completions per trainer and request,
-    # num_generations_eval (None: num_generations) per prompt.
-    eval_strategy: Literal["no", "steps"] = "no"
+    # after the last, "epoch" = after each pass over the prompts; per_device_eval_batch_size
+    # completions per trainer and request, num_generations_eval (None: num_generations) per prompt.
+    eval_strategy: Literal["no", "steps", "epoch"] = "no"
     eval_steps: Optional[float] = None
     eval_on_start: bool = False
     per_device_eval_batch_size: int = 8
     num_generations_eval: Optional[int] = None
 
     def validate(self, where: str) -> None:
-        positive = ("learning_rate", "per_device_train_batch_size", "gradient_accumulation_steps",
+        # learning_rate 0 is TRL's to take too: such a run trains nothing, and its summary says so.
+        if self.learning_rate < 0:
+            raise UserError(f"{where}.learning_rate: must be >= 0, got {self.learning_rate}")
+        positive = ("per_device_train_batch_size", "gradient_accumulation_steps",
                     "num_generations", "max_completion_length", "temperature", "num_iterations",
                     "adam_epsilon")
         for name in positive:
@@ -282,6 +381,8 @@ class GRPOConfig:
         for name in ("beta", "epsilon", "weight_decay", "max_grad_norm", "top_k", "save_steps"):
             if getattr(self, name) < 0:
                 raise UserError(f"{where}.{name}: must be >= 0, got {getattr(self, name)}")
+        if self.router_aux_loss_coef is not None and self.router_aux_loss_coef < 0:
+            raise UserError(f"{where}.router_aux_loss_coef: must be >= 0 or null, got {self.router_aux_loss_coef}")
         if self.epsilon_high is not None and self.epsilon_high < 0:
             raise UserError(f"{where}.epsilon_high: must be >= 0, got {self.epsilon_high}")
         lo, hi = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
@@ -320,12 +421,7 @@ class GRPOConfig:
         if self.optim not in OPTIMS:
             raise UserError(f"{where}.optim: {self.optim!r} is not supported; hpcrl's optimizer is AdamW: "
                             f"one of {', '.join(OPTIMS)}")
-        allowed = SCHEDULER_KWARGS[self.lr_scheduler_type]
-        unknown = sorted(set(self.lr_scheduler_kwargs or {}) - set(allowed))
-        if unknown:
-            takes = f"takes only {', '.join(allowed)}" if allowed else "takes none"
-            raise UserError(f"{where}.lr_scheduler_kwargs: {', '.join(unknown)} not taken by lr_scheduler_type "
-                            f"{self.lr_scheduler_type!r} ({takes})")
+        self._validate_scheduler(where)
         if self.min_p is not None and not 0 <= self.min_p <= 1:
             raise UserError(f"{where}.min_p: must be in [0, 1] or null, got {self.min_p}")
         if self.repetition_penalty <= 0:
@@ -357,6 +453,35 @@ class GRPOConfig:
             raise UserError(f"{where}.steps_per_generation: {self.steps_per_generation} is not a multiple of "
                             f"gradient_accumulation_steps ({self.gradient_accumulation_steps}); hpcrl trains a "
                             f"whole number of optimizer steps on each generation")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.scale_rewards, bool):
+            object.__setattr__(self, "scale_rewards", "group" if self.scale_rewards else "none")
+
+    def _validate_scheduler(self, where: str) -> None:
+        name, kwargs = self.lr_scheduler_type, dict(self.lr_scheduler_kwargs or {})
+        if name in SCHEDULERS_ON_METRICS:
+            raise UserError(f"{where}.lr_scheduler_type: {name!r} steps on an evaluation metric, which hpcrl does "
+                            f"not feed to schedules yet; use one that steps per optimizer step: "
+                            f"{', '.join(SCHEDULER_KWARGS)}")
+        if name not in SCHEDULER_KWARGS:
+            raise UserError(f"{where}.lr_scheduler_type: {name!r} is not one of {', '.join(SCHEDULER_KWARGS)}"
+                            f"{closest(name, SCHEDULER_KWARGS)}")
+        allowed = SCHEDULER_KWARGS[name]
+        unknown = sorted(set(kwargs) - set(allowed))
+        if unknown:
+            takes = f"takes only {', '.join(allowed)}" if allowed else "takes none"
+            raise UserError(f"{where}.lr_scheduler_kwargs: {', '.join(unknown)} not taken by lr_scheduler_type "
+                            f"{name!r} ({takes})")
+        missing = [k for k in SCHEDULER_REQUIRED.get(name, ()) if k not in kwargs]
+        if missing:
+            raise UserError(f"{where}.lr_scheduler_kwargs: lr_scheduler_type {name!r} needs {', '.join(missing)}")
+        if name.startswith("cosine") and name.endswith("min_lr") and ("min_lr" in kwargs) == ("min_lr_rate" in kwargs):
+            raise UserError(f"{where}.lr_scheduler_kwargs: lr_scheduler_type {name!r} needs one of min_lr and "
+                            f"min_lr_rate (open-r1's recipes: min_lr_rate: 0.1)")
+        if name == "polynomial" and float(kwargs.get("lr_end", 1e-7)) >= self.learning_rate:
+            raise UserError(f"{where}.lr_scheduler_kwargs: polynomial's lr_end ({kwargs.get('lr_end', 1e-7)}) must be "
+                            f"below learning_rate ({self.learning_rate})")
 
     def micro_batches_per_generation(self, num_trainers: int) -> int:
         """TRL's steps_per_generation: micro-batches of per_device_train_batch_size completions one
@@ -396,7 +521,9 @@ class InferenceConfig:
     gpus: int = 1                   # GPUs per node that generate, in engines of tensor_parallel_size GPUs
     tensor_parallel_size: int = 1   # GPUs per engine: gpus / tensor_parallel_size engines per node
     gpu_memory_utilization: float = 0.85
-    max_model_len: int = 1024
+    # The engine's context, prompt and completion together (TRL's vllm_max_model_length). None: the
+    # model's own, as vLLM derives it from config.json and the tokenizer (hpcrl.job.context).
+    max_model_len: Optional[int] = None
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     enforce_eager: bool = True
     engine_args: dict[str, Any] = field(default_factory=dict)   # passed to the engine as is
@@ -425,7 +552,10 @@ class InferenceConfig:
                             f"{self.tensor_parallel_size}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise UserError(f"{where}.gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
-        for name in ("max_model_len", "sync_every", "sync_bucket_mb"):
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise UserError(f"{where}.max_model_len: must be at least 1, or null for the model's own context, "
+                            f"got {self.max_model_len}")
+        for name in ("sync_every", "sync_bucket_mb"):
             if getattr(self, name) < 1:
                 raise UserError(f"{where}.{name}: must be at least 1, got {getattr(self, name)}")
         for name in ("start_timeout_s", "request_timeout_s", "generation_s_per_ktoken"):

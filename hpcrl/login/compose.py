@@ -15,12 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from hpcrl import __version__
-from hpcrl.job import rundir
+from hpcrl.job import context, rundir
 from hpcrl.job.config import build, closest, deep_merge, problems_error, set_dotted, unknown_fields
 from hpcrl.job.errors import UserError
 from hpcrl.job.hfcache import is_glob
 from hpcrl.job.placement import Plan, make_plan
-from hpcrl.job.recipe import DEMO_GRPO, DataConfig, Recipe
+from hpcrl.job.recipe import DATASET_BUILDERS, DEMO_GRPO, DataConfig, Recipe
 from hpcrl.job.recipe import TRL_REWARDS_MATH_VERIFY, expand_shorthands, reward_import_path
 from hpcrl.job.site import Site
 from hpcrl.job.slurm_time import parse_walltime
@@ -145,9 +145,38 @@ def _validate_batch(recipe: Recipe, num_trainers: int) -> None:
         raise UserError(f"grpo.num_generations: {g.num_generations} does not divide the {per_rank} completions "
                         f"each trainer generates at once (per_device_train_batch_size x steps_per_generation, "
                         f"which is gradient_accumulation_steps unless set)")
-    if recipe.inference.max_model_len <= g.max_completion_length:
-        raise UserError(f"inference.max_model_len: {recipe.inference.max_model_len} leaves no room for prompts "
-                        f"beside grpo.max_completion_length={g.max_completion_length}")
+    _validate_context(recipe)
+    _validate_router_aux(recipe)
+
+
+def _validate_router_aux(recipe: Recipe) -> None:
+    """TRL refuses a load-balancing coefficient for a model without routers; so does hpcrl, before
+    the job waits in a queue (where the login node can read the model's config.json)."""
+    if not recipe.grpo.router_aux_loss_coef:
+        return
+    from hpcrl.job.fit import model_shape
+
+    shape, _ = model_shape(recipe.model.path)
+    if shape is not None and not shape.experts:
+        raise UserError(f"grpo.router_aux_loss_coef: {recipe.grpo.router_aux_loss_coef} is set, but "
+                        f"{recipe.model.path} is not a mixture-of-experts model (it has no routers)")
+
+
+def _validate_context(recipe: Recipe) -> None:
+    """An engine context the recipe sets, against the completions and the model (TRL's
+    vllm_max_model_length; unset, the engine takes the model's own, as vLLM and TRL do)."""
+    asked, g = recipe.inference.max_model_len, recipe.grpo
+    if asked is None:
+        return
+    if asked <= g.max_completion_length:
+        raise UserError(f"inference.max_model_len: {asked} leaves no room for prompts beside "
+                        f"grpo.max_completion_length={g.max_completion_length}; raise it, or leave it unset for "
+                        f"the model's own context")
+    model = context.model_context(recipe.model.path, recipe.model.tokenizer)
+    if model is not None and asked > model.tokens:
+        # vLLM refuses it on the node ("User-specified max_model_len ... is greater than the derived")
+        raise UserError(f"inference.max_model_len: {asked} is over the model's context of {model.tokens} tokens "
+                        f"({model.source}), which vLLM refuses; leave it unset for the model's own")
 
 
 def split_recipe_and_overrides(recipe: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
@@ -213,7 +242,18 @@ def compose(recipe_path: str | None, site_name: str, assignments: list[str] = ()
     `check_fit`: refuse a job whose memory estimate is over its GPUs' (unknown sizes never are).
     `check_inputs`: refuse a model, tokenizer or dataset the job could not load (hpcrl.login.inputs).
     `for_plan`: `hpcrl plan`'s spec: no account needed, no run directory (run_dir is ""), no refusal."""
-    recipe = build_recipe(recipe_path, assignments, flags).recipe
+    resolved = build_recipe(recipe_path, assignments, flags)
+    try:
+        return _compose(resolved.recipe, recipe_path, site_name, run_dir, check_fit=check_fit, for_plan=for_plan,
+                        check_inputs=check_inputs)
+    except UserError as e:
+        if resolved.trl is None:
+            raise
+        raise UserError(trl_config.in_trl_terms(str(e), resolved.trl)) from None
+
+
+def _compose(recipe: Recipe, recipe_path: str | None, site_name: str, run_dir: str | None, *,
+             check_fit: bool, for_plan: bool, check_inputs: bool) -> JobSpec:
     site = profiles.load(site_name, recipe.site)
     # Site defaults fill resources the recipe and flags left open.
     res = recipe.resources
@@ -299,14 +339,32 @@ def build_recipe(recipe_path: str | None, assignments: list[str] = (),
     problems = (translation.problems if translation else []) + unknown_fields(Recipe, data)
     if problems:
         raise problems_error(problems)
+    if "name" not in data:
+        data["name"] = run_name(data, recipe_path)
     if (data.get("data") or {}).get("path", DataConfig.path) == DataConfig.path \
-            and not (data.get("data") or {}).get("data_files"):
+            and not (data.get("data") or {}).get("data_files") and not (data.get("data") or {}).get("datasets"):
         # The built-in task trains with its own tuned values where the recipe says nothing.
         data["grpo"] = {**DEMO_GRPO, **(data.get("grpo") or {})}
     data = expand_shorthands(data)
     _local_paths(data)
     deepspeed_inputs.resolve_paths(data, recipe_path)
-    return ResolvedRecipe(build(Recipe, data), translation)
+    try:
+        recipe = build(Recipe, data)
+    except UserError as e:
+        if translation is None:
+            raise
+        raise UserError(trl_config.in_trl_terms(str(e), translation)) from None
+    return ResolvedRecipe(recipe, translation)
+
+
+def run_name(data: dict, recipe_path: str | None) -> str:
+    """A run's name where the recipe gives none (TRL's run_name): as TRL names it, after its
+    output_dir, else after the recipe file; the built-in demo keeps Recipe.name's default. Made
+    safe for Slurm's job name and the run directory (letters, digits and _ . + -)."""
+    output_dir = (data.get("checkpoint") or {}).get("output_dir")
+    stem = Path(str(output_dir)).name if output_dir else (Path(recipe_path).stem if recipe_path else "")
+    name = re.sub(r"[^A-Za-z0-9_.+-]+", "-", stem).strip("-.")[:128]
+    return name or Recipe.name
 
 
 def _local_paths(data: dict) -> None:
@@ -326,10 +384,44 @@ def _local_paths(data: dict) -> None:
     if isinstance(files, list):
         data["data"]["data_files"] = [str(Path(f).expanduser().absolute()) if isinstance(f, str) else f
                                       for f in files]
+    sources = (data.get("data") or {}).get("datasets")
+    if isinstance(sources, list):
+        # copies: the mapping may be a caller's (flags), which must not change under it
+        data["data"] = {**data["data"], "datasets": [dict(s) if isinstance(s, dict) else s for s in sources]}
+        for source in data["data"]["datasets"]:
+            if isinstance(source, dict):
+                _mixture_source_paths(source)
     for reward in data.get("rewards") or ():
         model = reward.get("model") if isinstance(reward, dict) else None
         if isinstance(model, str) and model and not Path(model).is_absolute() and Path(model).expanduser().exists():
             reward["model"] = str(Path(model).expanduser().absolute())
+
+
+def _mixture_source_paths(source: dict) -> None:
+    """A mixture source's relative paths made absolute where datasets.load_dataset would take them
+    from the current directory: a builder's data_dir, and its data_files unless data_dir is given
+    (they are then inside it); a local directory's own path (its data_dir and data_files are inside
+    it). A hub dataset's are paths in its repository, left as they are."""
+    def here(value):
+        if isinstance(value, str) and value and "://" not in value and not Path(value).is_absolute():
+            return str(Path(value).expanduser().absolute())
+        return value
+
+    path = source.get("path")
+    if not isinstance(path, str) or not path:
+        return
+    if path in DATASET_BUILDERS:       # load_dataset tries its builders first, as here
+        if source.get("data_dir"):
+            source["data_dir"] = here(source["data_dir"])
+            return
+        files = source.get("data_files")
+        if isinstance(files, dict):
+            source["data_files"] = {k: [here(f) for f in v] if isinstance(v, list) else here(v)
+                                    for k, v in files.items()}
+        else:
+            source["data_files"] = [here(f) for f in files] if isinstance(files, list) else here(files)
+    elif Path(path).expanduser().is_dir():
+        source["path"] = here(path)
 
 
 def _print_notes(notes: list[str]) -> None:

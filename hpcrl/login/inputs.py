@@ -18,6 +18,7 @@ checked.
 from __future__ import annotations
 
 import csv
+import glob
 import json
 import os
 import re
@@ -28,7 +29,7 @@ from hpcrl.job.config import closest
 from hpcrl.job.errors import UserError
 from hpcrl.job.fit import (ALL_LINEAR, DECODER_LINEARS, decoder_linear_path, lora_target_matches,
                            read_safetensors_header)
-from hpcrl.job.recipe import ModelConfig, Recipe
+from hpcrl.job.recipe import DATASET_BUILDERS, DataSource, ModelConfig, Recipe
 from hpcrl.job.site import Site
 
 DEMO_DATA = "demo"
@@ -298,6 +299,8 @@ def _check_lora_targets(model: ModelConfig, modules: ModulePaths | None) -> None
 
 # ---------------------------------------------------------------------------- data
 def _check_data(recipe: Recipe, env) -> None:
+    if recipe.data.datasets:
+        return _check_mixture(recipe, env)
     _check_split(recipe, env, recipe.data.split)
     if recipe.grpo.eval_strategy != "no":
         try:
@@ -340,6 +343,138 @@ def _check_split(recipe: Recipe, env, split: str) -> None:
     if prepared is None:
         raise UserError(f"data.path: {text!r} is neither a local path nor a dataset in the Hugging Face cache "
                         f"({hub_cache}, {datasets_cache}); {hfcache.download_hint(text, 'dataset')}")
+    return None
+
+
+def _check_mixture(recipe: Recipe, env) -> None:
+    """data.datasets, each source as datasets.load_dataset will find it (the split of data.split
+    itself was checked with the recipe: "train", or "test" with data.test_split_size)."""
+    data = recipe.data
+    splits = ("train", "test") if data.test_split_size is not None else ("train",)
+    if recipe.grpo.eval_strategy != "no" and data.eval_split not in splits:
+        raise UserError(f"data.eval_split: {data.eval_split!r}: a mixture's splits are \"train\" and, with "
+                        f"data.test_split_size (TRL's test_split_size), \"test\"; evaluation needs one of them")
+    for i, source in enumerate(data.datasets):
+        _check_source(source, f"data.datasets[{i}]", data.prompt_column, env)
+
+
+def _split_names(split: str) -> list[str]:
+    """The split names of a load_dataset split expression ("train[:10%]+test" -> train, test)."""
+    return [part.split("[", 1)[0].strip() for part in split.split("+")]
+
+
+def _check_source(source: DataSource, where: str, column: str, env) -> None:
+    if source.columns is not None and column not in source.columns:
+        raise UserError(f"{where}.columns: keeps no {column!r} column (data.prompt_column); add it")
+    path = Path(source.path).expanduser()
+    if source.path in DATASET_BUILDERS:
+        if source.data_files is not None:
+            return _check_source_files(source, where, column, base=source.data_dir and Path(source.data_dir))
+        if source.data_dir is None:
+            raise UserError(f"{where}: the {source.path!r} builder reads the files of data_files or data_dir; "
+                            f"give one of them")
+        return _check_source_dir(source, where, column, Path(source.data_dir).expanduser(), f"{where}.data_dir")
+    if path.is_file():
+        builder = hfcache.DATA_FILE_BUILDERS.get(path.suffix, "json")
+        raise UserError(f"{where}.path: {source.path} is a file; datasets.load_dataset (so TRL) reads files "
+                        f"through a builder: path: {builder}, data_files: {source.path}")
+    if path.is_dir():
+        if source.data_files is not None:
+            return _check_source_files(source, where, column, base=path / (source.data_dir or ""))
+        return _check_source_dir(source, where, column, path / (source.data_dir or ""), f"{where}.path")
+    if unseen_here(path) and not hfcache.is_hub_id(source.path):
+        return None
+    if path.exists():
+        raise UserError(f"{where}.path: {source.path} is neither a file nor a directory")
+    if not hfcache.is_hub_id(source.path):
+        raise UserError(f"{where}.path: {source.path} does not exist (and is no builder such as json, csv or "
+                        f"parquet, nor a hub dataset id)")
+    hub_cache, datasets_cache = _caches(env)
+    if hub_cache is None or datasets_cache is None:
+        return None
+    snapshot = hfcache.cached_snapshot(source.path, "dataset", hub_cache)
+    if snapshot is None and hfcache.cached_prepared_dataset(source.path, datasets_cache) is None:
+        raise UserError(f"{where}.path: {source.path!r} is neither a local path nor a dataset in the Hugging Face "
+                        f"cache ({hub_cache}, {datasets_cache}); {hfcache.download_hint(source.path, 'dataset')}")
+    if snapshot is not None and source.name is None and hfcache.data_files_in(snapshot):
+        # the job reads the snapshot as a directory of data files (hpcrl.compute.train.data)
+        if source.data_files is not None:
+            return _check_source_files(source, where, column, base=snapshot / (source.data_dir or ""))
+        return _check_source_dir(source, where, column, snapshot / (source.data_dir or ""), f"{where}.path")
+    return None
+
+
+def _check_source_files(source: DataSource, where: str, column: str, base: Path | None) -> None:
+    """A source's data_files (relative ones inside `base`, the dataset's directory; made absolute
+    at compose otherwise): the split's files exist and their first row has the columns asked for."""
+    files = source.data_files
+    names = _split_names(source.split)
+    if isinstance(files, dict):
+        missing = [n for n in names if n not in files]
+        if missing:
+            raise UserError(f"{where}.split: {source.split!r}: data_files names the splits {', '.join(files)}")
+        patterns = [p for n in names for p in ([files[n]] if isinstance(files[n], str) else files[n])]
+    else:
+        if any(n != "train" for n in names):
+            raise UserError(f"{where}.split: {source.split!r}: data_files as a file or a list of files has one "
+                            f"split, \"train\" (a mapping of split names to files gives more)")
+        patterns = [files] if isinstance(files, str) else list(files)
+    if not patterns:
+        raise UserError(f"{where}.data_files: names no file for split {source.split!r}")
+    found = []
+    for pattern in patterns:
+        if "://" in pattern:
+            return None
+        full = Path(base or "", pattern).expanduser()
+        if unseen_here(full):
+            return None
+        if hfcache.is_glob(pattern):
+            matches = sorted(Path(p) for p in glob.glob(str(full), recursive=True) if Path(p).is_file())
+            if not matches:
+                raise UserError(f"{where}.data_files: no file matches {full}")
+        elif not full.is_file():
+            raise UserError(f"{where}.data_files: {full} {'is not a file' if full.exists() else 'does not exist'}")
+        else:
+            matches = [full]
+        found += matches
+    _check_source_columns(source, where, column, found[0])
+
+
+def _check_source_dir(source: DataSource, where: str, column: str, directory: Path, field: str) -> None:
+    if unseen_here(directory):
+        return None
+    if not directory.is_dir():
+        raise UserError(f"{field}: {directory} is not a directory")
+    files = hfcache.data_files_in(directory)
+    if not files:
+        raise UserError(f"{field}: {directory} holds no data files ({', '.join(hfcache.DATA_FILE_BUILDERS)})")
+    for name in _split_names(source.split):
+        words = (name, *SPLIT_WORDS.get(name, ()))
+        named = [f for f in files if any(re.search(rf"(^|[\W_]){re.escape(w)}($|[\W_])", str(f.relative_to(directory)))
+                                         for w in words)]
+        if name != "train" and not named:
+            raise UserError(f"{where}.split: no file in {directory} is named for split {name!r} "
+                            f"(files: {', '.join(str(f.relative_to(directory)) for f in files[:5])})")
+        _check_source_columns(source, where, column, (named or files)[0])
+
+
+def _check_source_columns(source: DataSource, where: str, column: str, file: Path) -> None:
+    """The first row of `file` has every column of `columns`, and the prompt column."""
+    if file.suffix not in hfcache.DATA_FILE_BUILDERS:
+        return None
+    try:
+        columns = first_row_columns(file)
+    except UserError as e:
+        raise UserError(str(e).replace("data.path:", f"{where}:", 1)) from None
+    if columns is None:
+        return None
+    for wanted in source.columns or ():
+        if wanted not in columns:
+            raise UserError(f"{where}.columns: no {wanted!r} column in {file} (first row's columns: "
+                            f"{', '.join(map(str, columns)) or 'none'}){closest(wanted, columns)}")
+    if column not in columns:
+        raise UserError(f"data.prompt_column: no {column!r} column in {file} ({where}; first row's columns: "
+                        f"{', '.join(map(str, columns)) or 'none'})")
     return None
 
 

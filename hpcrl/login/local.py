@@ -34,6 +34,7 @@ import uuid
 from pathlib import Path
 
 from hpcrl.job.errors import UserError
+from hpcrl.job import metric_keys as mk
 from hpcrl.job import rundir
 from hpcrl.job.rundir import LOCAL_LOG_FILE, METRICS_FILE
 from hpcrl.job.slurm_time import format_walltime
@@ -118,41 +119,56 @@ def run(args) -> int:
 
 
 class ConsoleFilter:
-    """Which of the job's lines reach the console: all but Python tracebacks and MPICH's "BAD
-    TERMINATION" banner, which run.log keeps. A failed run's cause is printed last instead, in the
-    one line the job wrote to failure.txt (:func:`print_failure`). One per run; its state is per
-    stream (the ranks' tracebacks come on stderr, hydra's banner on stdout)."""
+    """Which of the job's lines reach the console: all but tracebacks (Python's, and those vLLM's
+    engine processes log, each line under a prefix like "(EngineCore pid=12) ERROR 11-27 09:12:08
+    [core.py:1510] ") and MPICH's "BAD TERMINATION" banner, which run.log keeps. A failed run's
+    cause is printed last instead, in the one line the job wrote to failure.txt
+    (:func:`print_failure`). One per run; its state is per stream and per prefix (the ranks'
+    tracebacks come on stderr, hydra's banner and vLLM's log on stdout, and one process's lines
+    may come between another's)."""
 
     BANNER = re.compile(r"^(={20,}\s*$|=   |YOUR APPLICATION TERMINATED WITH THE EXIT STRING|"
                         r"This typically refers to a problem with your application|"
                         r"Please see the FAQ page for debugging suggestions)")
     CHAINED = ("The above exception was the direct cause", "During handling of the above exception")
+    # vLLM's process tag and log header; every line of a multi-line record repeats both.
+    PREFIX = re.compile(r"^(\([\w.\-]+ pid=\d+\) )?((DEBUG|INFO|WARNING|ERROR|CRITICAL) "
+                        r"\d\d-\d\d \d\d:\d\d:\d\d(\.\d+)? \[[^\]]*\] )?")
+    # multiprocessing's line before a child process's traceback
+    PROCESS_HEADER = re.compile(r"^Process [\w.\-]+:\s*$")
 
     def __init__(self) -> None:
         self.tracebacks = 0
-        self._state: dict[str, str] = {}          # stream -> "", "traceback", "after" or "banner"
+        self._state: dict[tuple[str, str], str] = {}     # (stream, prefix) -> "", "traceback", "after" or "banner"
 
     def show(self, line: str, stream: str = "stderr") -> bool:
         text = line.rstrip("\r\n")
-        state = self._state.get(stream, "")
-        if self.BANNER.match(text):
-            self._state[stream] = "banner"
+        prefix = self.PREFIX.match(text).group(0)
+        body, key = text[len(prefix):], (stream, prefix)
+        state = self._state.get(key, "")
+        if not prefix and self.BANNER.match(text):
+            self._state[key] = "banner"
             return False
-        if text.startswith("Traceback (most recent call last):"):
+        if body.startswith("Traceback (most recent call last):"):
             if state not in ("traceback", "after"):
                 self.tracebacks += 1
-            self._state[stream] = "traceback"
+            self._state[key] = "traceback"
+            return False
+        if not prefix and self.PROCESS_HEADER.match(text):
             return False
         if state == "traceback":
-            if not text.strip() or text[:1].isspace():
+            if not body.strip() or body[:1].isspace():
                 return False
-            if text.startswith(("hpcrl: ", "[hpcrl ")):         # another rank's line, mid-traceback
+            if not prefix and text.startswith(("hpcrl: ", "[hpcrl ")):     # another rank's line, mid-traceback
                 return True
-            self._state[stream] = "after"                       # the exception's own line ends it
+            self._state[key] = "after"                          # the exception's own line ends it
             return False
-        if state in ("after", "banner") and (not text.strip() or text.startswith(self.CHAINED)):
+        # after it: the rest of a multi-line message (indented, as pydantic's), the chaining lines
+        if state == "after" and (not body.strip() or body[:1].isspace() or body.startswith(self.CHAINED)):
             return False
-        self._state[stream] = ""
+        if state == "banner" and (not body.strip() or body.startswith(self.CHAINED)):
+            return False
+        self._state[key] = ""
         return True
 
 
@@ -237,21 +253,21 @@ class Progress:
                 rec = json.loads(line)
             except ValueError:
                 continue
-            if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+            if isinstance(rec, dict) and isinstance(rec.get(mk.STEP), int):
                 last = rec
         if last is None:
             return
-        if isinstance(last.get("max_steps"), int) and last["max_steps"] != self.total:
-            self.total = self.bar.total = last["max_steps"]
-        step = min(last["step"], self.total or last["step"])
-        step_s = last.get("time_step_s")
+        if isinstance(last.get(mk.MAX_STEPS), int) and last[mk.MAX_STEPS] != self.total:
+            self.total = self.bar.total = last[mk.MAX_STEPS]
+        step = min(last[mk.STEP], self.total or last[mk.STEP])
+        step_s = last.get(mk.TIME_STEP_S)
         if not self._seen_step and isinstance(step_s, (int, float)) and step > self.bar.n:
             # The ETA from the steps' own time, not from the engine's start-up before the first one.
             self.bar.last_print_t = max(self.bar.start_t, self.bar._time() - step_s * (step - self.bar.n))
         self._seen_step = True
         bits = []
-        if isinstance(last.get("reward"), (int, float)):
-            bits.append(f"reward {last['reward']:.3f}")
+        if isinstance(last.get(mk.REWARD), (int, float)):
+            bits.append(f"reward {last[mk.REWARD]:.3f}")
         if isinstance(step_s, (int, float)):
             bits.append(f"step {step_s:.1f}s")
         self.bar.set_postfix_str("  ".join(bits), refresh=False)
@@ -276,8 +292,8 @@ def _isatty(stream) -> bool:
 
 
 def _mean_over(steps: list[dict]) -> tuple[float | None, str]:
-    vals = [r["reward"] for r in steps if isinstance(r.get("reward"), (int, float))]
-    first, last = steps[0]["step"], steps[-1]["step"]
+    vals = [r[mk.REWARD] for r in steps if isinstance(r.get(mk.REWARD), (int, float))]
+    first, last = steps[0][mk.STEP], steps[-1][mk.STEP]
     where = f"step {first}" if first == last else f"mean of steps {first}-{last}"
     return (sum(vals) / len(vals) if vals else None), where
 
@@ -290,26 +306,27 @@ def print_summary(run_dir: Path, max_steps: int, wall_s: float, code: int, file=
     steps = plot.load_steps(run_dir)
     if not steps and code != 0:
         return                                   # it failed before a step: its error says it all
-    done = steps[-1]["step"] if steps else 0
-    if steps and isinstance(steps[-1].get("max_steps"), int):
-        max_steps = steps[-1]["max_steps"]         # the trainer's count when the recipe gave epochs
+    done = steps[-1][mk.STEP] if steps else 0
+    if steps and isinstance(steps[-1].get(mk.MAX_STEPS), int):
+        max_steps = steps[-1][mk.MAX_STEPS]        # the trainer's count when the recipe gave epochs
     ending = "" if code == 0 else (" (interrupted)" if code == 130 else f" (exit code {code})")
     of = f" of {max_steps}" if max_steps > 0 else ""
     lines = [f"hpcrl: {'finished' if code == 0 and done >= max_steps else 'stopped'}: step {done}{of} "
              f"in {format_walltime(wall_s)}{ending}"]
     fmt = lambda v: "-" if v is None else f"{v:.3f}"          # noqa: E731
-    trained = [s for s in steps if s["step"] >= 1]      # step 0: an evaluation before training (eval_on_start)
+    trained = [s for s in steps if s[mk.STEP] >= 1]     # step 0: an evaluation before training (eval_on_start)
     if trained:
         k = max(1, min(10, len(trained) // 5))
         start, start_where = _mean_over(trained[:k])
         end, end_where = _mean_over(trained[-k:])
         lines.append(f"  reward    {fmt(start)} at the start ({start_where}) -> "
                      f"{fmt(end)} at the end ({end_where})")
-    evaluated = [s for s in steps if isinstance(s.get("eval/reward"), (int, float))]
+    eval_reward = mk.eval_key(mk.REWARD)
+    evaluated = [s for s in steps if isinstance(s.get(eval_reward), (int, float))]
     if evaluated:
         first, last = evaluated[0], evaluated[-1]
-        lines.append(f"  eval      reward {fmt(first['eval/reward'])} at step {first['step']} -> "
-                     f"{fmt(last['eval/reward'])} at step {last['step']} ({last.get('eval/completions', '?')} "
+        lines.append(f"  eval      reward {fmt(first[eval_reward])} at step {first[mk.STEP]} -> "
+                     f"{fmt(last[eval_reward])} at step {last[mk.STEP]} ({last.get(mk.EVAL_COMPLETIONS, '?')} "
                      f"completions of the eval split)")
     lines.append(f"  metrics   {run_dir / METRICS_FILE}")
     if code == 0 and steps:
@@ -328,6 +345,10 @@ def print_summary(run_dir: Path, max_steps: int, wall_s: float, code: int, file=
     elif rundir.training_checkpoint_steps(run_dir / rundir.CHECKPOINTS_DIR):
         # A run stopped early has no final model; its last checkpoint can still be turned into one.
         lines.append(f"  model     not written (stopped early); hpcrl export {shlex.quote(str(run_dir))}")
+    # Last, so that a run which ran to its end but taught the policy nothing does not end on "finished".
+    nothing = mk.learning_check(trained, plot.num_generations(run_dir))
+    if nothing:
+        lines.append(f"hpcrl: {nothing}")
     print("\n".join(lines), file=file, flush=True)
 
 

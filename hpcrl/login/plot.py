@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from hpcrl.job import metric_keys as mk
 from hpcrl.job.errors import UserError
 from hpcrl.job.rundir import METRICS_FILE, PLOT_FILE, check_output_path, read_metrics
 
@@ -33,8 +34,8 @@ C_FUNCS = ("#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442", "#9
 C_KL = "#8e44ad"
 C_LEN = "#0072B2"
 C_TOK = "#2b7a4b"
-PHASES = (("time_generation_s", "generation", "#56B4E9"), ("time_sync_s", "weight sync", "#E69F00"),
-          ("time_train_s", "training", "#009E73"), ("time_wait_s", "waiting", "#BBBBBB"))
+PHASES = ((mk.TIME_GENERATION_S, "generation", "#56B4E9"), (mk.TIME_SYNC_S, "weight sync", "#E69F00"),
+          (mk.TIME_TRAIN_S, "training", "#009E73"), (mk.TIME_WAIT_S, "waiting", "#BBBBBB"))
 
 
 # ------------------------------------------------------------------------------ inputs
@@ -64,12 +65,13 @@ def _num(value: Any) -> float:
 
 
 def load_steps(run_dir: Path) -> list[dict]:
-    """The step lines of metrics.jsonl, one per step (the last line of a step wins), in step order."""
+    """The step lines of metrics.jsonl, one per step (the last line of a step wins), in step order,
+    with today's metric names (an older run's too: metric_keys.upgrade)."""
     by_step: dict[int, dict] = {}
     for rec in read_metrics(run_dir):
-        if isinstance(rec, dict) and isinstance(rec.get("step"), int) and not isinstance(rec["step"], bool):
-            by_step[rec["step"]] = rec
-    return [by_step[s] for s in sorted(by_step)]
+        if isinstance(rec, dict) and isinstance(rec.get(mk.STEP), int) and not isinstance(rec[mk.STEP], bool):
+            by_step[rec[mk.STEP]] = rec
+    return [mk.upgrade(by_step[s]) for s in sorted(by_step)]
 
 
 def _job(run_dir: Path) -> dict:
@@ -78,6 +80,12 @@ def _job(run_dir: Path) -> dict:
         return data if isinstance(data, dict) else {}
     except (OSError, ValueError):
         return {}
+
+
+def num_generations(run_dir: Path) -> int | None:
+    """The run's grpo.num_generations, from its job.json (None when it cannot be read)."""
+    n = _get(_job(Path(run_dir)), "recipe", "grpo", "num_generations")
+    return n if isinstance(n, int) and not isinstance(n, bool) else None
 
 
 def _get(d: Any, *keys: str, default: Any = None) -> Any:
@@ -89,16 +97,14 @@ def _get(d: Any, *keys: str, default: Any = None) -> Any:
 
 
 def reward_names(steps: list[dict]) -> list[str]:
-    """Reward function names, in the order they first appear (``rewards/<name>`` or TRL's ``rewards/<name>/mean``)."""
+    """Reward function names, in the order they first appear (TRL's ``rewards/<name>/mean``; an
+    older run's ``rewards/<name>`` too)."""
     names: dict[str, None] = {}
     for rec in steps:
-        for key in rec:
-            if not key.startswith("rewards/"):
-                continue
-            rest = key[len("rewards/"):]
-            if rest.endswith("/std"):
-                continue
-            names.setdefault(rest[:-len("/mean")] if rest.endswith("/mean") else rest, None)
+        for key in mk.upgrade(rec):
+            name = mk.reward_of(key)
+            if name is not None:
+                names.setdefault(name, None)
     return list(names)
 
 
@@ -107,15 +113,14 @@ def logged_metric_names(steps: list[dict]) -> list[str]:
     "log_metric_names"), in the order they first appear."""
     names: dict[str, None] = {}
     for rec in steps:
-        logged = rec.get("log_metric_names")
+        logged = rec.get(mk.LOG_METRIC_NAMES)
         for name in logged if isinstance(logged, list) else ():
             names.setdefault(str(name), None)
     return list(names)
 
 
 def _reward_series(rec: dict, name: str) -> float:
-    v = rec.get(f"rewards/{name}")
-    return _num(v if v is not None else rec.get(f"rewards/{name}/mean"))
+    return _num(mk.upgrade(rec).get(mk.reward_mean(name)))
 
 
 # ------------------------------------------------------------------------------ smoothing
@@ -154,12 +159,12 @@ def write_plot(run_dir: str | Path, output: Optional[str | Path] = None) -> Path
     from matplotlib.ticker import MaxNLocator
 
     job = _job(run_dir)
-    x = [rec["step"] for rec in steps]
+    x = [rec[mk.STEP] for rec in steps]
     n = len(x)
     smoothed = n >= SMOOTH_FROM
     win = window_for(n)
     col = {k: [_num(rec.get(k)) for rec in steps] for k in
-           ("reward", "reward_std", "kl", "completion_len_mean", "tokens_per_s", "time_step_s",
+           (mk.REWARD, mk.REWARD_STD, mk.KL, mk.COMPLETIONS_MEAN_LENGTH, mk.TOKENS_PER_S, mk.TIME_STEP_S,
             *(p[0] for p in PHASES))}
 
     style = {"font.size": 10, "axes.titlesize": 11, "axes.titleweight": "bold", "axes.titlelocation": "left",
@@ -169,7 +174,7 @@ def write_plot(run_dir: str | Path, output: Optional[str | Path] = None) -> Path
              "axes.grid": True, "grid.color": "#dddddd", "grid.linewidth": 0.7, "axes.axisbelow": True,
              "figure.facecolor": "white", "savefig.facecolor": "white"}
     with plt.rc_context(style):
-        has_kl = any(not math.isnan(v) for v in col["kl"])
+        has_kl = any(not math.isnan(v) for v in col[mk.KL])
         logged = logged_metric_names(steps)
         ratios = (1.7, *((1.1,) if logged else ()), 0.9 if has_kl else 0.28, 0.9, 1.1, 0.9)
         fig, (ax_r, *ax_logged, ax_kl, ax_len, ax_t, ax_tok) = plt.subplots(
@@ -192,7 +197,7 @@ def write_plot(run_dir: str | Path, output: Optional[str | Path] = None) -> Path
 
         # -- reward
         ax_r.set_title("Reward")
-        rew, std = col["reward"], col["reward_std"]
+        rew, std = col[mk.REWARD], col[mk.REWARD_STD]
         if any(not math.isnan(v) for v in std):
             mid = smooth(rew, win) if smoothed else rew
             sd = smooth(std, win) if smoothed else std
@@ -210,7 +215,7 @@ def write_plot(run_dir: str | Path, output: Optional[str | Path] = None) -> Path
         line(ax_r, rew, C_REWARD, label=mean_label, lw=2.4)
         for i, (name, ys) in enumerate(series.items()):
             line(ax_r, ys, C_FUNCS[i % len(C_FUNCS)], label=name, lw=1.4, raw_too=False, z=3.5)
-        evals = [(rec["step"], _num(rec.get("eval/reward"))) for rec in steps]
+        evals = [(rec[mk.STEP], _num(rec.get(mk.eval_key(mk.REWARD)))) for rec in steps]
         evals = [(s, v) for s, v in evals if not math.isnan(v)]
         if evals:                       # grpo.eval_strategy: the eval split's reward, never smoothed
             ax_r.plot(*zip(*evals), color=C_EVAL, lw=1.6, ls="--", marker="D", ms=5, mec="white", mew=0.8,
@@ -237,7 +242,7 @@ def write_plot(run_dir: str | Path, output: Optional[str | Path] = None) -> Path
         # -- KL
         ax_kl.set_title("KL to the reference model")
         beta = _get(job, "recipe", "grpo", "beta")
-        if not line(ax_kl, col["kl"], C_KL, lw=1.8):
+        if not line(ax_kl, col[mk.KL], C_KL, lw=1.8):
             why = "β = 0: no KL term, no reference model" if beta in (0, 0.0) else "no KL values logged"
             _note(ax_kl, why)
         else:
@@ -245,7 +250,7 @@ def write_plot(run_dir: str | Path, output: Optional[str | Path] = None) -> Path
 
         # -- completion length
         ax_len.set_title("Completion length")
-        if not line(ax_len, col["completion_len_mean"], C_LEN, lw=1.8):
+        if not line(ax_len, col[mk.COMPLETIONS_MEAN_LENGTH], C_LEN, lw=1.8):
             _note(ax_len, "no completion lengths logged")
         max_len = _get(job, "recipe", "grpo", "max_completion_length")
         if isinstance(max_len, (int, float)) and max_len > 0:
@@ -285,7 +290,7 @@ def write_plot(run_dir: str | Path, output: Optional[str | Path] = None) -> Path
 
         # -- tokens/s
         ax_tok.set_title("Generated tokens per second")
-        if not line(ax_tok, col["tokens_per_s"], C_TOK, lw=1.8):
+        if not line(ax_tok, col[mk.TOKENS_PER_S], C_TOK, lw=1.8):
             _note(ax_tok, "no tokens/s logged")
         ax_tok.set_ylim(bottom=0)
         ax_tok.set_ylabel("tokens/s")
@@ -333,10 +338,10 @@ def _subtitle(run_dir: Path, job: dict, steps: list[dict]) -> str:
     model = _get(job, "recipe", "model", "path")
     if model:
         bits.append(f"model {model}")
-    max_steps = steps[-1].get("max_steps", _get(job, "recipe", "grpo", "max_steps"))
-    last = steps[-1]["step"]
+    max_steps = steps[-1].get(mk.MAX_STEPS, _get(job, "recipe", "grpo", "max_steps"))
+    last = steps[-1][mk.STEP]
     bits.append(f"step {last} of {max_steps}" if isinstance(max_steps, int) and max_steps > 0 else f"{len(steps)} steps")
-    t1 = _num(steps[-1].get("time"))
+    t1 = _num(steps[-1].get(mk.TIME))
     if not math.isnan(t1):
         bits.append(time.strftime("%Y-%m-%d %H:%M", time.localtime(t1)))
     bits.append(run_dir.resolve().name)

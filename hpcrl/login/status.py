@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from hpcrl.login import slurm
+from hpcrl.job import metric_keys as mk
 from hpcrl.job.errors import UserError
 from hpcrl.login.registry import Registry
 from hpcrl.job.rundir import HEARTBEAT_FILE, METRICS_FILE, read_failure, slurm_output
@@ -140,8 +141,8 @@ def job_row(record, state: dict) -> dict:
     shown = state.get(SHOWN)
     if shown is None:
         m = latest_metrics(record.run_dir_text)
-        shown = {"step": m.get("step"), "reward": m.get("reward"), "tokens_per_s": m.get("tokens_per_s"),
-                 "sync_s": m.get("sync_s"), "reason": explain(state, record.run_dir_text)}
+        shown = {"step": m.get(mk.STEP), "reward": m.get(mk.REWARD), "tokens_per_s": m.get(mk.TOKENS_PER_S),
+                 "sync_s": m.get(mk.SYNC_S), "reason": explain(state, record.run_dir_text)}
     return {
         "job_id": record.job_id, "name": record.name, "site": record.site,
         "state": state.get("state", "UNKNOWN"), "reason": shown["reason"],

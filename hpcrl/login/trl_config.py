@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcrl.job.config import closest
-from hpcrl.job.recipe import GRPOConfig, Recipe
+from hpcrl.job.recipe import GRPOConfig, InferenceConfig, Recipe
 
 # TRL name -> the recipe field of the same meaning, where the name or section differs.
 RENAMED = {
@@ -39,6 +39,9 @@ RENAMED = {
     "dataset_config": "data.config",
     "dataset_test_split": "data.eval_split",
     "shuffle_dataset": "data.shuffle",
+    # TRL's DatasetMixtureConfig: data.datasets takes TRL's DatasetConfig entries as they are.
+    "datasets": "data.datasets",
+    "test_split_size": "data.test_split_size",
     "output_dir": "checkpoint.output_dir",
     "vllm_gpu_memory_utilization": "inference.gpu_memory_utilization",
     "vllm_max_model_length": "inference.max_model_len",
@@ -75,6 +78,12 @@ INERT = {
     "skip_memory_metrics": _LOGGED, "include_num_input_tokens_seen": _LOGGED,
     "torch_empty_cache_steps": "hpcrl frees its temporaries itself",
     "use_cpu": "the site profile says whether there are GPUs",
+    "use_liger_kernel": "Liger's layer kernels compute the same model (TRL 1.16 applies only those, and "
+                        "deprecates the option); hpcrl's loss already works in log-prob chunks",
+    "torch_compile": "hpcrl runs the model uncompiled: the same training, without compile time",
+    "torch_compile_backend": "hpcrl runs the model uncompiled", "torch_compile_mode": "hpcrl runs the model uncompiled",
+    "log_unique_prompts": "completions.jsonl holds every completion with its prompt (logging.log_completions)",
+    "data_seed": "TRL's GRPO sampler shuffles with seed, not data_seed (hpcrl's too)",
 }
 _LORA = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_parameters",
          "lora_modules_to_save", "lora_task_type", "use_rslora", "use_dora")
@@ -88,7 +97,10 @@ _ONLY_WITH = {
     "load_in_4bit": (False, ("bnb_4bit_quant_type", "use_bnb_nested_quant", "bnb_4bit_quant_storage")),
     "push_to_hub": (False, ("hub_model_id", "hub_strategy", "hub_token", "hub_private_repo", "hub_always_push",
                             "hub_revision")),
+    "datasets": ([], ("streaming", "test_split_size")),
 }
+# What TRL's CLI ignores when `datasets` is given (it loads the mixture, with a warning).
+_MIXTURE_IGNORES = ("dataset_name", "dataset_config", "dataset_streaming")
 # What to do instead, for TRL keys hpcrl does not implement.
 NOT_IMPLEMENTED = {
     "lora_modules_to_save": "hpcrl's LoRA trains adapters on the target modules only: modules_to_save (fully "
@@ -102,11 +114,11 @@ NOT_IMPLEMENTED = {
     "fp16": "fp16 training is not supported; use bf16",
     "resume_from_checkpoint": "resume a run with `hpcrl submit --resume RUN_DIR`",
     "push_to_hub": "compute nodes have no internet; upload the model directory from a login node",
-    "datasets": "dataset mixtures are not supported yet; name one dataset with dataset_name",
+    "streaming": "streamed datasets are not supported: the prompts are read at start",
     "dataset_streaming": "streamed datasets are not supported: the prompts are read at start",
     "reward_weights": "reward_weights needs reward_funcs, one weight each",
-    "save_strategy": 'hpcrl saves every save_steps ("steps") or only at the end ("no")',
-    "model_init_kwargs": "not supported yet: set model.dtype and model.trust_remote_code",
+    "cast_lm_head_to_fp32": "not supported yet: hpcrl's LM head computes in the training dtype (its "
+                            "log-probabilities are taken in fp32 from those logits)",
     "log_completions": "set logging.log_completions to the number of completions to print",
     "report_to": 'hpcrl reports to "wandb" (offline) and "tensorboard"',
 }
@@ -233,6 +245,41 @@ def _report_to(value: Any, t: Translation, out: dict) -> None:
         _put(out, _REPORTERS[name], True, "report_to", t)
 
 
+def _vllm_mode(flat: dict) -> str:
+    return str(flat.get("vllm_mode") or trl_fields()["vllm_mode"])
+
+
+# model_init_kwargs (from_pretrained's keyword arguments) -> the recipe field of the same effect.
+_MODEL_INIT = {"dtype": "model.dtype", "torch_dtype": "model.dtype", "trust_remote_code": "model.trust_remote_code",
+               "attn_implementation": "model.attn_implementation"}
+# from_pretrained arguments that change nothing about the loaded weights hpcrl trains.
+_MODEL_INIT_INERT = ("device_map", "low_cpu_mem_usage", "use_cache")
+
+
+def _model_init_kwargs(value: Any, t: Translation, out: dict) -> None:
+    if not isinstance(value, dict):
+        t.problems.append(f"model_init_kwargs: expected a mapping of from_pretrained's arguments, got {value!r}")
+        return
+    for name, arg in value.items():
+        if name in _MODEL_INIT:
+            _put(out, _MODEL_INIT[name], arg, f"model_init_kwargs.{name}", t)
+        elif name in _MODEL_INIT_INERT:
+            t.inert[f"model_init_kwargs.{name}"] = "hpcrl places and loads the model itself"
+        else:
+            t.problems.append(f"model_init_kwargs.{name}: not supported; hpcrl takes "
+                              f"{', '.join(_MODEL_INIT)} (and ignores {', '.join(_MODEL_INIT_INERT)})")
+
+
+def _checkpointing_kwargs(value: Any, t: Translation) -> None:
+    """hpcrl checkpoints non-reentrantly (torch.utils.checkpoint use_reentrant=False); reentrant
+    checkpointing computes the same gradients, so either value of use_reentrant trains the same."""
+    if not isinstance(value, dict) or set(value) - {"use_reentrant"}:
+        t.problems.append(f"gradient_checkpointing_kwargs: hpcrl takes only use_reentrant here, got {value!r}")
+        return
+    t.inert["gradient_checkpointing_kwargs"] = ("hpcrl checkpoints activations non-reentrantly "
+                                                "(use_reentrant: false): the same gradients either way")
+
+
 def _deepspeed(value: Any, t: Translation, out: dict) -> None:
     """TRL's `deepspeed` (a DeepSpeed JSON's path, or the configuration inline) trains with hpcrl's
     DeepSpeed ZeRO-3 engine; its keys are checked against the recipe at render (hpcrl.job.deepspeed)."""
@@ -264,6 +311,17 @@ def _switch_value(switch: str, flat: dict, out: dict, whole: bool) -> Any:
     return trl_fields()[switch] if whole else _UNKNOWN
 
 
+def in_trl_terms(message: str, t: Translation) -> str:
+    """An error about a recipe field that one of the configuration's TRL keys set, named by that
+    key first: "vllm_max_model_length (inference.max_model_len): ..." (the user wrote the TRL key)."""
+    field_name, sep, rest = message.partition(": ")
+    by_field = {dotted: key for key, dotted in t.moved.items()}
+    key = by_field.get(field_name)
+    if not sep or key is None or key == field_name:
+        return message
+    return f"{key} ({field_name}): {rest}"
+
+
 def translate(data: dict, whole: bool = True) -> Translation:
     """A recipe mapping that may hold TRL's keys -> hpcrl's sections, and what could not move.
     `whole`: a whole configuration (not key=value overrides), which must name a model and data."""
@@ -284,8 +342,12 @@ def translate(data: dict, whole: bool = True) -> Translation:
         elif _same(value, off_value):
             off.update(dict.fromkeys(names, switch))
     _rewards(flat, t, out)
+    mixture = bool(_switch_value("datasets", flat, out, whole=False) not in (_UNKNOWN, None, []))
     for key, value in flat.items():
         if key in ("reward_funcs", "reward_weights", "reward_model_name_or_path"):
+            continue
+        if mixture and key in _MIXTURE_IGNORES:
+            t.inert[key] = "TRL loads `datasets` and ignores it when both are given"
             continue
         if key not in fields:
             hint = closest(key, [*fields, *sections])
@@ -295,6 +357,12 @@ def translate(data: dict, whole: bool = True) -> Translation:
             _put(out, f"grpo.{key}", value, key, t)
         elif key in off:
             t.inert[key] = f"TRL uses it only with {off[key]}"
+        elif key == "vllm_gpu_memory_utilization" and _vllm_mode(flat) == "colocate":
+            # TRL's colocated engine shares a GPU with training, so its share leaves room for that;
+            # hpcrl's engines have GPUs of their own, where the same number would idle most of it.
+            t.inert[key] = (f"vllm_mode colocate's share of a GPU shared with training; hpcrl's engines have GPUs "
+                            f"of their own (inference.gpu_memory_utilization, default "
+                            f"{InferenceConfig.gpu_memory_utilization})")
         elif key in RENAMED:
             _put(out, RENAMED[key], value, key, t)
             if key == "vllm_tensor_parallel_size" and whole and "gpus" not in out.get("inference", {}):
@@ -304,11 +372,12 @@ def translate(data: dict, whole: bool = True) -> Translation:
             _report_to(value, t, out)
         elif key == "deepspeed" and value not in (None, ""):
             _deepspeed(value, t, out)
-        elif key == "save_strategy" and value in ("steps", "no"):
-            if value == "no":
-                _put(out, "grpo.save_steps", 0, key, t)
-            else:
-                t.inert[key] = "checkpoint-<step> directories are written every save_steps"
+        elif key == "model_init_kwargs" and value is not None:
+            _model_init_kwargs(value, t, out)
+        elif key == "gradient_checkpointing_kwargs" and value is not None:
+            _checkpointing_kwargs(value, t)
+        elif key == "vllm_model_impl" and value != fields[key]:
+            _put(out, "inference.engine_args.model_impl", value, key, t)
         elif key == "log_completions" and isinstance(value, bool):
             # TRL prints every completion when num_completions_to_print is unset; hpcrl prints 8 on
             # the console and writes every one to completions.jsonl.
@@ -333,6 +402,7 @@ def translate(data: dict, whole: bool = True) -> Translation:
     whole = whole and any(key in fields for key in flat)
     if whole and "model_name_or_path" not in flat and "path" not in out.get("model", {}):
         t.problems.append("model_name_or_path: required in a TRL configuration (a local Hugging Face model directory)")
-    if whole and "dataset_name" not in flat and "path" not in out.get("data", {}):
-        t.problems.append("dataset_name: required in a TRL configuration (a local dataset file or directory)")
+    if whole and not mixture and "dataset_name" not in flat and "path" not in out.get("data", {}):
+        t.problems.append("dataset_name: required in a TRL configuration (a local dataset file or directory), "
+                          "or datasets (a mixture)")
     return t

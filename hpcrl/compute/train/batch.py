@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from hpcrl.compute.inference.types import Completion
@@ -46,8 +48,41 @@ def completion_logps(model, batch: dict, temperature: float, rows=slice(None),
     """The completion tokens' log-probabilities under ``model`` for the rows ``rows`` of ``batch``,
     computed ``chunk_tokens`` tokens at a time (trainer.logprob_chunk_tokens); with
     ``return_entropy``, ``(logps, entropies)``."""
+    out = policy_forward(model, batch, temperature, rows, chunk_tokens, entropy=return_entropy)
+    return (out.logps, out.entropies) if return_entropy else out.logps
+
+
+@dataclass
+class PolicyOutput:
+    logps: torch.Tensor
+    entropies: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None        # a mixture of experts' load-balancing loss (router_aux)
+
+
+def policy_forward(model, batch: dict, temperature: float, rows=slice(None),
+                   chunk_tokens: int = grpo.DEFAULT_LOGPROB_CHUNK_TOKENS, *, entropy: bool = False,
+                   router_aux: bool = False) -> PolicyOutput:
+    """The training forward of ``rows``: completion log-probabilities, with ``entropy`` the
+    entropies, with ``router_aux`` the model's own load-balancing loss of its routers over the rows'
+    tokens (transformers' load_balancing_loss_func: what TRL adds to the loss of a MoE model)."""
     t = batch["completion_ids"].shape[1]
+    extra = {"output_router_logits": True} if router_aux else {}
     out = model(input_ids=batch["input_ids"][rows], attention_mask=batch["attention_mask"][rows],
-                position_ids=batch["position_ids"][rows], logits_to_keep=t + 1, use_cache=False)
-    return grpo.completion_logprobs(out.logits, batch["completion_ids"][rows], temperature,
-                                    chunk_tokens=chunk_tokens, return_entropy=return_entropy)
+                position_ids=batch["position_ids"][rows], logits_to_keep=t + 1, use_cache=False, **extra)
+    logps = grpo.completion_logprobs(out.logits, batch["completion_ids"][rows], temperature,
+                                     chunk_tokens=chunk_tokens, return_entropy=entropy)
+    logps, entropies = logps if entropy else (logps, None)
+    return PolicyOutput(logps, entropies, out.aux_loss if router_aux else None)
+
+
+def router_aux_coef(model, asked: float | None) -> float:
+    """The weight of a MoE model's load-balancing loss in the GRPO loss, as TRL decides it:
+    grpo.router_aux_loss_coef, else the architecture's own (config.router_aux_loss_coef); 0 for a
+    model without routers (no output_router_logits in its config)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if not hasattr(config, "output_router_logits"):
+        if asked:
+            raise ValueError(f"grpo.router_aux_loss_coef is {asked}, but {type(model).__name__} is not a "
+                             f"mixture-of-experts model (it has no routers)")
+        return 0.0
+    return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if asked is None else float(asked)

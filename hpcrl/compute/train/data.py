@@ -19,6 +19,8 @@ import torch
 
 __all__ = [
     "load_prompts",
+    "load_mixture",
+    "mixture_prompts",
     "is_conversational",
     "render_prompt",
     "encode_prompt",
@@ -94,6 +96,110 @@ def load_prompts(source: str | os.PathLike, split: str | None = None, prompt_col
     if prompt_column != "prompt":
         ds = ds.rename_column(prompt_column, "prompt")
     return ds
+
+
+def load_mixture(sources: Sequence, test_split_size: int | float | None = None, seed: int = 0, *,
+                 prompt_column: str | None = None):
+    """TRL's ``get_dataset(DatasetMixtureConfig)`` (TRL 1.16) for ``data.datasets``: each source
+    (hpcrl.job.recipe.DataSource, TRL's DatasetConfig) is ``datasets.load_dataset(path, name,
+    data_dir, data_files, split)`` with only its ``columns`` kept; with fractions, the first
+    ``round(share * N)`` rows of each; the sources concatenated in order; with ``test_split_size``
+    split by ``train_test_split``, seeded here (TRL leaves it unseeded) so that every rank draws the
+    same split. A hub id is read from the Hugging Face cache, as data.path's is. Returns TRL's
+    ``DatasetDict``: "train", and "test" with test_split_size. Errors name the source's field;
+    ``prompt_column``: every source must have it (concatenating one without it gives rows with no
+    prompt)."""
+    import datasets
+
+    loaded = []
+    for i, source in enumerate(sources):
+        where = f"data.datasets[{i}]"
+        files = source.data_files
+        if isinstance(files, Mapping):
+            files = {k: v if isinstance(v, str) else list(v) for k, v in files.items()}
+        elif files is not None and not isinstance(files, str):
+            files = list(files)
+        path = _cached_hub_dataset(source.path)
+
+        def load(path=path, files=files, source=source):
+            return datasets.load_dataset(path=path, name=source.name, data_dir=source.data_dir, data_files=files,
+                                         split=source.split, keep_in_memory=True)
+
+        ds = _reading(where, _describe_source(source), load,
+                      (lambda files=files: _first_bad_json_line(_local_files(files))) if source.path == "json" else None)
+        if source.columns is not None:
+            missing = [c for c in source.columns if c not in ds.column_names]
+            if missing:
+                raise ValueError(f"{where}.columns: no column {missing[0]!r} in {source.path} (columns: "
+                                 f"{', '.join(ds.column_names)})")
+            ds = ds.select_columns(list(source.columns))
+        if prompt_column is not None and prompt_column not in ds.column_names:
+            raise ValueError(f"{where}.columns: keeps no {prompt_column!r} column (data.prompt_column)"
+                             if source.columns is not None else
+                             f"data.prompt_column: no {prompt_column!r} column in {where} ({source.path}; "
+                             f"columns: {', '.join(ds.column_names)})")
+        loaded.append(ds)
+    fractions = [s.fraction for s in sources]
+    if fractions and fractions[0] is not None:
+        weights = [f / sum(fractions) for f in fractions]
+        total = min(len(ds) / w for ds, w in zip(loaded, weights) if w > 0)
+        loaded = [ds.select(range(round(w * total))) for ds, w in zip(loaded, weights)]
+    if not loaded:
+        raise ValueError("data.datasets: the mixture has no datasets")
+    try:
+        mixed = datasets.concatenate_datasets(loaded)
+    except ValueError as e:             # a column of one type here, another there
+        raise ValueError(f"data.datasets: cannot concatenate the datasets (TRL's get_dataset could not either): "
+                         f"{str(e).splitlines()[0]}") from None
+    if test_split_size is None:
+        return datasets.DatasetDict({"train": mixed})
+    try:
+        return mixed.train_test_split(test_size=test_split_size, seed=seed)
+    except ValueError as e:
+        raise ValueError(f"data.test_split_size: {test_split_size!r} of the mixture's {len(mixed)} rows: "
+                         f"{str(e).splitlines()[0]}") from None
+
+
+def mixture_prompts(sources: Sequence, split: str, prompt_column: str = "prompt", *,
+                    test_split_size: int | float | None = None, seed: int = 0, split_field: str = "data.split"):
+    """``split`` ("train", or "test" with test_split_size) of :func:`load_mixture` as a prompt
+    dataset: ``prompt_column``, which every source must have, renamed to "prompt"."""
+    mixture = load_mixture(sources, test_split_size, seed, prompt_column=prompt_column)
+    ds = _select_split(mixture, split, split_field, "the mixture (data.datasets)")
+    return ds.rename_column(prompt_column, "prompt") if prompt_column != "prompt" else ds
+
+
+def _describe_source(source) -> str:
+    from hpcrl.job.recipe import DATASET_BUILDERS
+
+    if source.path not in DATASET_BUILDERS:
+        return source.path
+    return f"{source.path} data_files {source.data_files}" if source.data_files is not None else \
+        f"{source.path} data_dir {source.data_dir}"
+
+
+def _local_files(files) -> list[Path]:
+    """The local files a load_dataset data_files (a file, a glob, a list or a split mapping of them) names."""
+    import glob
+
+    if files is None:
+        return []
+    values = files.values() if isinstance(files, Mapping) else [files]
+    patterns = [p for v in values for p in ([v] if isinstance(v, str) else v)]
+    return [Path(f) for p in patterns for f in sorted(glob.glob(os.path.expanduser(p), recursive=True))]
+
+
+def _cached_hub_dataset(path: str) -> str:
+    """A hub id's downloaded snapshot in the Hugging Face cache (read as a directory of data files,
+    as data.path's is); anything else as it is (a prepared hub dataset is found offline by datasets)."""
+    from hpcrl.job import hfcache
+    from hpcrl.job.recipe import DATASET_BUILDERS
+
+    if path in DATASET_BUILDERS or Path(os.path.expanduser(path)).exists() or not hfcache.is_hub_id(path):
+        return path
+    hub_cache, _ = hfcache.hub_cache_dirs(os.environ)
+    snapshot = hfcache.cached_snapshot(path, "dataset", hub_cache)
+    return str(snapshot) if snapshot is not None else path
 
 
 def _root_cause(e: BaseException) -> BaseException:

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from hpcrl.job import metric_keys as mk
 from hpcrl.job.recipe import TrainerConfig
 
 __all__ = [
@@ -429,9 +430,9 @@ def compute_advantages(
 def _reward_stats(rewards: Tensor, std: Tensor) -> dict[str, float]:
     is_std_zero = torch.isclose(std, torch.zeros_like(std))
     return {
-        "reward": torch.nanmean(rewards).item(),
-        "reward_std": nanstd(rewards).item(),
-        "frac_reward_zero_std": is_std_zero.float().mean().item(),
+        mk.REWARD: torch.nanmean(rewards).item(),
+        mk.REWARD_STD: nanstd(rewards).item(),
+        mk.FRAC_REWARD_ZERO_STD: is_std_zero.float().mean().item(),
     }
 
 
@@ -439,8 +440,8 @@ def reward_func_stats(rewards_per_func: Tensor, names: Sequence[str]) -> dict[st
     """TRL's ``rewards/<name>/mean`` and ``/std``, over the rows where the function returned a value."""
     out = {}
     for i, name in enumerate(names):
-        out[f"rewards/{name}/mean"] = torch.nanmean(rewards_per_func[:, i]).item()
-        out[f"rewards/{name}/std"] = nanstd(rewards_per_func[:, i]).item()
+        out[mk.reward_mean(name)] = torch.nanmean(rewards_per_func[:, i]).item()
+        out[mk.reward_std(name)] = nanstd(rewards_per_func[:, i]).item()
     return out
 
 
@@ -498,11 +499,11 @@ def sampling_importance_ratio(
         flat = ratio.flatten() if sequence_level else ratio[mask]
         zero = torch.zeros((), device=ratio.device)
         metrics = {
-            "sampling/sampling_logp_difference/mean": _mean(delta.mean() if delta.numel() else zero, 1.0),
-            "sampling/sampling_logp_difference/max": Metric(delta.max() if delta.numel() else zero, op="max"),
-            "sampling/importance_sampling_ratio/min": Metric(flat.min() if flat.numel() else zero, op="min"),
-            "sampling/importance_sampling_ratio/mean": _mean(flat.mean() if flat.numel() else zero, 1.0),
-            "sampling/importance_sampling_ratio/max": Metric(flat.max() if flat.numel() else zero, op="max"),
+            mk.SAMPLING_LOGP_DIFFERENCE_MEAN: _mean(delta.mean() if delta.numel() else zero, 1.0),
+            mk.SAMPLING_LOGP_DIFFERENCE_MAX: Metric(delta.max() if delta.numel() else zero, op="max"),
+            mk.IMPORTANCE_SAMPLING_RATIO_MIN: Metric(flat.min() if flat.numel() else zero, op="min"),
+            mk.IMPORTANCE_SAMPLING_RATIO_MEAN: _mean(flat.mean() if flat.numel() else zero, 1.0),
+            mk.IMPORTANCE_SAMPLING_RATIO_MAX: Metric(flat.max() if flat.numel() else zero, op="max"),
         }
     return ratio, metrics
 
@@ -712,7 +713,7 @@ def grpo_loss(
         loss_type, mask, advantages, coef_1, epsilon_low, epsilon_high,
         per_token_kl if beta != 0.0 else None, entropies, phi_seq if loss_type == "vespo" else None,
     )  # fmt: skip
-    metrics["policy_loss"] = _mean(policy_loss.detach(), 1.0)
+    metrics[mk.POLICY_LOSS] = _mean(policy_loss.detach(), 1.0)
     return loss, metrics
 
 
@@ -733,19 +734,19 @@ def _loss_metrics(loss_type, mask, advantages, coef_1, eps_low, eps_high, kl, en
 
     metrics: dict[str, Metric] = {}
     if kl is not None:
-        metrics["kl"] = masked_mean(kl)
+        metrics[mk.KL] = masked_mean(kl)
     if entropies is not None:
-        metrics["entropy"] = masked_mean(entropies)
+        metrics[mk.ENTROPY] = masked_mean(entropies)
     if loss_type in _CLIPPED:
         low = ((coef_1 < 1 - eps_low) & (advantages < 0)).float()
         high = ((coef_1 > 1 + eps_high) & (advantages > 0)).float()
-        metrics["clip_ratio/low_mean"] = masked_mean(low)
-        metrics["clip_ratio/high_mean"] = masked_mean(high)
-        metrics["clip_ratio/region_mean"] = masked_mean(torch.maximum(low, high))
-        metrics["clip_ratio/low_min"] = nan_extreme(seq_means(low), "min")
-        metrics["clip_ratio/high_max"] = nan_extreme(seq_means(high), "max")
+        metrics[mk.CLIP_RATIO_LOW_MEAN] = masked_mean(low)
+        metrics[mk.CLIP_RATIO_HIGH_MEAN] = masked_mean(high)
+        metrics[mk.CLIP_RATIO_REGION_MEAN] = masked_mean(torch.maximum(low, high))
+        metrics[mk.CLIP_RATIO_LOW_MIN] = nan_extreme(seq_means(low), "min")
+        metrics[mk.CLIP_RATIO_HIGH_MAX] = nan_extreme(seq_means(high), "max")
     elif loss_type == "cispo":
-        metrics["cispo_clip_ratio"] = masked_mean(((coef_1 > eps_high) & (advantages > 0)).float())
+        metrics[mk.CISPO_CLIP_RATIO] = masked_mean(((coef_1 > eps_high) & (advantages > 0)).float())
     elif loss_type == "vespo":
-        metrics["vespo/phi_seq_mean"] = masked_mean(phi_seq)
+        metrics[mk.VESPO_PHI_SEQ_MEAN] = masked_mean(phi_seq)
     return metrics

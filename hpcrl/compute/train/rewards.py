@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from hpcrl.job import metric_keys as mk
 from hpcrl.job.recipe import reward_import_path
 
 __all__ = [
@@ -239,14 +240,15 @@ def reward_sums(per_func: torch.Tensor, weights: Sequence[float]) -> list[float]
 
 def reward_statistics(sums: Sequence[float], names: Sequence[str], prefix: str = "") -> dict[str, float]:
     """TRL's reward metrics from :func:`reward_sums`' totals: ``reward`` and ``reward_std`` of the
-    weighted total, ``rewards/<name>`` of each function, each under ``prefix`` ("eval/")."""
+    weighted total, ``rewards/<name>/mean`` and ``/std`` of each function, each under ``prefix``
+    (TRL's "eval_"). Standard deviations are Bessel-corrected (NaN below two values), as TRL's nanstd."""
     out = {}
-    for k, name in enumerate(["reward"] + [f"rewards/{n}" for n in names]):
+    keys = [(mk.REWARD, mk.REWARD_STD)] + [(mk.reward_mean(n), mk.reward_std(n)) for n in names]
+    for k, (mean_key, std_key) in enumerate(keys):
         s, sq, n = sums[3 * k:3 * k + 3]
         mean = s / n if n else math.nan
-        out[prefix + name] = mean
-        if k == 0:
-            out[prefix + "reward_std"] = math.sqrt(max(0.0, sq / n - mean * mean)) if n else math.nan
+        out[prefix + mean_key] = mean
+        out[prefix + std_key] = math.sqrt(max(0.0, (sq - n * mean * mean) / (n - 1))) if n > 1 else math.nan
     return out
 
 

@@ -12,6 +12,7 @@ import torch
 from hpcrl.compute.launch.context import LaunchContext
 from hpcrl.compute.train import checkpoint as ckpt
 from hpcrl.compute.train.trainer import Trainer, TrainerSetup
+from hpcrl.job import metric_keys as mk
 from hpcrl.job import rundir
 from hpcrl.job.rundir import FINISHED_MARKER
 
@@ -136,16 +137,17 @@ def _print_step(ctx: LaunchContext, step: int, m: dict) -> None:
     def f(key, fmt):
         v = m.get(key)
         return "-" if v is None else format(v, fmt)
-    if "eval/reward" in m:
-        per_func = "  ".join(f"{k.removeprefix('eval/rewards/')} {v:.3f}" for k, v in m.items()
-                             if k.startswith("eval/rewards/") and isinstance(v, float))
-        ctx.log(f"eval {step:>4}  reward {f('eval/reward', '.3f')}  {per_func}  len {f('eval/completion_len_mean', '.1f')}"
-                f"  in {f('time_eval_s', '.1f')}s")
+    if mk.eval_key(mk.REWARD) in m:
+        per_func_prefix = mk.eval_key("rewards/")
+        per_func = "  ".join(f"{k[len(per_func_prefix):].removesuffix('/mean')} {v:.3f}" for k, v in m.items()
+                             if k.startswith(per_func_prefix) and k.endswith("/mean") and isinstance(v, float))
+        ctx.log(f"eval {step:>4}  reward {f(mk.eval_key(mk.REWARD), '.3f')}  {per_func}  "
+                f"len {f(mk.eval_key(mk.COMPLETIONS_MEAN_LENGTH), '.1f')}  in {f(mk.TIME_EVAL_S, '.1f')}s")
         if step == 0:
             return          # eval_on_start: no training step to show
-    ctx.log(f"step {step:>4}  reward {f('reward', '.3f')}  kl {f('kl', '.4f')}  loss {f('loss', '.4f')}  "
-            f"len {f('completion_len_mean', '.1f')}  gen {f('time_generation_s', '.2f')}s  "
-            f"train {f('time_train_s', '.2f')}s  sync {f('time_sync_s', '.3f')}s")
+    ctx.log(f"step {step:>4}  reward {f(mk.REWARD, '.3f')}  kl {f(mk.KL, '.4f')}  loss {f(mk.LOSS, '.4f')}  "
+            f"len {f(mk.COMPLETIONS_MEAN_LENGTH, '.1f')}  gen {f(mk.TIME_GENERATION_S, '.2f')}s  "
+            f"train {f(mk.TIME_TRAIN_S, '.2f')}s  sync {f(mk.TIME_SYNC_S, '.3f')}s")
 
 
 def _server_health(run_dir) -> dict:

@@ -76,16 +76,21 @@ def load_eval_dataset(data_cfg: DataConfig, seed: int = 0):
     from its training prompts' seed."""
     from hpcrl.compute.train import data
 
-    if data_cfg.path == "demo" and not data_cfg.data_files:
+    if data_cfg.path == "demo" and not data_cfg.data_files and not data_cfg.datasets:
         return data.demo_dataset(n=64, seed=seed + 1)
     return load_dataset(data_cfg, seed, split=data_cfg.eval_split, split_field="data.eval_split")
 
 
 def load_dataset(data_cfg: DataConfig, seed: int = 0, split: str | None = None, split_field: str = "data.split"):
     """The recipe's prompts: data.split's, or `split`'s (named `split_field` in errors, e.g.
-    data.eval_split), from any form data.path or data.data_files take (data.load_prompts)."""
+    data.eval_split), from any form data.path or data.data_files take (data.load_prompts), or a
+    mixture, data.datasets (data.mixture_prompts)."""
     from hpcrl.compute.train import data
 
+    if data_cfg.datasets:
+        return data.mixture_prompts(data_cfg.datasets, split or data_cfg.split, data_cfg.prompt_column,
+                                    test_split_size=data_cfg.test_split_size, seed=seed,
+                                    split_field=split_field if split else "data.split")
     if data_cfg.path == "demo" and not data_cfg.data_files:
         return data.demo_dataset(n=2000, seed=seed)
     return data.load_prompts(data_cfg.path, split or data_cfg.split, data_cfg.prompt_column, config=data_cfg.config,

@@ -22,6 +22,7 @@ new weights, so a sync never meets a generation in flight.
 from __future__ import annotations
 
 import math
+import os
 import shutil
 import time
 from dataclasses import dataclass, field, replace
@@ -35,15 +36,16 @@ from hpcrl.compute.inference.types import Generator, Sampling
 from hpcrl.compute.launch import faults
 from hpcrl.compute.launch.stop import STOP
 from hpcrl.compute.metrics import format_completion
+from hpcrl.job import metric_keys as mk
 from hpcrl.job import rundir
 from hpcrl.job.recipe import Recipe
 from hpcrl.compute.train import checkpoint as ckpt
 from hpcrl.compute.train import data as data_mod
 from hpcrl.compute.train import fsdp as fsdp_mod
 from hpcrl.compute.train import grpo
-from hpcrl.compute.train.batch import completion_logps, pack_batch
+from hpcrl.compute.train.batch import completion_logps, pack_batch, policy_forward, router_aux_coef
 from hpcrl.compute.train.engine import Fsdp2Engine, TrainEngine
-from hpcrl.compute.train.evaluation import Evaluator, eval_due
+from hpcrl.compute.train.evaluation import Evaluator, epoch_ended, eval_due
 from hpcrl.compute.train.generation import Generation, Requested
 from hpcrl.compute.train.rewards import (RewardFunction, RewardLog, as_completions, load_reward_functions,
                                          new_trainer_state, reward_statistics, reward_sums, score_completions)
@@ -92,6 +94,23 @@ def _global_sum(values: list[float], group) -> list[float]:
     return t.tolist()
 
 
+def _length_stats(completions, group) -> dict[str, float]:
+    """TRL's completions/min_length, max_length and the lengths of the completions that ended
+    before max_completion_length (0 when none did, as TRL's), over all trainers."""
+    lengths = [len(c.token_ids) for c in completions]
+    ended = [n for n, c in zip(lengths, completions) if not c.truncated]
+    # Minima as negated maxima: one reduction for all four extremes.
+    extremes = torch.tensor([max(lengths, default=-math.inf), -min(lengths, default=math.inf),
+                             max(ended, default=-math.inf), -min(ended, default=math.inf)], dtype=torch.float64)
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+    total, count = _global_sum([sum(ended), len(ended)], group)
+    top, low, top_ended, low_ended = extremes.tolist()
+    return {mk.COMPLETIONS_MIN_LENGTH: -low, mk.COMPLETIONS_MAX_LENGTH: top,
+            mk.COMPLETIONS_MEAN_TERMINATED_LENGTH: total / count if count else 0.0,
+            mk.COMPLETIONS_MIN_TERMINATED_LENGTH: -low_ended if count else 0.0,
+            mk.COMPLETIONS_MAX_TERMINATED_LENGTH: top_ended if count else 0.0}
+
+
 def epoch_steps(grpo, prompts: int, prompts_per_generation: int, steps_per_generation: int) -> int:
     """Optimizer steps of grpo.num_train_epochs passes over ``prompts`` (grpo.max_steps -1), as TRL
     counts them: every generation of ``prompts_per_generation`` prompts trains
@@ -128,6 +147,8 @@ class Trainer:
                                 / (self.steps_per_generation * max(1, len(setup.dataset))))
         self.trainer_state = new_trainer_state(self.grpo, 1 / self.epochs_per_step, setup.trainer_rank == 0)
         self.completion_extra: dict[str, list] = {}
+        self._warned_context_cut = False
+        self.router_aux_coef = router_aux_coef(setup.policy, grpo.router_aux_loss_coef)
         if self.grpo.disable_dropout:
             for model in (setup.policy, setup.reference):
                 if model is not None:
@@ -178,7 +199,9 @@ class Trainer:
                 self.generation = self._next_generation()
             self._train_on(self.generation, started)
         self.save()         # the end state, for `hpcrl submit --resume` with more steps
-        self.save_model()
+        final = self.save_model()
+        if final is not None:
+            self._link_last_model_checkpoint(final)
         return "finished"
 
     def _start(self) -> None:
@@ -321,10 +344,40 @@ class Trainer:
 
     def _save_model_if_due(self) -> None:
         # The last step's model is the final one, written by run() at <run_dir>/model.
-        every = self.grpo.save_steps
-        if every and self.step % every == 0 and self.step < self.grpo.max_steps:
+        if self.step < self.grpo.max_steps and self._model_checkpoint_due():
             self.save_model(self.step)
             self._prune_model_checkpoints()
+
+    def _model_checkpoint_due(self) -> bool:
+        """grpo.save_strategy, as TRL's: "steps" every save_steps and at the last step, "epoch" at the
+        end of each pass over the prompts."""
+        g = self.grpo
+        if g.save_strategy == "epoch":
+            return epoch_ended(self.step, self.epochs_per_step, g.max_steps)
+        return g.save_strategy == "steps" and g.save_steps > 0 and (self.step % g.save_steps == 0
+                                                                     or self.step == g.max_steps)
+
+    def _link_last_model_checkpoint(self, final: Path) -> None:
+        """TRL also saves the last step as checkpoint-<step>, and save_total_limit keeps the newest
+        ones: that checkpoint is the final model, so its files are hard links to the final model's
+        (no second write of the weights)."""
+        if self.setup.trainer_rank != 0 or not self._model_checkpoint_due():
+            return
+        dest = rundir.model_dir(self.setup.run_dir, self.step, self.recipe.checkpoint.output_dir)
+        tmp = dest.with_name(dest.name + ".partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+
+        def link(src: str, dst: str) -> None:
+            try:
+                os.link(src, dst)
+            except OSError:             # a file system without hard links
+                shutil.copy2(src, dst)
+
+        shutil.copytree(final, tmp, copy_function=link,
+                        ignore=shutil.ignore_patterns(f"{rundir.MODEL_CHECKPOINT_PREFIX}*"))
+        shutil.rmtree(dest, ignore_errors=True)
+        tmp.rename(dest)
+        self._prune_model_checkpoints()
 
     def _prune_model_checkpoints(self) -> None:
         """grpo.save_total_limit, as TRL's: only the newest checkpoint-<step> model directories stay."""
@@ -367,12 +420,22 @@ class Trainer:
         batch = requested.batch.repeat(self.grpo.num_generations)
         lag = self.weight_version - requested.version
         advantages, reward_stats = self._score(batch, completions)
+        reward_stats.update(_length_stats(completions, setup.group))
         tensors = pack_batch(batch.prompt_ids, completions, _pad_id(setup.tokenizer), setup.device,
                              mask_truncated=self.grpo.mask_truncated_completions)
         advantages = advantages.to(setup.device)
-        tokens, loss_tokens, count, truncated = _global_sum(
+        cap = self.grpo.max_completion_length
+        tokens, loss_tokens, count, truncated, cut = _global_sum(
             [sum(len(c.token_ids) for c in completions), tensors["completion_mask"].sum().item(), len(completions),
-             sum(c.truncated for c in completions)], setup.group)
+             sum(c.truncated for c in completions),
+             sum(c.truncated and len(c.token_ids) < cap for c in completions)], setup.group)
+        if cut and not self._warned_context_cut and setup.trainer_rank == 0:
+            # The engine stops a sequence at its context: such a completion looks truncated like one
+            # at max_completion_length, and would train on silently.
+            self._warned_context_cut = True
+            setup.log(f"warning: {int(cut)} of {int(count)} completions were cut by the engine's context (prompt + "
+                      f"completion), before grpo.max_completion_length={cap}: raise inference.max_model_len "
+                      f"(TRL's vllm_max_model_length; unset = the model's own context) or shorten the prompts")
         t0 = time.perf_counter()
         old_logps, ref_logps = self._old_and_ref_logps(tensors)
         return Generation(tensors=tensors, advantages=advantages, old_logps=old_logps, ref_logps=ref_logps,
@@ -478,7 +541,7 @@ class Trainer:
         sums += [frac_zero_std, 1.0]        # every rank scores as many completions: average over ranks
         sums = _global_sum(sums, self.setup.group)
         out = reward_statistics(sums[:-2], [rf.name for rf in self.rewards])
-        out["frac_reward_zero_std"] = sums[-2] / sums[-1]
+        out[mk.FRAC_REWARD_ZERO_STD] = sums[-2] / sums[-1]
         return out
 
     # ------------------------------------------------------------------ one optimizer step
@@ -499,9 +562,9 @@ class Trainer:
             sl = slice(start, start + micro)
             # Entropies only for the entropy bonus and mask: they cost a pass over the vocabulary.
             want_entropy = cfg.entropy_coef != 0.0 or cfg.top_entropy_quantile < 1.0
-            logps = completion_logps(model, batch, cfg.temperature, sl, self.logprob_chunk_tokens,
-                                     return_entropy=want_entropy)
-            logps, entropies = logps if want_entropy else (logps, None)
+            out = policy_forward(model, batch, cfg.temperature, sl, self.logprob_chunk_tokens,
+                                 entropy=want_entropy, router_aux=self.router_aux_coef != 0.0)
+            logps, entropies = out.logps, out.entropies
             entropy_mask = None
             if cfg.top_entropy_quantile < 1.0:
                 entropy_mask = grpo.high_entropy_mask(entropies.detach(), batch["completion_mask"][sl],
@@ -529,9 +592,14 @@ class Trainer:
                 vespo_k_pos=cfg.vespo_k_pos, vespo_lambda_pos=cfg.vespo_lambda_pos, vespo_k_neg=cfg.vespo_k_neg,
                 vespo_lambda_neg=cfg.vespo_lambda_neg, entropies=entropies, entropy_coef=cfg.entropy_coef,
                 entropy_mask=entropy_mask)
+            if out.aux_loss is not None:
+                # TRL's: the policy loss is already scaled for accumulation, so the aux loss is too.
+                loss = loss + self.router_aux_coef * out.aux_loss / cfg.gradient_accumulation_steps
+                _merge(metrics, {mk.AUX_LOSS: grpo.Metric(out.aux_loss.detach().float())})
             self.engine.backward(loss)
             loss_sum += loss.item()
             _merge(metrics, m)
+        lr_used = self.engine.learning_rate()     # the schedule steps inside engine.step
         grad_norm = self.engine.step(cfg.max_grad_norm)
         if not math.isfinite(grad_norm):
             self.setup.log(f"step {self.step + 1}: non-finite gradient norm {grad_norm}; step skipped")
@@ -540,7 +608,7 @@ class Trainer:
             self.engine.mix_into_reference(self.setup.reference, cfg.ref_model_mixup_alpha)
         out = grpo.reduce_metrics(metrics, self.setup.group)
         loss_t = _global_sum([loss_sum], self.setup.group)[0]
-        out.update(loss=loss_t, grad_norm=grad_norm)
+        out.update({mk.LOSS: loss_t, mk.GRAD_NORM: grad_norm, mk.LEARNING_RATE_USED: lr_used})
         return out
 
     def _step_metrics(self, generation: Generation, losses: dict, *, first: bool, train_s: float,
@@ -551,25 +619,27 @@ class Trainer:
         checkpoints."""
         gen = generation
         metrics = {
-            "step": self.step, "max_steps": self.grpo.max_steps, "time": time.time(), **gen.reward_stats, **losses,
-            "advantage_mean": gen.advantages.mean().item(), "advantage_std": gen.advantages.std().item(),
-            "completion_len_mean": gen.completion_tokens / max(1, gen.completions),
-            "truncated_frac": gen.truncated / max(1, gen.completions),
-            "learning_rate": self.engine.learning_rate(), "weight_version": self.weight_version,
+            mk.STEP: self.step, mk.MAX_STEPS: self.grpo.max_steps, mk.TIME: time.time(), **gen.reward_stats, **losses,
+            mk.ADVANTAGE_MEAN: gen.advantages.mean().item(), mk.ADVANTAGE_STD: gen.advantages.std().item(),
+            mk.COMPLETIONS_MEAN_LENGTH: gen.completion_tokens / max(1, gen.completions),
+            mk.COMPLETIONS_CLIPPED_RATIO: gen.truncated / max(1, gen.completions),
+            mk.NUM_TOKENS: self.trainer_state.num_input_tokens_seen,
+            mk.LEARNING_RATE: self.engine.learning_rate(), mk.EPOCH: self.step * self.epochs_per_step,
+            mk.WEIGHT_VERSION: self.weight_version,
             # How many weight versions the completions trained on are behind the policy.
-            "off_policy_lag": gen.lag,
-            "time_generation_s": gen.wait_s if first else 0.0, "time_train_s": train_s,
-            "time_sync_s": sync_s, "sync_s": sync_s if sync_s else None,
+            mk.OFF_POLICY_LAG: gen.lag,
+            mk.TIME_GENERATION_S: gen.wait_s if first else 0.0, mk.TIME_TRAIN_S: train_s,
+            mk.TIME_SYNC_S: sync_s, mk.SYNC_S: sync_s if sync_s else None,
         }
         if first and self.setup.trainer_nodes:
-            metrics["time_generation_s_by_node"] = self._wait_by_node(gen.wait_s)
+            metrics[mk.TIME_GENERATION_S_BY_NODE] = self._wait_by_node(gen.wait_s)
         if sync_s:
             # The job's gather traffic for this sync: under HSDP nothing crosses a node.
             metrics.update({f"sync_{k}": v for k, v in self.last_sync_stats.items()})
         step_s = time.perf_counter() - started
-        metrics["time_step_s"] = step_s
-        metrics["time_wait_s"] = max(0.0, step_s - metrics["time_generation_s"] - train_s - sync_s)
-        metrics["tokens_per_s"] = gen.completion_tokens / step_s if first else None
+        metrics[mk.TIME_STEP_S] = step_s
+        metrics[mk.TIME_WAIT_S] = max(0.0, step_s - metrics[mk.TIME_GENERATION_S] - train_s - sync_s)
+        metrics[mk.TOKENS_PER_S] = gen.completion_tokens / step_s if first else None
         return metrics
 
     def _wait_by_node(self, wait_s: float) -> list[float]:
@@ -582,10 +652,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ weights to generation
     def _eval_due(self) -> bool:
-        return self.evaluator is not None and eval_due(self.grpo, self.step)
+        return self.evaluator is not None and eval_due(self.grpo, self.step, self.epochs_per_step)
 
     def _evaluate(self) -> dict:
-        """eval/... metrics of the weights as they are after this step (TRL evaluates the model it
+        """eval_... metrics of the weights as they are after this step (TRL evaluates the model it
         trains): the server gets them first if it has older ones."""
         if self.next is not None:
             self.next.take()        # one conversation with the server at a time

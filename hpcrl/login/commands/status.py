@@ -11,10 +11,11 @@ import os
 import sys
 from pathlib import Path
 
+from hpcrl.job import metric_keys as mk
 from hpcrl.job import rundir
 from hpcrl.job.slurm_time import format_walltime
 from hpcrl.login.registry import Registry
-from hpcrl.login.status import SHOWN, find_record, job_row, job_rows, log_path, progress, refresh
+from hpcrl.login.status import SHOWN, find_record, finished, job_row, job_rows, log_path, progress, refresh
 from hpcrl.login.table import print_table
 
 
@@ -95,6 +96,24 @@ def _balance(run_dir, job: dict) -> list[str]:
     return lines + ([balance.advice()] if balance else [])
 
 
+def _learning(run_dir, state: dict, job: dict) -> str | None:
+    """metric_keys.learning_check of a job that has ended: "learned nothing: ..." or None. The
+    metrics' tail answers for most runs (one step that changed the weights settles it); the whole
+    file is read only when the tail learned nothing."""
+    if not run_dir or not finished(state):
+        return None
+    groups = job.get("recipe", {}).get("grpo", {}).get("num_generations")
+
+    def check(lines: list[dict]) -> str | None:
+        by_step = {m[mk.STEP]: m for m in lines if isinstance(m, dict) and isinstance(m.get(mk.STEP), int)}
+        return mk.learning_check([by_step[s] for s in sorted(by_step)], groups)
+
+    tail = rundir.read_metrics(run_dir, max_bytes=256 * 1024)
+    if check(tail) is None:
+        return None
+    return check(rundir.read_metrics(run_dir))
+
+
 def _one(registry: Registry, args) -> int:
     record = find_record(registry, args.job_id)
     states, warning = refresh(registry, [record])
@@ -105,7 +124,8 @@ def _one(registry: Registry, args) -> int:
     log = log_path(record, state)
     detail = {**row, "slurm": {k: v for k, v in state.items() if k != SHOWN}, "heartbeat": p["heartbeat"], "metrics": p["metrics"],
               "log": str(log) if log else None, "log_tail": _tail(log, 20) if log else [],
-              "model": _model(record.run_dir, job), "balance": _balance(record.run_dir, job) if job else []}
+              "model": _model(record.run_dir, job), "balance": _balance(record.run_dir, job) if job else [],
+              "learning": _learning(record.run_dir, state, job)}
     if warning:
         print(warning, file=sys.stderr)
     if args.json:
@@ -121,8 +141,10 @@ def _one(registry: Registry, args) -> int:
     print(f"  run dir    {row['run_dir']}")
     if p["metrics"]:
         m = p["metrics"]
-        print(f"  progress   step {m.get('step')}  reward {_fmt(m.get('reward'), '.3f')}  "
-              f"tokens/s {_fmt(m.get('tokens_per_s'), '.0f')}  last sync {_fmt(m.get('sync_s'), '.3f')} s")
+        print(f"  progress   step {m.get(mk.STEP)}  reward {_fmt(m.get(mk.REWARD), '.3f')}  "
+              f"tokens/s {_fmt(m.get(mk.TOKENS_PER_S), '.0f')}  last sync {_fmt(m.get(mk.SYNC_S), '.3f')} s")
+    if detail["learning"]:
+        print(f"  learning   {detail['learning']}")
     if detail["model"]:
         print(f"  model      {detail['model']}")
     for line in detail["balance"]:
