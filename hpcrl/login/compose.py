@@ -40,11 +40,13 @@ def read_recipe(path: str | None) -> dict:
         return {}
     import yaml     # only here: `hpcrl status` and the built-in demo never parse YAML
 
+    from hpcrl.login import strict_yaml
+
     p = Path(path)
     if not p.is_file():
         raise UserError(f"recipe: no such file {path!r}")
     try:
-        data = yaml.safe_load(p.read_text())
+        data = strict_yaml.load(p.read_text())
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -63,12 +65,14 @@ def apply_overrides(data: dict, assignments: list[str]) -> dict:
     """Apply `key.path=value` arguments; values are parsed as YAML scalars/lists ("3", "true", "[a, b]")."""
     if assignments:
         import yaml
+
+        from hpcrl.login import strict_yaml
     for item in assignments:
         key, sep, raw = item.partition("=")
         if not sep or not re.match(r"^[A-Za-z_][\w]*(\.[A-Za-z_0-9][\w]*)*$", key):
             raise UserError(f"override {item!r}: expected key.path=value (e.g. grpo.learning_rate=1e-5)")
         try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
+            value = strict_yaml.load(raw) if raw.strip() else ""
         except yaml.YAMLError:
             value = raw
         if value is not None and not isinstance(value, (str, int, float, bool, list, dict)):
@@ -295,7 +299,7 @@ def _compose(recipe: Recipe, recipe_path: str | None, site_name: str, run_dir: s
     if recipe.checkpoint.dir:
         _check_writable_on_compute(site, Path(recipe.checkpoint.dir).expanduser().absolute(), "checkpoint.dir")
     if recipe.checkpoint.output_dir:
-        _check_output_dir(site, Path(recipe.checkpoint.output_dir))
+        _check_output_dir(site, Path(recipe.checkpoint.output_dir), recipe.model.path)
     from hpcrl.login.inputs import model_to_stage
 
     model_source = model_to_stage(recipe, site) if recipe.mode == "train" else ""
@@ -454,11 +458,17 @@ def _check_writable_on_compute(site: Site, path: Path, where: str) -> None:
                             f"~/.config/hpcrl/sites/{site.name}.toml)")
 
 
-def _check_output_dir(site: Site, path: Path) -> None:
+def _check_output_dir(site: Site, path: Path, model_path: str = "") -> None:
     """TRL's output_dir: the final model replaces a model directory there, as TRL overwrites it;
-    anything else there is the user's and is never replaced."""
+    anything else there is the user's and is never replaced, nor is the base model."""
     where = "checkpoint.output_dir (TRL's output_dir)"
     _check_text(str(path), where)
+    base = Path(model_path).expanduser() if model_path and not model_path.startswith("demo:") else None
+    if base is not None and base.is_dir():
+        out, base = path.expanduser().resolve(), base.resolve()
+        if out == base or base in out.parents or out in base.parents:
+            raise UserError(f"{where}: {path} is {'the base model' if out == base else 'in or around the base model'}"
+                            f" ({model_path}), which the run's model would overwrite: name another directory")
     if path.exists() and not path.is_dir():
         raise UserError(f"{where}: {path} is a file, not a directory")
     if path.is_dir() and any(path.iterdir()) and not rundir.is_model_dir(path) \
