@@ -335,7 +335,9 @@ def test_run_writes_the_model_equal_to_its_last_checkpoint(finished_run, tmp_pat
     final = run_dir / rundir.MODEL_DIR
     assert f"model     {final}" in proc.stdout
     assert rundir.is_model_dir(final) and rundir.is_model_dir(final / "checkpoint-2")
-    assert not (final / "checkpoint-3").exists(), "the last step's model is the final one"
+    # TRL also saves the last step as checkpoint-<last>: the final model's files, hard-linked.
+    assert rundir.model_checkpoint_steps(final) == [2, 3]
+    assert all((final / "checkpoint-3" / p.name).stat().st_ino == p.stat().st_ino for p in final.glob("*.safetensors"))
     assert [p for p in run_dir.rglob(".*tmp*")] == []
     files = sorted(p.name for p in final.glob("*.safetensors"))
     assert len(files) > 1 and (final / export.INDEX_FILE).is_file()        # 1.5 MB shards of a ~4 MB model

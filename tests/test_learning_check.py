@@ -126,7 +126,7 @@ def mixed(completions, **kwargs):
 
 RECIPE = '''
 name: learns-nothing
-model: {{path: "demo:tiny:random"}}
+model: {{path: "demo:tiny:random"{model_extra}}}
 data: {{path: demo}}
 rewards:
   - {{func: "nothing_rewards:{func}"}}
@@ -135,11 +135,12 @@ inference: {{engine: transformers}}
 '''
 
 
-def _run(tmp_path: Path, func: str, extra: str = "", max_steps: int = 2):
+def _run(tmp_path: Path, func: str, extra: str = "", max_steps: int = 2, model_extra: str = ""):
     from conftest import run_to_the_end
 
     (tmp_path / "nothing_rewards.py").write_text(REWARDS)
-    (tmp_path / "recipe.yaml").write_text(RECIPE.format(func=func, extra=extra, max_steps=max_steps))
+    (tmp_path / "recipe.yaml").write_text(RECIPE.format(func=func, extra=extra, max_steps=max_steps,
+                                                                     model_extra=model_extra))
     proc = run_to_the_end([PY, "-m", "hpcrl", "run", "recipe.yaml", "--run-dir", "run"], tmp_path, 300)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
     lines = proc.stdout.strip().splitlines()
@@ -162,17 +163,41 @@ def test_hpcrl_run_with_a_constant_reward_says_it_learned_nothing(tmp_path):
     assert 0 <= m["completions/clipped_ratio"] <= 1 and "completions/mean_terminated_length" in m
     assert m["num_tokens"] > metrics[0]["num_tokens"] > 0 and m["epoch"] > 0
     assert "completion_len_mean" not in m and "time_step_s" in m and "tokens_per_s" in metrics[0]
+    # The model written, tensor by tensor against the base: not one changed (a zero gradient moves
+    # no AdamW weight), which the learning check would say if the metrics had not.
+    report = json.loads((tmp_path / "run" / "model-vs-base.json").read_text())
+    assert report["compared"] > 5 and report["changed"] == 0 and report["dtype"] == "float32"
 
 
 @needs_mpi
 def test_hpcrl_run_all_in_warmup_says_its_weights_never_changed(tmp_path):
     """The learning rate 0 in every step: a warmup as long as the run (the schedule's first step
-    has rate 0). hpcrl refuses grpo.learning_rate 0 itself at render."""
+    has rate 0)."""
     lines, metrics = _run(tmp_path, "mixed", ", warmup_steps: 2, lr_scheduler_type: linear", max_steps=1)
     assert [(m["step"], m["learning_rate_used"]) for m in metrics] == [(1, 0.0)] and metrics[0]["grad_norm"] > 0
     assert metrics[0]["frac_reward_zero_std"] == 0.0
     assert lines[-1] == ("hpcrl: learned nothing: the policy's weights never changed: the learning rate was 0 in "
                          "its one step (grpo.learning_rate, the warmup and the schedule)")
+
+
+def test_a_changed_model_is_told_apart_from_its_base(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from hpcrl.compute.train.base_diff import BaseDiff
+
+    base = {"a": torch.ones(4), "b": torch.zeros(2, 2), "step": torch.tensor([3])}
+    save_file(base, str(tmp_path / "model.safetensors"))
+    diff = BaseDiff(tmp_path)
+    diff.add("a", torch.ones(4, dtype=torch.bfloat16))       # equal in the written dtype
+    diff.add("b", torch.full((2, 2), 0.5))
+    diff.add("step", torch.tensor([4]))                       # not a weight: not compared
+    diff.add("new", torch.ones(1))                            # not in the base
+    result = diff.close()
+    assert (result.compared, result.changed, result.max_abs_diff) == (2, 1, 0.5)
+    assert mk.model_check({"compared": 2, "changed": 1, "dtype": "float32"}) is None
+    assert "in all 2 tensors (float32): no update reached" in mk.model_check({"compared": 2, "changed": 0,
+                                                                              "dtype": "float32"})
 
 
 def test_status_of_an_ended_job_names_it(tmp_path):

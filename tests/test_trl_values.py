@@ -223,3 +223,5 @@ def test_a_model_with_a_short_context_runs_on_vllm_and_says_when_the_context_cut
     assert "finished: step 2 of 2" in proc.stdout, out[-4000:]
     assert "completions were cut by the engine's context" in out and "vllm_max_model_length" in out, out[-4000:]
     assert json.loads((tmp_path / "run" / "job.json").read_text())["recipe"]["name"] == "cfg"
+    report = json.loads((tmp_path / "run" / "model-vs-base.json").read_text())
+    assert report["changed"] > 0 and "learned nothing" not in proc.stdout

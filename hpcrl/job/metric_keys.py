@@ -131,6 +131,18 @@ def _number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+def model_check(model_vs_base: Mapping[str, Any] | None) -> str | None:
+    """One line when the model a run wrote equals its base in every tensor compared
+    (rundir.MODEL_VS_BASE_FILE), naming the likely cause; None otherwise."""
+    if not model_vs_base or not model_vs_base.get("compared") or model_vs_base.get("changed"):
+        return None
+    n, dtype = model_vs_base["compared"], model_vs_base.get("dtype") or "its dtype"
+    why = ("the updates were below its resolution: raise grpo.learning_rate, train longer, or keep the "
+           "weights in float32 (model.dtype: float32, TRL's default dtype)"
+           if dtype in ("bfloat16", "float16") else "no update reached the weights")
+    return f"learned nothing: the model written equals the base model in all {n} tensors ({dtype}): {why}"
+
+
 def learning_check(steps: Iterable[Mapping[str, Any]], num_generations: int | None = None) -> str | None:
     """One line when a run's optimizer steps cannot have taught the policy anything, naming the
     likely cause; None when they could have, or the metrics do not tell.

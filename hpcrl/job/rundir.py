@@ -51,6 +51,18 @@ FINISHED_MARKER = ".finished"
 REQUEUE_MARKER = ".requeue-requested"
 # The first fatal line of the job's tasks (hpcrl.compute.launch.outcome), for `hpcrl status`.
 FAILURE_FILE = "failure.txt"
+# The final model against the base it was trained from (hpcrl.compute.train.base_diff): how many
+# tensors changed, for the run's learning check.
+MODEL_VS_BASE_FILE = "model-vs-base.json"
+
+
+def model_vs_base(run_dir: str | os.PathLike) -> dict | None:
+    """MODEL_VS_BASE_FILE's counts, None when the run wrote none (or it cannot be read)."""
+    try:
+        data = json.loads((Path(run_dir) / MODEL_VS_BASE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def server_health_file(run_dir: str | os.PathLike, node: int, engine: int) -> Path:

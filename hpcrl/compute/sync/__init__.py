@@ -14,6 +14,9 @@ such as api.py, costs neither torch nor vLLM):
 - ``gather.py``       trainer side, any transport: ordered, bucketed ``full_tensor()`` gathers, HF names;
                       each shard cast to the wire dtype before its gather (the engine's dtype: bf16
                       bytes, not fp32 masters), bit-identical to casting after.
+- ``layout.py``       ``CheckpointLayout``: in-memory names -> checkpoint names, a bucket at a time
+                      (transformers' own reverse conversion: per-expert MoE tensors); the identity,
+                      at no cost, for a model without conversions (every dense model).
 - ``trainer.py``      ``TrainerWeightSync``: the trainer side of the vLLM backends (the shared part:
                       agreement of the node's trainers on the outcome and on the wire dtype, gather
                       traffic), with the backend's transport picked by name.

@@ -1,6 +1,6 @@
 """What a vLLM worker needs around vLLM's layerwise reload, whatever brought the weights: an abort
-that leaves no layer on the meta device, and the re-pack of a tied lm_head that the reload leaves
-stale on CPU. Used by hpcrl_shm's worker engine (shm_vllm.py) and by the worker extension
+that leaves no layer on the meta device, the re-pack of a tied lm_head that the reload leaves
+stale on CPU, and the re-pack of mixture-of-experts weights that the reload leaves unpacked on CPU. Used by hpcrl_shm's worker engine (shm_vllm.py) and by the worker extension
 (vllm_plugin.py) for every backend and for the checkpoint route.
 
 Imports torch; vLLM only inside the functions (they run inside vLLM's workers).
@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["PARTIAL_SYNCS_ENV", "abort_layerwise_reload", "refresh_tied_weights", "drop_expected_reload_warnings"]
+__all__ = ["PARTIAL_SYNCS_ENV", "abort_layerwise_reload", "refresh_tied_weights", "drop_expected_reload_warnings",
+           "repack_moe_on_reload"]
 
 _LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 
@@ -106,3 +107,39 @@ def refresh_tied_weights(model: torch.nn.Module) -> int:
                 method.process_weights_after_loading(module)
                 refreshed += 1
     return refreshed
+
+
+def repack_moe_on_reload(model: torch.nn.Module) -> int:
+    """Make every reload of a mixture-of-experts layer end as its first load does, on CPU.
+
+    vLLM 0.32's ``UnquantizedFusedMoEMethod.process_weights_after_loading`` runs the experts'
+    own post-processing (``fused_experts.process_weights_after_loading``) only on the first load
+    (unquantized_fused_moe_method.py, ``_setup_kernel``: "the kernel does not need to be
+    re-built"). On CPU that post-processing is the prepack of w13/w2 into the grouped-GEMM layout
+    (``CPUUnquantizedExperts``): after a layerwise reload the layer's weights are copied back into
+    the packed storage UNPACKED, and the engine serves garbage (a reload of the very same weights
+    moved the log-probs of a tiny Qwen3-MoE by 0.57). Wraps each such layer's method so that a
+    reload prepacks the fresh weights before layerwise reload copies them into place. Idempotent;
+    returns how many layers it wrapped. Only the CPU experts: GPU kernels have not been checked.
+    """
+    wrapped = 0
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        kernel = getattr(method, "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if (type(method).__name__ != "UnquantizedFusedMoEMethod" or experts is None
+                or type(experts).__name__ != "CPUUnquantizedExperts"
+                or getattr(method.process_weights_after_loading, "_hpcrl_repacks", False)):
+            continue
+        original = method.process_weights_after_loading
+
+        def process(layer, _original=original, _method=method):
+            reloading = _method.moe_kernel is not None      # set by the first load
+            _original(layer)
+            if reloading:
+                _method.moe_kernel.fused_experts.process_weights_after_loading(layer)
+
+        process._hpcrl_repacks = True
+        method.process_weights_after_loading = process
+        wrapped += 1
+    return wrapped

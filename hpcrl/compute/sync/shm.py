@@ -50,6 +50,7 @@ import torch
 
 from hpcrl.compute.sync.api import SenderSetup, SyncClient, SyncError
 from hpcrl.compute.sync.gather import iter_buckets, param_specs
+from hpcrl.compute.sync.layout import CheckpointLayout
 
 __all__ = ["ShmRegion", "SignalPipe", "receive_stream", "SendStats", "ShmWeightSender", "ShmTransport", "shm_path",
            "numel"]
@@ -532,8 +533,10 @@ class ShmTransport:
         self.bucket_bytes, self.tracker, self.traffic = setup.bucket_bytes, setup.tracker, setup.traffic
         self.cast_to = None if setup.cast_to == "auto" else setup.cast_to
         self.sender: ShmWeightSender | None = None
+        # vLLM loads checkpoint names (per-expert MoE weights, not transformers' fused ones).
+        self.layout = CheckpointLayout(setup.model, self.params)
         if self.is_sender:
-            largest = max((s.nbytes for s in param_specs(self.params, self.cast_to)), default=0)
+            largest = max((s.nbytes for s in self.layout.specs(param_specs(self.params, self.cast_to))), default=0)
             self.sender = ShmWeightSender(self.client, self.bucket_bytes, largest, shm_dir=setup.shm_dir,
                                           job_token=setup.job_token, mode=setup.shm_mode,
                                           stall_timeout_s=setup.stall_timeout_s)
@@ -549,7 +552,7 @@ class ShmTransport:
         try:
             if self.is_sender:
                 self.client.pending_version = version
-                return self.sender.send(buckets, version), None
+                return self.sender.send(self.layout.buckets(buckets), version), None
             return None, None
         except Exception as exc:
             return None, exc

@@ -17,7 +17,8 @@ device. Two more things the built-in engines do not need and this one does:
   rest arrives; such views are copied out before the slot is handed back (``_detach_pending_from``),
   or the sender would overwrite them (seen: corrupted q/k/v biases without it);
 - vLLM's reload leaves a tied lm_head's packed CPU copy of the embedding stale
-  (``reload.refresh_tied_weights``); this also affects vLLM's own ``reload_weights`` on CPU.
+  (``reload.refresh_tied_weights``); this also affects vLLM's own ``reload_weights`` on CPU;
+- and it leaves a mixture-of-experts layer's weights unpacked on CPU (``reload.repack_moe_on_reload``).
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ from vllm.distributed.weight_transfer.base import (
 
 from hpcrl.compute.sync.api import SHM_BACKEND, SyncError
 from hpcrl.compute.sync.gather import iter_buckets
-from hpcrl.compute.sync.reload import abort_layerwise_reload, drop_expected_reload_warnings, refresh_tied_weights
+from hpcrl.compute.sync.reload import (abort_layerwise_reload, drop_expected_reload_warnings, refresh_tied_weights,
+                                      repack_moe_on_reload)
 from hpcrl.compute.sync.shm import ShmRegion, ShmWeightSender, SignalPipe, numel, receive_stream
 
 __all__ = [
@@ -113,6 +115,7 @@ class HpcrlShmWeightTransferEngine(WeightTransferEngine[HpcrlShmInitInfo, HpcrlS
         self.detached_tensors = 0  # how often a layer straddled two slots (diagnostics)
         self.load_s = 0.0  # time in load_weights (incl. layer processing), all syncs
         drop_expected_reload_warnings(bool(getattr(self.model_config.hf_config, "tie_word_embeddings", False)))
+        repack_moe_on_reload(model)
 
     def init_transfer_engine(self, init_info: HpcrlShmInitInfo) -> None:
         self.shutdown()  # a new sender (restarted trainer): drop the old region

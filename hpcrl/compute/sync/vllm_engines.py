@@ -26,6 +26,7 @@ from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactor
 
 from hpcrl.compute.sync.api import SenderSetup
 from hpcrl.compute.sync.gather import iter_full_tensors, param_specs, sync_named_params
+from hpcrl.compute.sync.layout import CheckpointLayout
 from hpcrl.compute.sync.notify import NotifyClient
 
 __all__ = ["HFWeightSource", "NcclTransport", "IpcTransport", "ipc_buffer_bytes"]
@@ -46,16 +47,25 @@ class HFWeightSource(WeightSource):
     def __init__(self, model: torch.nn.Module, cast_to: torch.dtype | None = None, traffic=None,
                  params: list | None = None) -> None:
         self._params = params if params is not None else sync_named_params(model)
+        # vLLM loads checkpoint names (per-expert MoE weights, not transformers' fused ones); each
+        # tensor converts alone (CheckpointLayout checks it), so one at a time is fine.
+        self.layout = CheckpointLayout(model, self._params)
         self.cast_to = cast_to
         self.traffic = traffic
         self._current: Iterator[tuple[str, torch.Tensor]] | None = None
 
     def metadata(self) -> list[ParamMeta]:
-        return [ParamMeta(s.name, s.dtype, s.shape) for s in param_specs(self._params, self.cast_to)]
+        return [ParamMeta(s.name, s.dtype, s.shape)
+                for s in self.layout.specs(param_specs(self._params, self.cast_to))]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        self._current = iter_full_tensors(self._params, self.cast_to, traffic=self.traffic)
+        tensors = iter_full_tensors(self._params, self.cast_to, traffic=self.traffic)
+        self._current = tensors if self.layout.identity else self._converted(tensors)
         return self._current
+
+    def _converted(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for item in tensors:
+            yield from self.layout.convert([item])
 
     def new_send(self) -> None:
         """Before a send: no gathers of it are under way yet."""

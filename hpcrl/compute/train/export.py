@@ -6,7 +6,9 @@ generation_config.json, the tokenizer files with the chat template, and the weig
 files of at most ``max_shard_bytes`` (``model.safetensors`` alone, or ``model-0000i-of-0000n``
 with ``model.safetensors.index.json``, as ``save_pretrained`` names them). Weights are in the
 model's dtype (recipe model.dtype, else the source checkpoint's); the fp32 masters are cast tensor
-by tensor. ``AutoModelForCausalLM.from_pretrained`` and vLLM load it as is.
+by tensor, and each bucket is put in the checkpoint layout (hpcrl.compute.sync.layout: per-expert
+MoE tensors, the names ``save_pretrained`` writes). ``AutoModelForCausalLM.from_pretrained`` and
+vLLM load it as is.
 
 Memory: no process ever holds the whole model.
 - From the trainers, the tensors come through the weight sync's gather (``iter_buckets``, the same
@@ -46,6 +48,7 @@ from typing import Any
 import torch
 
 from hpcrl.compute.sync.gather import LiveBytes, ParamSpec, hf_name, iter_buckets, param_specs, sync_named_params
+from hpcrl.compute.sync.layout import CheckpointLayout
 from hpcrl.compute.train.checkpoint import fsync_dir
 from hpcrl.job import rundir
 
@@ -280,27 +283,32 @@ def _takes_part(tensors: Iterable[tuple[str, torch.Tensor]], writer_rank: int) -
 def save_from_trainers(model: torch.nn.Module, final: Path, *, model_dir: str | os.PathLike, tokenizer: Any,
                        dtype: torch.dtype, max_shard_bytes: int, bucket_bytes: int, writer: bool, group=None,
                        tracker: LiveBytes | None = None, trust_remote_code: bool = False,
-                       on_file: Callable[[Path], None] | None = None) -> Path | None:
+                       on_file: Callable[[Path], None] | None = None,
+                       on_tensor: Callable[[str, torch.Tensor], None] | None = None) -> Path | None:
     """Write ``model`` (FSDP2-sharded, or whole) to ``final``; call it on EVERY trainer rank (the
     gathers and the closing agreement are collectives). ``writer``: trainer rank 0, the rank that
-    writes (global rank 0 of ``group``). Returns ``final`` on the writer, None elsewhere; raises on
-    every rank when the writer failed (the ranks keep gathering after a write error, so none hangs)."""
+    writes (global rank 0 of ``group``); ``on_tensor`` sees each tensor it writes (base_diff).
+    Returns ``final`` on the writer, None elsewhere; raises on every rank when the writer failed
+    (the ranks keep gathering after a write error, so none hangs)."""
     tensors = export_tensors(model)
+    layout = CheckpointLayout(model, tensors)
     cast = dtype if any(t.dtype.is_floating_point and t.dtype != dtype for _, t in tensors) else None
     error: BaseException | None = None
     tmp = shards = None
     if writer:
         try:
             tmp = prepare_tmp(final)
-            shards = ShardWriter(tmp, param_specs(tensors, cast), max_shard_bytes, on_file)
+            shards = ShardWriter(tmp, layout.specs(param_specs(tensors, cast)), max_shard_bytes, on_file)
         except Exception as e:       # noqa: BLE001 - reported to every rank below
             error = e
     if _takes_part(tensors, 0):
-        for bucket in iter_buckets(tensors, bucket_bytes, keep=writer, cast_to=cast, tracker=tracker):
+        for bucket in layout.buckets(iter_buckets(tensors, bucket_bytes, keep=writer, cast_to=cast, tracker=tracker)):
             for name, t in bucket:
                 if error is None:
                     try:
                         shards.write(name, t)
+                        if on_tensor is not None:
+                            on_tensor(name, t)
                     except Exception as e:      # noqa: BLE001 - keep gathering: the others are in the collectives
                         error = e
             t = None        # the bucket's last tensor goes with the bucket
@@ -455,13 +463,14 @@ def export_checkpoint(checkpoint: str | os.PathLike, model_dir: str | os.PathLik
     with torch.device("meta"):      # names, shapes and tying, without a byte of weights
         meta = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
     tensors = export_tensors(meta)
+    layout = CheckpointLayout(meta, tensors)
     cast = lambda dt: dtype if dt.is_floating_point else dt       # noqa: E731
     specs = [ParamSpec(name, cast(t.dtype), tuple(t.shape)) for name, t in tensors]
     tmp = prepare_tmp(final)
-    shards = ShardWriter(tmp, specs, max_shard_bytes)
+    shards = ShardWriter(tmp, layout.specs(specs), max_shard_bytes)
     try:
-        for bucket in _checkpoint_buckets(checkpoint, [(s.name, s.shape) for s in specs], bucket_bytes, cast,
-                                          tracker):
+        for bucket in layout.buckets(_checkpoint_buckets(checkpoint, [(s.name, s.shape) for s in specs], bucket_bytes,
+                                                         cast, tracker)):
             for name, t in bucket:
                 shards.write(name, t)
             t = None

@@ -43,6 +43,7 @@ from hpcrl.compute.train import checkpoint as ckpt
 from hpcrl.compute.train import data as data_mod
 from hpcrl.compute.train import fsdp as fsdp_mod
 from hpcrl.compute.train import grpo
+from hpcrl.compute.train.base_diff import BaseDiff
 from hpcrl.compute.train.batch import completion_logps, pack_batch, policy_forward, router_aux_coef
 from hpcrl.compute.train.engine import Fsdp2Engine, TrainEngine
 from hpcrl.compute.train.evaluation import Evaluator, epoch_ended, eval_due
@@ -333,14 +334,25 @@ class Trainer:
                        bucket_bytes=self.recipe.inference.sync_bucket_mb * 2**20,
                        writer=self.setup.trainer_rank == 0, group=self.setup.group,
                        trust_remote_code=self.recipe.model.trust_remote_code)
+        diff = None
         if self.recipe.model.use_peft:
             export.save_lora_from_trainers(self.setup.policy, out, recipe_model=self.recipe.model,
                                            merged=self.recipe.checkpoint.save_merged_model, **options)
         else:
-            export.save_from_trainers(self.setup.policy, out, **options)
+            # The final model against the base: did the run change anything the file keeps?
+            diff = BaseDiff(self.setup.model_dir) if step is None and options["writer"] else None
+            export.save_from_trainers(self.setup.policy, out, on_tensor=diff and diff.add, **options)
         if self.setup.trainer_rank == 0:
             self.setup.log(f"model written to {out} in {time.perf_counter() - t0:.1f} s")
+        if diff is not None:
+            self._report_base_diff(diff.close())
         return out
+
+    def _report_base_diff(self, result) -> None:
+        result.save(self.setup.run_dir / rundir.MODEL_VS_BASE_FILE)
+        if result.compared and not result.changed:
+            self.setup.log(f"warning: the model written equals the base model in all {result.compared} tensors "
+                           f"({result.dtype}): no update survived the export")
 
     def _save_model_if_due(self) -> None:
         # The last step's model is the final one, written by run() at <run_dir>/model.

@@ -110,8 +110,8 @@ def _learning(run_dir, state: dict, job: dict) -> str | None:
 
     tail = rundir.read_metrics(run_dir, max_bytes=256 * 1024)
     if check(tail) is None:
-        return None
-    return check(rundir.read_metrics(run_dir))
+        return mk.model_check(rundir.model_vs_base(run_dir))
+    return check(rundir.read_metrics(run_dir)) or mk.model_check(rundir.model_vs_base(run_dir))
 
 
 def _one(registry: Registry, args) -> int:
