@@ -384,7 +384,7 @@ def test_trls_deepspeed_key(tmp_path, monkeypatch):
     assert spec.deepspeed_user == {"zero_optimization": {"stage": 3, "overlap_comm": True}}
     # A recipe that says fsdp2 itself is refused, not overridden.
     trl.write_text("model_name_or_path: demo:tiny\ndataset_name: demo\ndeepspeed: ds.json\ntrainer: {engine: fsdp2}\n")
-    with pytest.raises(UserError, match=r"^trainer.deepspeed_config: .*set trainer.engine=deepspeed"):
+    with pytest.raises(UserError, match=r"^deepspeed \(trainer.deepspeed_config\): .*set trainer.engine=deepspeed"):
         compose.build_recipe(str(trl))
     trl.write_text("model_name_or_path: demo:tiny\ndataset_name: demo\ndeepspeed: 3\n")
     with pytest.raises(UserError, match=r"^deepspeed: expected a DeepSpeed JSON's path"):

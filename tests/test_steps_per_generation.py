@@ -59,7 +59,7 @@ def _w_slices(rank, world, model_dir, run_dir):
     recipe = Recipe(grpo=grpo)
     policy, reference = load_policy_and_reference(model_dir, mesh, torch.device("cpu"), recipe)
     seen_rows, normalizers = [], []
-    real_logps, real_loss = trainer_mod.completion_logps, grpo_mod.grpo_loss
+    real_logps, real_loss = trainer_mod.policy_forward, grpo_mod.grpo_loss
 
     def logps_spy(model, batch, temperature, rows=slice(None), *args, **kwargs):
         if model.training:
@@ -70,7 +70,7 @@ def _w_slices(rank, world, model_dir, run_dir):
         normalizers.append((kwargs["num_items_in_batch"], kwargs["steps_per_generation"]))
         return real_loss(*args, **kwargs)
 
-    trainer_mod.completion_logps, grpo_mod.grpo_loss = logps_spy, loss_spy
+    trainer_mod.policy_forward, grpo_mod.grpo_loss = logps_spy, loss_spy
     generator = _Counting()
     setup = trainer_mod.TrainerSetup(
         recipe=recipe, run_dir=Path(run_dir), device=torch.device("cpu"), policy=policy, reference=reference,

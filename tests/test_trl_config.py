@@ -157,8 +157,8 @@ def test_trls_lora_keys_land_on_the_model_section(trl_yaml):
 
 
 def test_lora_keys_are_inert_without_use_peft(trl_yaml):
-    trl_yaml.write_text(LORA_YAML.replace("use_peft: true", "use_peft: false")
-                        + "lora_modules_to_save: [lm_head]\nuse_dora: true\n")
+    trl_yaml.write_text(LORA_YAML.replace("use_peft: true", "use_peft: false").replace("use_dora: false", "use_dora: true")
+                        + "lora_modules_to_save: [lm_head]\n")
     resolved = compose.build_recipe(str(trl_yaml))
     m, t = resolved.recipe.model, resolved.trl
     assert m.use_peft is False and m.lora_r == 16 and m.lora_target_modules is None

@@ -243,8 +243,17 @@ def teardown(ctx: LaunchContext, code: int) -> int:
     ctx.watchdog.close()
     if ctx.hub is not None:
         failures = ctx.hub.close(wait_s=ctx.launch.collective_timeout_s)
+        # A task's own error is the job's reason when no rank recorded one while running (its peers
+        # had already said goodbye, as a transformers engine does): else failure.txt stays empty and
+        # the run's last line and `hpcrl status` have no reason. A rank that failed outranks one that
+        # merely vanished; an earlier record (first writer wins) is kept.
+        own = [r for r, why in sorted(failures.items()) if why.startswith("failed:")] or sorted(failures)
         for rank, reason in sorted(failures.items()):
-            write_line(f"hpcrl: rank 0: at the end, rank {rank} {reason}", sys.stderr)
+            line = f"hpcrl: rank 0: at the end, rank {rank} {reason}"
+            if rank == own[0]:
+                outcome.fatal(line, summary=f"rank {rank} {reason}")
+            else:
+                write_line(line, sys.stderr)
         if failures and code == 0:
             code = 1
     return code
