@@ -133,6 +133,15 @@ def test_one_grpo_step_deepspeed_equals_fsdp2(tmp_path, model_dir):
     spawn(_w_same_step, tmp_path, model_dir, str(tmp_path / "run"), timeout=300)
 
 
+def test_one_grpo_step_of_a_mixture_of_experts_deepspeed_equals_fsdp2(tmp_path):
+    """Qwen3-MoE: fused experts partitioned by ZeRO-3 as FSDP2 shards them, and the routers'
+    load-balancing loss (the config's router_aux_loss_coef) in both steps alike."""
+    from test_moe import make_moe_dir
+
+    model = make_moe_dir(tmp_path / "moe", "qwen3_moe", square=False)
+    spawn(_w_same_step, tmp_path, str(model), str(tmp_path / "run"), timeout=300)
+
+
 def test_a_partition_off_its_device_fails_the_load_naming_the_model():
     """Each model's ZeRO-3 partitions are checked after the load: on the task's GPU, in host memory
     only with offload_param (the trap: a reference left on the host by accident). Without a GPU

@@ -33,6 +33,10 @@ def _refusal(tmp_path: Path, text: str, *overrides: str) -> str:
 
 
 # ---------------------------------------------------------------------------- values TRL takes
+def test_trls_legacy_importance_sampling_cap_is_its_clip_max(tmp_path):
+    assert _recipe(tmp_path, "vllm_importance_sampling_cap: 2.5\n").recipe.grpo.vllm_importance_sampling_clip_max == 2.5
+
+
 @pytest.mark.parametrize("value, mode", [("true", "group"), ("false", "none"), ("batch", "batch")])
 def test_scale_rewards_takes_trls_booleans(tmp_path, value, mode):
     assert _recipe(tmp_path, f"scale_rewards: {value}\n").recipe.grpo.scale_rewards == mode

@@ -340,7 +340,8 @@ def build_recipe(recipe_path: str | None, assignments: list[str] = (),
     for key, value in (flags or {}).items():
         if value is not None:
             set_dotted(data, key, value)
-    problems = (translation.problems if translation else []) + unknown_fields(Recipe, data)
+    # dict.fromkeys: a key both in the file and in a key=value override is named once
+    problems = list(dict.fromkeys((translation.problems if translation else []) + unknown_fields(Recipe, data)))
     if problems:
         raise problems_error(problems)
     if "name" not in data:

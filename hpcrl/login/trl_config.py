@@ -48,6 +48,8 @@ RENAMED = {
     "vllm_tensor_parallel_size": "inference.tensor_parallel_size",
     "ddp_timeout": "launch.collective_timeout_s",
     "run_name": "name",
+    # TRL's deprecated name, which its GRPOConfig still takes for vllm_importance_sampling_clip_max.
+    "vllm_importance_sampling_cap": "grpo.vllm_importance_sampling_clip_max",
 }
 
 _LOGGED = "hpcrl logs every step to metrics.jsonl"
