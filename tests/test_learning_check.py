@@ -122,6 +122,10 @@ def always_one(completions, **kwargs):
 def mixed(completions, **kwargs):
     # Unequal in every group whether a prompt's completions come together or interleaved.
     return [float(i % 3 == 0) for i in range(len(completions))]
+
+
+def always_none(completions, **kwargs):
+    return [None] * len(completions)
 '''
 
 RECIPE = '''
@@ -178,6 +182,17 @@ def test_hpcrl_run_all_in_warmup_says_its_weights_never_changed(tmp_path):
     assert metrics[0]["frac_reward_zero_std"] == 0.0
     assert lines[-1] == ("hpcrl: learned nothing: the policy's weights never changed: the learning rate was 0 in "
                          "its one step (grpo.learning_rate, the warmup and the schedule)")
+
+
+@needs_mpi
+def test_hpcrl_run_whose_reward_is_always_none_names_it_and_learned_nothing(tmp_path):
+    """Issue #26, item 8: a reward returning None for every sample finished with loss 0 and no word."""
+    lines, metrics = _run(tmp_path, "always_none")
+    log = (tmp_path / "run" / "run.log").read_text()
+    assert "warning: reward function 'always_none' returned None for every completion of trainer 0's generation " \
+           "at step 1 (no reward function scored them: they train on nothing)" in log
+    assert lines[-1] == ("hpcrl: learned nothing: no reward function scored a completion in all 2 steps (every "
+                         "reward was None, so no completion had an advantage)")
 
 
 def test_a_changed_model_is_told_apart_from_its_base(tmp_path):

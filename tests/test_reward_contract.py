@@ -270,3 +270,26 @@ def test_plot_draws_what_reward_functions_logged(tmp_path):
 def _with_metrics(run_dir: Path, lines: list[dict]) -> Path:
     (run_dir / rundir.METRICS_FILE).write_text("".join(json.dumps(rec) + "\n" for rec in lines))
     return run_dir
+
+
+def _named(func):
+    return rewards.RewardFunction(name=func.__name__, func=func, weight=1.0)
+
+
+async def _async_raises(prompts, completions, **kwargs):
+    raise KeyError("answer")
+
+
+@pytest.mark.parametrize("func, message", [
+    (lambda prompts, completions, **kw: 0.5, "reward function '<lambda>' returned 0.5, not a list of 2 rewards"),
+    (lambda prompts, completions, **kw: [1.0, "good"], "reward function '<lambda>' returned 'good' among its rewards"),
+    (lambda prompts, completions, **kw: 1 / 0, "reward function '<lambda>' raised ZeroDivisionError: division by zero"),
+    (_async_raises, "reward function '_async_raises' raised KeyError: 'answer'"),
+])
+def test_a_reward_that_fails_is_named_with_what_it_did(func, message):
+    """Issue #26, item 8: a reward that raises or returns a scalar is named, in the run's last line too."""
+    from hpcrl.compute.launch.reason import explain
+
+    with pytest.raises(rewards.RewardError) as e:
+        rewards.score_completions([_named(func)], ["p", "q"], ["a", "b"])
+    assert str(e.value).startswith(message) and explain(e.value).startswith(message)

@@ -156,6 +156,9 @@ def learning_check(steps: Iterable[Mapping[str, Any]], num_generations: int | No
         return None
     n = len(trained)
     where = f"in all {n} steps" if n > 1 else "in its one step"
+    if all(REWARD in s and s[REWARD] is None for s in trained):
+        return (f"learned nothing: no reward function scored a completion {where} (every reward was None, so no "
+                f"completion had an advantage)")
     zero_std = [s.get(FRAC_REWARD_ZERO_STD) for s in trained]
     if all(_number(v) and v >= 1 - 1e-9 for v in zero_std):
         group = (f"a group of {num_generations} completions (grpo.num_generations)" if num_generations

@@ -25,12 +25,13 @@ import os
 import re
 import sys
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from hpcrl.compute.launch.reason import Explained
 from hpcrl.job import metric_keys as mk
 from hpcrl.job.recipe import reward_import_path
 
@@ -203,25 +204,53 @@ def score_completions(
         if _is_async(rf.func):
             pending[i] = rf.func(**kwargs)
         else:
-            out[:, i] = _to_tensor(rf, rf.func(**kwargs), len(prompts))
+            out[:, i] = _to_tensor(rf, _called(rf, lambda: rf.func(**kwargs)), len(prompts))
     if pending:
 
         async def gather():
-            return await asyncio.gather(*pending.values())
+            return await asyncio.gather(*pending.values(), return_exceptions=True)
 
         for i, values in zip(pending, asyncio.run(gather())):
+            if isinstance(values, BaseException):
+                _called(reward_funcs[i], lambda: _reraise(values))
             out[:, i] = _to_tensor(reward_funcs[i], values, len(prompts))
     return out
 
 
+class RewardError(Explained, ValueError):
+    """A reward function that raised or returned what is not one reward per completion, by its name
+    (Explained: the message is the run's reason as it stands)."""
+
+
+def _reraise(e: BaseException):
+    raise e
+
+
+def _called(rf: RewardFunction, call: Callable[[], Any]) -> Any:
+    """``call()``, a reward function's; what it raises is re-raised naming the function (the run's
+    last line reads "reward function 'f' raised ValueError: ...", not the error alone)."""
+    try:
+        return call()
+    except Exception as e:       # noqa: BLE001 - any error of the user's code, named and chained
+        raise RewardError(f"reward function '{rf.name}' raised {type(e).__name__}: {e}") from e
+
+
 def _to_tensor(rf: RewardFunction, values: Sequence[float | None], n: int) -> torch.Tensor:
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise RewardError(f"reward function '{rf.name}' returned {values!r:.80}, not a list of {n} rewards "
+                          f"(one per completion, None where it does not apply)")
     values = list(values)
     if len(values) != n:
-        raise ValueError(
+        raise RewardError(
             f"The reward function '{rf.name}' returned {len(values)} rewards, but {n} were expected "
             "(one per prompt-completion pair)."
         )
-    return torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float32)
+    try:
+        return torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float32)
+    except (TypeError, ValueError):
+        bad = next(v for v in values if v is not None and not isinstance(v, (int, float)))
+        raise RewardError(f"reward function '{rf.name}' returned {bad!r:.80} among its rewards: each must be a "
+                          f"number or None") from None
 
 
 def reward_sums(per_func: torch.Tensor, weights: Sequence[float]) -> list[float]:

@@ -149,6 +149,7 @@ class Trainer:
         self.trainer_state = new_trainer_state(self.grpo, 1 / self.epochs_per_step, setup.trainer_rank == 0)
         self.completion_extra: dict[str, list] = {}
         self._warned_context_cut = False
+        self._warned_all_none: set[str] = set()
         self.router_aux_coef = router_aux_coef(setup.policy, grpo.router_aux_loss_coef)
         if self.grpo.disable_dropout:
             for model in (setup.policy, setup.reference):
@@ -486,6 +487,7 @@ class Trainer:
             [list(c.token_ids) for c in completions], batch.columns,
             trainer_state=self._trainer_state(batch, completions), log_extra=log.log_extra, log_metric=log.log_metric)
         self.completion_extra = dict(log.extra)
+        self._warn_all_none(per_func)
         # Whole groups live on one rank (spec validation), so advantages are local.
         advantages, local = grpo.compute_advantages(per_func, self.grpo.num_generations,
                                                     [rf.weight for rf in self.rewards], self.grpo.scale_rewards,
@@ -493,6 +495,17 @@ class Trainer:
         stats = {**self._logged_metrics(log.metrics), **self._reward_stats(per_func, local["frac_reward_zero_std"])}
         self._log_completions(batch.prompts, texts, per_func, advantages)
         return advantages, stats
+
+    def _warn_all_none(self, per_func: torch.Tensor) -> None:
+        """A reward function that returned None for every completion of a generation says nothing
+        of them (TRL leaves such rows out too): named once, since a run of it trains on nothing."""
+        for i, rf in enumerate(self.rewards):
+            if rf.name not in self._warned_all_none and per_func.shape[0] and torch.isnan(per_func[:, i]).all():
+                self._warned_all_none.add(rf.name)
+                self.setup.log(f"warning: reward function '{rf.name}' returned None for every completion of trainer "
+                               f"{self.setup.trainer_rank}'s generation at step {self.step + 1}"
+                               + (" (no reward function scored them: they train on nothing)"
+                                  if torch.isnan(per_func).all() else ""))
 
     def _log_completions(self, prompts: list, texts: list[str], per_func: torch.Tensor,
                          advantages: torch.Tensor) -> None:
