@@ -449,13 +449,8 @@ def _check_source_dir(source: DataSource, where: str, column: str, directory: Pa
     if not files:
         raise UserError(f"{field}: {directory} holds no data files ({', '.join(hfcache.DATA_FILE_BUILDERS)})")
     for name in _split_names(source.split):
-        words = (name, *SPLIT_WORDS.get(name, ()))
-        named = [f for f in files if any(re.search(rf"(^|[\W_]){re.escape(w)}($|[\W_])", str(f.relative_to(directory)))
-                                         for w in words)]
-        if name != "train" and not named:
-            raise UserError(f"{where}.split: no file in {directory} is named for split {name!r} "
-                            f"(files: {', '.join(str(f.relative_to(directory)) for f in files[:5])})")
-        _check_source_columns(source, where, column, (named or files)[0])
+        _check_source_columns(source, where, column,
+                              _split_files(directory, files, name, f"{where}.split", str(directory))[0])
 
 
 def _check_source_columns(source: DataSource, where: str, column: str, file: Path) -> None:
@@ -513,13 +508,19 @@ def _check_data_dir(path: Path, name: str, split: str, column: str) -> None:
     if not files:
         raise UserError(f"data.path: {name} holds no data files ({', '.join(hfcache.DATA_FILE_BUILDERS)}) "
                         f"and is no save_to_disk directory")
+    _check_column(_split_files(path, files, split, "data.split", name)[0], column)
+
+
+def _split_files(directory: Path, files: list[Path], split: str, where: str, shown: str) -> list[Path]:
+    """The data files of ``directory`` that datasets gives ``split``: those with the split's name (or
+    a synonym) as a word of their path; "train" takes all when none is named."""
     words = (split, *SPLIT_WORDS.get(split, ()))
-    named = [f for f in files if any(re.search(rf"(^|[\W_]){re.escape(w)}($|[\W_])", str(f.relative_to(path)))
+    named = [f for f in files if any(re.search(rf"(^|[\W_]){re.escape(w)}($|[\W_])", str(f.relative_to(directory)))
                                      for w in words)]
     if split != "train" and not named:
-        raise UserError(f"data.split: no file in {name} is named for split {split!r} "
-                        f"(files: {', '.join(str(f.relative_to(path)) for f in files[:5])})")
-    _check_column((named or files)[0], column)
+        raise UserError(f"{where}: no file in {shown} is named for split {split!r} "
+                        f"(files: {', '.join(str(f.relative_to(directory)) for f in files[:5])})")
+    return named or files
 
 
 def _read_json(path: Path, where: str) -> dict:
