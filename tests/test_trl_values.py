@@ -33,6 +33,28 @@ def _refusal(tmp_path: Path, text: str, *overrides: str) -> str:
 
 
 # ---------------------------------------------------------------------------- values TRL takes
+def test_a_trl_config_saves_the_model_in_trls_default_dtype(tmp_path):
+    """TRL's CLI loads the model in float32 unless dtype says otherwise, and saves it so: a bf16
+    checkpoint's run writes float32 directories (updates bf16 would round away are kept)."""
+    from hpcrl.compute.train.export import saved_dtype
+
+    import torch
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
+    trl = _recipe(tmp_path, "").recipe
+    assert (trl.model.dtype, trl.checkpoint.model_dtype) == ("auto", "float32")
+    assert saved_dtype(trl, model) == torch.float32
+    for text in ("dtype: bfloat16\n", "model_init_kwargs: {torch_dtype: bfloat16}\n"):
+        r = _recipe(tmp_path, text).recipe
+        assert (r.model.dtype, r.checkpoint.model_dtype) == ("bfloat16", "auto") and saved_dtype(r, model) == torch.bfloat16
+    auto = _recipe(tmp_path, "dtype: auto\n").recipe
+    assert saved_dtype(auto, model) == torch.bfloat16                 # TRL's "auto": the checkpoint's
+    own = compose.build_recipe(None, [f"model.path={model}"]).recipe  # hpcrl's own recipe: the checkpoint's
+    assert own.checkpoint.model_dtype == "auto" and saved_dtype(own, model) == torch.bfloat16
+
+
 def test_trls_legacy_importance_sampling_cap_is_its_clip_max(tmp_path):
     assert _recipe(tmp_path, "vllm_importance_sampling_cap: 2.5\n").recipe.grpo.vllm_importance_sampling_clip_max == 2.5
 

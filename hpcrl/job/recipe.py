@@ -632,6 +632,10 @@ class CheckpointConfig:
     # With model.use_peft the model directories are peft adapter directories; this also writes the
     # merged model (base + adapters, a plain Hugging Face model) into <model directory>/merged.
     save_merged_model: bool = False
+    # The dtype of the Hugging Face model directories the run writes; "auto" = model.dtype's rule
+    # (set: it; else the checkpoint's). A TRL configuration that names no dtype saves float32, as
+    # TRL does (its CLI loads the model in float32, and saves it so).
+    model_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 
     def validate(self, where: str) -> None:
         if self.every < 0:

@@ -247,6 +247,14 @@ def _report_to(value: Any, t: Translation, out: dict) -> None:
         _put(out, _REPORTERS[name], True, "report_to", t)
 
 
+def _names_no_dtype(flat: dict, out: dict) -> bool:
+    """Whether a configuration leaves the model's dtype to TRL's default (no dtype, no
+    model_init_kwargs dtype, no model.dtype or checkpoint.model_dtype of hpcrl's)."""
+    init = flat.get("model_init_kwargs") if isinstance(flat.get("model_init_kwargs"), dict) else {}
+    return not ("dtype" in flat or {"dtype", "torch_dtype"} & set(init) or "dtype" in out.get("model", {})
+                or "model_dtype" in out.get("checkpoint", {}))
+
+
 def _vllm_mode(flat: dict) -> str:
     return str(flat.get("vllm_mode") or trl_fields()["vllm_mode"])
 
@@ -396,6 +404,12 @@ def translate(data: dict, whole: bool = True) -> Translation:
         else:
             why = NOT_IMPLEMENTED.get(key) or f"not implemented by hpcrl yet; remove it (TRL's default: {fields[key]!r})"
             t.problems.append(f"{key}: {why}")
+    if whole and any(key in fields for key in flat) and _names_no_dtype(flat, out):
+        # TRL's CLI loads the model in float32 (ModelConfig.dtype's default) and saves it so: the
+        # run's model directories keep updates that bf16 would round away. The engines still serve
+        # the checkpoint's dtype, as TRL's vLLM does.
+        _put(out, "checkpoint.model_dtype", "float32", "dtype", t)
+        t.moved["dtype"] = "checkpoint.model_dtype: float32 (TRL's default dtype, which it saves the model in)"
     if flat.get("eval_strategy") == "steps" and "eval_steps" not in flat and "logging_steps" in flat:
         # transformers evaluates every logging_steps when eval_steps is unset
         _put(out, "grpo.eval_steps", flat["logging_steps"], "logging_steps", t)

@@ -52,7 +52,7 @@ from hpcrl.compute.sync.layout import CheckpointLayout
 from hpcrl.compute.train.checkpoint import fsync_dir
 from hpcrl.job import rundir
 
-__all__ = ["DTYPES", "SINGLE_FILE", "INDEX_FILE", "export_dtype", "export_tensors", "plan_shards", "ShardWriter",
+__all__ = ["DTYPES", "SINGLE_FILE", "INDEX_FILE", "export_dtype", "saved_dtype", "export_tensors", "plan_shards", "ShardWriter",
            "prepare_tmp", "write_metadata", "commit", "save_from_trainers", "save_lora_from_trainers",
            "export_checkpoint", "export_lora_checkpoint", "main"]
 
@@ -70,6 +70,12 @@ GB = 10**9
 
 
 # ---------------------------------------------------------------------------------------- what is written
+def saved_dtype(recipe, model_dir: str | os.PathLike) -> torch.dtype:
+    """What the run's model directories are written in: checkpoint.model_dtype, else export_dtype's rule."""
+    chosen = recipe.checkpoint.model_dtype
+    return export_dtype(recipe.model.dtype if chosen == "auto" else chosen, model_dir)
+
+
 def export_dtype(recipe_dtype: str, model_dir: str | os.PathLike) -> torch.dtype:
     """model.dtype when set, else the source checkpoint's (config.json dtype / torch_dtype), else fp32."""
     if recipe_dtype != "auto":
@@ -545,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
                                    recipe_model=recipe.model, tokenizer=tokenizer)
             return 0
         export_checkpoint(rundir.training_checkpoint(ckpt_dir, step), model_dir, out,
-                          dtype=export_dtype(recipe.model.dtype, model_dir), tokenizer=tokenizer,
+                          dtype=saved_dtype(recipe, model_dir), tokenizer=tokenizer,
                           max_shard_bytes=int(recipe.checkpoint.model_max_shard_size_gb * GB),
                           bucket_bytes=recipe.inference.sync_bucket_mb * 2**20,
                           trust_remote_code=recipe.model.trust_remote_code)

@@ -330,7 +330,7 @@ class Trainer:
         self._heartbeat("saving model")
         out = rundir.model_dir(self.setup.run_dir, step, self.recipe.checkpoint.output_dir)
         options = dict(model_dir=self.setup.model_dir, tokenizer=self.setup.tokenizer,
-                       dtype=export.export_dtype(self.recipe.model.dtype, self.setup.model_dir),
+                       dtype=export.saved_dtype(self.recipe, self.setup.model_dir),
                        max_shard_bytes=int(self.recipe.checkpoint.model_max_shard_size_gb * export.GB),
                        bucket_bytes=self.recipe.inference.sync_bucket_mb * 2**20,
                        writer=self.setup.trainer_rank == 0, group=self.setup.group,
