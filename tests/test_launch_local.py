@@ -431,3 +431,23 @@ def test_a_job_failing_on_its_data_ends_with_its_one_line(tmp_path):
     assert "Traceback" not in proc.stdout + proc.stderr
     log = (run_dir / rundir.LOCAL_LOG_FILE).read_text()
     assert "Traceback (most recent call last)" in log       # hydra's banner too, when the rank was killed
+
+
+@pytest.mark.slow
+def test_ctrl_c_is_reported_as_an_interrupt_not_an_error(tmp_path):
+    """Issue #26, item 6: a user's Ctrl-C ended `hpcrl run` with "error: ... KeyboardInterrupt"."""
+    import signal as _signal
+
+    cmd = [sys.executable, "-m", "hpcrl", "run", "--run-dir", str(tmp_path / "run"), "inference.engine=transformers",
+           "grpo.max_steps=500"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "run" / rundir.METRICS_FILE
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    proc.send_signal(_signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert err.strip().splitlines()[-1] == f"hpcrl: interrupted; the job's whole output is in {tmp_path / 'run' / 'run.log'}"
+    assert "error:" not in err and "KeyboardInterrupt" not in err, err[-2000:]
+    assert "hpcrl: stopped: step" in out and "(interrupted)" in out

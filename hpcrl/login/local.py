@@ -39,6 +39,7 @@ from hpcrl.job import rundir
 from hpcrl.job.rundir import LOCAL_LOG_FILE, METRICS_FILE
 from hpcrl.job.slurm_time import format_walltime
 
+INTERRUPTED = 130            # supervise's code for a run stopped by Ctrl-C or SIGTERM (128 + SIGINT)
 STOP_GRACE_S = 10.0          # after Ctrl-C / SIGTERM: how long ranks get to exit before SIGKILL
 AFTER_FAILURE_GRACE_S = 15.0  # beyond peer_failure_timeout_s, after a rank announced a fatal exit
 # Every fatal message of hpcrl.compute.launch ends so (watchdog.die, the supervisor, main).
@@ -176,6 +177,10 @@ def print_failure(run_dir: Path, code: int, console: ConsoleFilter, file=None) -
     """After everything else: where the whole output is, then why the run failed, in one line."""
     file = file or sys.stderr
     log = run_dir / LOCAL_LOG_FILE
+    if code == INTERRUPTED:
+        # The user's Ctrl-C (or a SIGTERM): the ranks' KeyboardInterrupt is its echo, not an error.
+        print(f"hpcrl: interrupted; the job's whole output is in {log}", file=file, flush=True)
+        return
     reason = rundir.read_failure(run_dir) if code != 0 else None
     if reason:
         print(f"hpcrl: the job's whole output, tracebacks included, is in {log}", file=file)
@@ -309,7 +314,7 @@ def print_summary(run_dir: Path, max_steps: int, wall_s: float, code: int, file=
     done = steps[-1][mk.STEP] if steps else 0
     if steps and isinstance(steps[-1].get(mk.MAX_STEPS), int):
         max_steps = steps[-1][mk.MAX_STEPS]        # the trainer's count when the recipe gave epochs
-    ending = "" if code == 0 else (" (interrupted)" if code == 130 else f" (exit code {code})")
+    ending = "" if code == 0 else (" (interrupted)" if code == INTERRUPTED else f" (exit code {code})")
     of = f" of {max_steps}" if max_steps > 0 else ""
     lines = [f"hpcrl: {'finished' if code == 0 and done >= max_steps else 'stopped'}: step {done}{of} "
              f"in {format_walltime(wall_s)}{ending}"]
@@ -389,7 +394,7 @@ def supervise(cmd: list[str], env: dict, log_path: Path, after_failure_s: float,
                         progress.close()
                     print("hpcrl: interrupted; stopping the ranks", file=sys.stderr, flush=True)
                     _stop(proc)
-                    return 130
+                    return INTERRUPTED
                 if failed_at and time.monotonic() - failed_at[0] > after_failure_s:
                     if progress is not None:
                         progress.close()

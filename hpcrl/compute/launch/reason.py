@@ -81,6 +81,8 @@ def _raised_by_hpcrl(e: BaseException) -> bool:
 
 
 def _describe(e: BaseException) -> str:
+    if isinstance(e, KeyboardInterrupt):
+        return "interrupted (SIGINT: Ctrl-C, or the launcher passing on a stop)"
     if isinstance(e, Explained):
         return _first_line(str(e))
     if _is_validation_error(e):
