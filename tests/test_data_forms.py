@@ -204,7 +204,7 @@ def test_a_cached_hub_model_and_tokenizer(hf_home):
     with pytest.raises(UserError, match=r"model.path: acme/tiny-lm \(cached at .*\) has no weights"):
         inputs.check_inputs(Recipe(model=ModelConfig(path="acme/tiny-lm")), Site(name="x"))
     (snap / "model.safetensors").write_bytes(b"")
-    with pytest.raises(UserError, match="model.path: acme/tiny-lm .* has no tokenizer files .*set model.tokenizer"):
+    with pytest.raises(UserError, match="model.path: acme/tiny-lm .* has no tokenizer vocabulary .*set model.tokenizer"):
         inputs.check_inputs(Recipe(model=ModelConfig(path="acme/tiny-lm")), Site(name="x"))
     (snap / "tokenizer.json").write_text("{}")
     inputs.check_inputs(Recipe(model=ModelConfig(path="acme/tiny-lm")), Site(name="x"))
@@ -233,7 +233,7 @@ def test_model_directory_checks(tmp_path):
     inputs.check_inputs(Recipe(model=ModelConfig(path=str(m))), site)
     tok = tmp_path / "tok"
     tok.mkdir()
-    with pytest.raises(UserError, match="model.tokenizer: .*tok has no tokenizer files"):
+    with pytest.raises(UserError, match="model.tokenizer: .*tok has no tokenizer vocabulary"):
         inputs.check_inputs(Recipe(model=ModelConfig(path=str(m), tokenizer=str(tok))), site)
     with pytest.raises(UserError, match="model.path: ./absent does not exist"):
         inputs.check_inputs(Recipe(model=ModelConfig(path="./absent")), site)

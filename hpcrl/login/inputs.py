@@ -107,9 +107,8 @@ def _check_model(recipe: Recipe, env) -> None:
     if model.tokenizer:
         _tokenizer_dir(model.tokenizer, "model.tokenizer", env)
     elif model_dir is not None and not _has_tokenizer(model_dir):
-        raise UserError(f"model.path: {_shown(model.path, model_dir)} has no tokenizer files "
-                        f"({', '.join(hfcache.TOKENIZER_FILES[:4])}, ...); set model.tokenizer to the "
-                        f"tokenizer's directory")
+        raise UserError(f"model.path: {_shown(model.path, model_dir)} has no tokenizer vocabulary "
+                        f"({', '.join(_VOCABULARY_FILES)}); set model.tokenizer to the tokenizer's directory")
 
 
 def _check_reward_models(recipe: Recipe, env) -> None:
@@ -168,16 +167,21 @@ def _model_dir(name: str, where: str, env) -> Path | None:
     return snapshot
 
 
+_VOCABULARY_FILES = tuple(f for f in hfcache.TOKENIZER_FILES if f != "tokenizer_config.json")
+
+
 def _has_tokenizer(directory: Path) -> bool:
-    return any((directory / f).is_file() for f in hfcache.TOKENIZER_FILES)
+    # A vocabulary, not only tokenizer_config.json: with that file alone the engines fail on the
+    # node in their own words ("You need to specify either text or text_target").
+    return any((directory / f).is_file() for f in _VOCABULARY_FILES)
 
 
 def _tokenizer_dir(name: str, where: str, env, directory: Path | None = None) -> None:
     """`name`'s tokenizer files (in `directory`, when the caller has looked `name` up already)."""
     directory = directory if directory is not None else _model_dir(name, where, env)
     if directory is not None and not _has_tokenizer(directory):
-        raise UserError(f"{where}: {_shown(name, directory)} has no tokenizer files "
-                        f"({', '.join(hfcache.TOKENIZER_FILES[:4])}, ...)")
+        raise UserError(f"{where}: {_shown(name, directory)} has no tokenizer vocabulary "
+                        f"({', '.join(_VOCABULARY_FILES)})")
 
 
 # ---------------------------------------------------------------------------- LoRA's target modules
