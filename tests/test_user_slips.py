@@ -54,3 +54,21 @@ def test_the_output_directory_is_never_the_base_model(hpcrl):
                      "--run-dir", "run")
         assert proc.returncode == 2 and "which the run's model would overwrite" in proc.stderr, proc.stderr
         assert not (hpcrl.work / "run").exists()
+
+
+def test_an_output_directory_that_cannot_be_written_is_refused_before_the_job(hpcrl, tmp_path):
+    """Issue #26, item 8: an unwritable output directory was found after all the training. An
+    immutable directory: not writable even for root, as CI runs."""
+    import subprocess
+
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    if subprocess.run(["chattr", "+i", str(locked)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not available here")
+    try:
+        proc = hpcrl("render", "--site", "testbed", f"checkpoint.output_dir={locked / 'out'}", "--run-dir", "run")
+        assert proc.returncode == 2 and f"checkpoint.output_dir (TRL's output_dir): {locked / 'out'} cannot be " \
+            f"written: {locked}: Operation not permitted" in proc.stderr, proc.stderr
+        assert not (hpcrl.work / "run").exists()
+    finally:
+        subprocess.run(["chattr", "-i", str(locked)])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -457,6 +458,15 @@ def _check_writable_on_compute(site: Site, path: Path, where: str) -> None:
             raise UserError(f"{where}: {path} is under {readonly}, which {site.name}'s compute nodes cannot write; "
                             f"put it on a scratch file system (--run-dir DIR, or runs_dir in your site file "
                             f"~/.config/hpcrl/sites/{site.name}.toml)")
+    # From the login node's view too: its nearest existing directory must take new files (found
+    # here, not after all the training, when the model is written).
+    existing = next((p for p in (real, *real.parents) if p.exists()), None)
+    if existing is not None and existing.is_dir():
+        try:    # a file made and gone at once: permissions, read-only mounts and immutable bits alike
+            with tempfile.TemporaryFile(dir=existing):
+                pass
+        except OSError as e:
+            raise UserError(f"{where}: {path} cannot be written: {existing}: {e.strerror}") from None
 
 
 def _check_output_dir(site: Site, path: Path, model_path: str = "") -> None:
