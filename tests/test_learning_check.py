@@ -215,6 +215,18 @@ def test_a_changed_model_is_told_apart_from_its_base(tmp_path):
                                                                               "dtype": "float32"})
 
 
+def test_a_base_it_cannot_read_ends_the_comparison_not_the_export(tmp_path):
+    import torch
+
+    from hpcrl.compute.train.base_diff import BaseDiff
+
+    (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
+    diff = BaseDiff(tmp_path)
+    diff.add("a", torch.ones(2))
+    assert diff.close().compared == 0
+    assert mk.model_check({"compared": 0, "changed": 0, "dtype": "float32"}) is None
+
+
 def test_status_of_an_ended_job_names_it(tmp_path):
     """`hpcrl status JOBID` of a job that ended: the same line; a long run's file is read whole only
     when its tail learned nothing."""

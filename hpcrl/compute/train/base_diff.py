@@ -33,19 +33,38 @@ class Comparison:
 
 
 class BaseDiff:
-    """Compares tensors, by name, against the safetensors files of ``base_dir``."""
+    """Compares tensors, by name, against the safetensors files of ``base_dir``.
+
+    A check, not part of the export: a base it cannot read (a .bin checkpoint, a file damaged or
+    gone) ends the comparison quietly with nothing compared, so that the export, whose writer calls
+    :meth:`add` between collectives, neither fails nor stalls its peers because of it."""
 
     def __init__(self, base_dir: str | os.PathLike):
-        from safetensors import safe_open
-
         self._files = ExitStack()
         self._where: dict[str, object] = {}
-        for path in sorted(Path(base_dir).glob("*.safetensors")):
-            f = self._files.enter_context(safe_open(str(path), framework="pt"))
-            self._where.update(dict.fromkeys(f.keys(), f))
         self.result = Comparison()
+        self._failed = False
+        try:
+            from safetensors import safe_open
+
+            for path in sorted(Path(base_dir).glob("*.safetensors")):
+                f = self._files.enter_context(safe_open(str(path), framework="pt"))
+                self._where.update(dict.fromkeys(f.keys(), f))
+        except Exception:       # noqa: BLE001 - safetensors' own error types included: see the class
+            self._give_up()
+
+    def _give_up(self) -> None:
+        self._failed, self._where, self.result = True, {}, Comparison()
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
+        if self._failed:
+            return
+        try:
+            self._compare(name, tensor)
+        except Exception:       # noqa: BLE001 - see the class
+            self._give_up()
+
+    def _compare(self, name: str, tensor: torch.Tensor) -> None:
         f = self._where.get(name)
         if f is None or not tensor.is_floating_point():
             return
