@@ -137,19 +137,25 @@ def model_check(model_vs_base: Mapping[str, Any] | None) -> str | None:
     if not model_vs_base or not model_vs_base.get("compared") or model_vs_base.get("changed"):
         return None
     n, dtype = model_vs_base["compared"], model_vs_base.get("dtype") or "its dtype"
-    why = ("the updates were below its resolution: raise grpo.learning_rate, train longer, or keep the "
-           "weights in float32 (model.dtype: float32, TRL's default dtype)"
+    why = ("the updates were below its resolution: raise grpo.learning_rate, train longer, or write the "
+           "model in float32 (checkpoint.model_dtype: float32, as TRL does)"
            if dtype in ("bfloat16", "float16") else "no update reached the weights")
     return f"learned nothing: the model written equals the base model in all {n} tensors ({dtype}): {why}"
 
 
-def learning_check(steps: Iterable[Mapping[str, Any]], num_generations: int | None = None) -> str | None:
+def learning_check(steps: Iterable[Mapping[str, Any]], num_generations: int | None = None,
+                   model_vs_base: Mapping[str, Any] | None = None) -> str | None:
     """One line when a run's optimizer steps cannot have taught the policy anything, naming the
-    likely cause; None when they could have, or the metrics do not tell.
+    likely cause; None when they could have, or the metrics do not tell. The metrics speak first;
+    then the written model against its base (``model_vs_base``: rundir.model_vs_base, model_check).
 
-    From the metrics alone: every group's rewards equal (advantages 0: the loss has no reward
-    signal), or no step with a finite gradient norm above 0 and a learning rate above 0 (the
-    weights never changed)."""
+    From the metrics: every reward None, every group's rewards equal (advantages 0: the loss has
+    no reward signal), or no step with a finite gradient norm above 0 and a learning rate above 0
+    (the weights never changed)."""
+    return _metrics_check(steps, num_generations) or model_check(model_vs_base)
+
+
+def _metrics_check(steps: Iterable[Mapping[str, Any]], num_generations: int | None) -> str | None:
     trained = [s for s in steps if isinstance(s.get(STEP), int) and s[STEP] >= 1
                and (GRAD_NORM in s or REWARD in s)]
     if not trained:

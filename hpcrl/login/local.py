@@ -351,7 +351,7 @@ def print_summary(run_dir: Path, max_steps: int, wall_s: float, code: int, file=
         # A run stopped early has no final model; its last checkpoint can still be turned into one.
         lines.append(f"  model     not written (stopped early); hpcrl export {shlex.quote(str(run_dir))}")
     # Last, so that a run which ran to its end but taught the policy nothing does not end on "finished".
-    nothing = mk.learning_check(trained, plot.num_generations(run_dir)) or mk.model_check(rundir.model_vs_base(run_dir))
+    nothing = mk.learning_check(trained, plot.num_generations(run_dir), rundir.model_vs_base(run_dir))
     if nothing:
         lines.append(f"hpcrl: {nothing}")
     print("\n".join(lines), file=file, flush=True)

@@ -103,15 +103,13 @@ def _learning(run_dir, state: dict, job: dict) -> str | None:
     if not run_dir or not finished(state):
         return None
     groups = job.get("recipe", {}).get("grpo", {}).get("num_generations")
+    vs_base = rundir.model_vs_base(run_dir)
 
     def check(lines: list[dict]) -> str | None:
         by_step = {m[mk.STEP]: m for m in lines if isinstance(m, dict) and isinstance(m.get(mk.STEP), int)}
-        return mk.learning_check([by_step[s] for s in sorted(by_step)], groups)
+        return mk.learning_check([by_step[s] for s in sorted(by_step)], groups, vs_base)
 
-    tail = rundir.read_metrics(run_dir, max_bytes=256 * 1024)
-    if check(tail) is None:
-        return mk.model_check(rundir.model_vs_base(run_dir))
-    return check(rundir.read_metrics(run_dir)) or mk.model_check(rundir.model_vs_base(run_dir))
+    return check(rundir.read_metrics(run_dir, max_bytes=256 * 1024)) and check(rundir.read_metrics(run_dir))
 
 
 def _one(registry: Registry, args) -> int:
