@@ -98,10 +98,10 @@ def _get(d: Any, *keys: str, default: Any = None) -> Any:
 
 def reward_names(steps: list[dict]) -> list[str]:
     """Reward function names, in the order they first appear (TRL's ``rewards/<name>/mean``; an
-    older run's ``rewards/<name>`` too)."""
+    older run's ``rewards/<name>`` is read under it: steps as load_steps gives them)."""
     names: dict[str, None] = {}
     for rec in steps:
-        for key in mk.upgrade(rec):
+        for key in rec:
             name = mk.reward_of(key)
             if name is not None:
                 names.setdefault(name, None)
@@ -120,7 +120,7 @@ def logged_metric_names(steps: list[dict]) -> list[str]:
 
 
 def _reward_series(rec: dict, name: str) -> float:
-    return _num(mk.upgrade(rec).get(mk.reward_mean(name)))
+    return _num(rec.get(mk.reward_mean(name)))
 
 
 # ------------------------------------------------------------------------------ smoothing
