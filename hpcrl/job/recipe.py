@@ -674,11 +674,16 @@ class LaunchConfig:
     # Where a task learns its rank: "auto" = MPI, else the SLURM_* variables when MPI is missing or
     # sees a world of one (srun's --mpi plugin does not match the MPI); "mpi" or "slurm" forces one.
     rendezvous: Literal["auto", "mpi", "slurm"] = "auto"
+    # How many times the batch script requeues a job that checkpointed at Slurm's warning signal
+    # (each attempt must also have trained a step); then it stops and `hpcrl submit --resume` goes on.
+    max_restarts: int = 50
 
     def validate(self, where: str) -> None:
         for name in ("rendezvous_timeout_s", "collective_timeout_s", "peer_failure_timeout_s", "model_load_timeout_s"):
             if getattr(self, name) <= 0:
                 raise UserError(f"{where}.{name}: must be > 0, got {getattr(self, name)}")
+        if self.max_restarts < 0:
+            raise UserError(f"{where}.max_restarts: must be >= 0 (0 = never requeue), got {self.max_restarts}")
 
 
 @dataclass(frozen=True)

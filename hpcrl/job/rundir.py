@@ -4,6 +4,7 @@ from here (the sbatch template gets them from render.py)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -49,11 +50,23 @@ RANKS_FILE = "ranks.json"
 FINISHED_MARKER = ".finished"
 # Left by the script's signal trap: the trainers checkpoint, then the script requeues the job.
 REQUEUE_MARKER = ".requeue-requested"
+# Written by trainer rank 0 when it stopped at a signal with its checkpoint written and a step done
+# since the attempt began: only then does the script requeue (a signal during start-up, or a failure
+# after the signal, would otherwise requeue forever). Holds the step.
+REQUEUE_READY_MARKER = ".requeue-ready"
+# Left by `hpcrl cancel` before it sends the site's signal: the trainers checkpoint, and the script
+# then cancels the job instead of requeueing it (a plain scancel's SIGTERM makes srun SIGKILL the step).
+CANCEL_MARKER = ".cancel-requested"
 # The first fatal line of the job's tasks (hpcrl.compute.launch.outcome), for `hpcrl status`.
 FAILURE_FILE = "failure.txt"
 # The final model against the base it was trained from (hpcrl.compute.train.base_diff): how many
 # tensors changed, for the run's learning check.
 MODEL_VS_BASE_FILE = "model-vs-base.json"
+# Which run a checkpoint or output directory belongs to (run_identity): two runs sharing one would
+# resume each other's weights or replace each other's model. Written into checkpoint.dir and
+# checkpoint.output_dir when a run directory is created (create), and into the checkpoint directory
+# by the trainers' first save; compose refuses a directory that another run's names.
+RUN_IDENTITY_FILE = ".hpcrl-run.json"
 
 
 def model_vs_base(run_dir: str | os.PathLike) -> dict | None:
@@ -129,6 +142,61 @@ def training_checkpoint_steps(checkpoints_dir: str | os.PathLike) -> list[int]:
     return sorted(steps)
 
 
+def run_identity(job: dict) -> dict:
+    """A run's identity from its job.json mapping. The run id is the run directory job.json names:
+    compose never gives an existing one to a new run, and the run keeps it for its whole life
+    (`hpcrl submit --resume`, requeues and `hpcrl run --resume` start the same job.json again, even
+    from a run directory moved elsewhere). The recipe's digest tells a run rendered again at the
+    path of a deleted one from the run that was there."""
+    recipe = json.dumps(job.get("recipe"), sort_keys=True, separators=(",", ":"))
+    return {"run_dir": str(job.get("run_dir") or ""), "recipe_sha256": hashlib.sha256(recipe.encode()).hexdigest()}
+
+
+def job_identity(run_dir: str | os.PathLike) -> dict | None:
+    """The identity of the run whose job.json is in ``run_dir``; None where there is none."""
+    try:
+        job = json.loads((Path(run_dir) / SPEC_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return run_identity(job) if isinstance(job, dict) else None
+
+
+def read_identity(directory: str | os.PathLike) -> dict | None:
+    """The identity written into a checkpoint or output directory; None where there is none."""
+    try:
+        identity = json.loads((Path(directory) / RUN_IDENTITY_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return identity if isinstance(identity, dict) and identity.get("run_dir") else None
+
+
+def write_identity(directory: str | os.PathLike, identity: dict) -> None:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    write_file_atomic(directory / RUN_IDENTITY_FILE, json.dumps(identity, sort_keys=True) + "\n")
+
+
+def owner(directory: str | os.PathLike, own_name: str) -> str | None:
+    """The run directory of the run ``directory`` belongs to: the one its identity names, else the
+    run whose own ``own_name`` (CHECKPOINTS_DIR, MODEL_DIR) it is, as runs from before identities
+    left theirs; None when neither says."""
+    identity = read_identity(directory)
+    if identity is not None:
+        return identity["run_dir"]
+    directory = Path(directory)
+    return str(directory.parent) if directory.name == own_name and (directory.parent / SPEC_FILE).is_file() else None
+
+
+def is_run_dir(path: str | os.PathLike) -> bool:
+    return (Path(path) / SPEC_FILE).is_file()
+
+
+def resume_command(run_dir: str | os.PathLike) -> str:
+    """How a run continues: Slurm's have a script, `hpcrl run`'s have none."""
+    how = "submit" if (Path(run_dir) / SCRIPT_FILE).is_file() else "run"
+    return f"hpcrl {how} --resume {run_dir}"
+
+
 def slurm_output(run_dir: str | os.PathLike, job_id: str) -> Path:
     return Path(run_dir) / SLURM_OUTPUT.replace("%j", str(job_id))
 
@@ -136,8 +204,11 @@ def slurm_output(run_dir: str | os.PathLike, job_id: str) -> Path:
 def create(run_dir: str | os.PathLike, spec_json: str, script: str | None,
            reward_modules: tuple[str, ...] = ()) -> Path:
     """Write the run directory atomically: a hidden sibling is filled, then renamed into place.
-    ``reward_modules`` (JobSpec's: files, or package directories) are copied into REWARDS_DIR."""
+    ``reward_modules`` (JobSpec's: files, or package directories) are copied into REWARDS_DIR.
+    The recipe's checkpoint.dir and checkpoint.output_dir, outside it, are claimed for the run
+    (RUN_IDENTITY_FILE) first: a second run rendered before this one writes anything is refused."""
     run_dir = Path(run_dir)
+    _claim(json.loads(spec_json))
     try:
         run_dir.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{run_dir.name}.", dir=run_dir.parent))
@@ -154,6 +225,17 @@ def create(run_dir: str | os.PathLike, spec_json: str, script: str | None,
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return run_dir
+
+
+def _claim(job: dict) -> None:
+    checkpoint = (job.get("recipe") or {}).get("checkpoint") or {}
+    for key in ("dir", "output_dir"):
+        if checkpoint.get(key):
+            try:
+                write_identity(Path(checkpoint[key]).expanduser(), run_identity(job))
+            except OSError as e:
+                raise UserError(f"checkpoint.{key}: cannot write {RUN_IDENTITY_FILE} into {checkpoint[key]}: "
+                                f"{e.strerror or e}") from None
 
 
 def _copy_reward_modules(sources: tuple[str, ...], into: Path) -> None:

@@ -109,6 +109,9 @@ class Site:
     gpu_request: str = "--gpus-per-node={gpus}"
     # Signal sent before the time limit so trainers checkpoint; not USR1, which NCCL/RCCL catch.
     signal: str = "USR2@300"
+    # Seconds from a job's start to its first step here (staging, imports, model load, engine start),
+    # as measured on the site: a time limit must leave a step after it and the signal's lead.
+    startup_s: int = 120
     srun_options: tuple[str, ...] = ()
     modules: tuple[str, ...] = ()
     # Shell lines run before the job (module system set-up, conda activate). Site files only.
@@ -134,6 +137,27 @@ class Site:
         for key in (*self.env, *self.env_single_node, *self.env_multi_node):
             if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", key):
                 raise UserError(f"{where}.env: {key!r} is not a valid environment variable name")
+        if self.signal and not re.match(r"^(SIG)?[A-Z0-9]+@\d+$", self.signal):
+            raise UserError(f"{where}.signal: {self.signal!r} is not a signal and its lead in seconds like "
+                            f"\"USR2@300\" (\"\" = none)")
+        if self.startup_s < 0:
+            raise UserError(f"{where}.startup_s: must be >= 0, got {self.startup_s}")
+
+    @property
+    def signal_lead_s(self) -> int:
+        """Seconds before the time limit that Slurm sends site.signal (0 without one)."""
+        return int(self.signal.partition("@")[2] or 0) if self.signal else 0
+
+    def check_time_limit(self, time_s: int, time_text: str) -> None:
+        """A time limit that leaves no step between start-up and the stop signal: every attempt
+        would be stopped, and (before the trainers' progress check) requeued, during start-up."""
+        if not self.signal or self.scheduler == "none":
+            return
+        needed = self.startup_s + self.signal_lead_s
+        if time_s <= needed:
+            raise UserError(f"time: {time_text} leaves no time to train on {self.name}: start-up takes about "
+                            f"{self.startup_s} s (site startup_s) and Slurm's {self.signal} warning comes "
+                            f"{self.signal_lead_s} s before the limit; ask for more than {needed} s plus a few steps")
 
     def gpu_cores(self, gpu: int) -> tuple[int, ...]:
         text = self.node.gpu_cores.get(str(gpu))

@@ -30,8 +30,27 @@ def submit_spec(spec: JobSpec, script: str | None = None) -> tuple[str, Path]:
     except slurm.SlurmError:
         shutil.rmtree(run_dir, ignore_errors=True)
         raise
-    registry.add(job_id, spec.name, spec.site.name, str(run_dir), str(run_dir / rundir.SCRIPT_FILE))
+    _register(registry, job_id, spec, run_dir)
     return job_id, run_dir
+
+
+def _register(registry, job_id: str, spec: JobSpec, run_dir: Path) -> None:
+    from hpcrl.login.registry import RegistryError
+
+    try:
+        registry.add(job_id, spec.name, spec.site.name, str(run_dir), str(run_dir / rundir.SCRIPT_FILE))
+    except RegistryError as e:
+        raise RegistryError(f"job {job_id} was submitted but not registered (`hpcrl status` will not list "
+                            f"it; scancel {job_id} stops it): {e}") from None
+
+
+def job_args_given(args) -> list[str]:
+    """Flags that would change a job; a resumed run keeps the spec it was started with."""
+    given = [f"--{k.replace('_', '-')}" for k in ("site", "nodes", "time", "account", "partition", "qos", "name",
+                                                  "run_dir", "output") if getattr(args, k, None)]
+    if args.recipe or args.overrides:
+        given.append("recipe/key=value")
+    return given
 
 
 def resubmit(run_dir: str, bad_args: Sequence[str] = ()) -> tuple[str, Path]:
@@ -46,6 +65,7 @@ def resubmit(run_dir: str, bad_args: Sequence[str] = ()) -> tuple[str, Path]:
 
     if bad_args:
         raise UserError(f"--resume: takes no {', '.join(bad_args)}; the run keeps the spec it started with")
+    registry = Registry()                   # a broken registry is found before anything is submitted
     path = Path(run_dir).expanduser().absolute()
     spec = JobSpec.load(path)                      # UserError when it is not a run directory
     script = path / rundir.SCRIPT_FILE
@@ -55,7 +75,7 @@ def resubmit(run_dir: str, bad_args: Sequence[str] = ()) -> tuple[str, Path]:
         raise UserError(f"--resume: {path} already finished its training")
     rundir.write_file_atomic(script, render_sbatch(spec), 0o755)
     job_id = slurm.submit(script, cwd=path)
-    Registry().add(job_id, spec.name, spec.site.name, str(path), str(script))
+    _register(registry, job_id, spec, path)
     return job_id, path
 
 

@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="run a recipe on this machine (no Slurm): the embedded default")
     _add_job_args(p, "local")
     p.add_argument("--dry-run", action="store_true", help="print the launch command and stop")
+    p.add_argument("--resume", metavar="RUN_DIR",
+                   help="run a run directory of `hpcrl run` again; it continues from its last checkpoint")
 
     for name, text in (("render", "write the run directory and a standalone sbatch script"),
                        ("submit", "render, submit with sbatch, and register the job")):
@@ -82,8 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("job_id")
     p.add_argument("-f", "--follow", action="store_true")
 
-    p = sub.add_parser("cancel", help="cancel a job")
+    p = sub.add_parser("cancel", help="cancel a job (a running one checkpoints first)")
     p.add_argument("job_id")
+    p.add_argument("--now", action="store_true", help="scancel at once, without the trainers' checkpoint")
 
     p = sub.add_parser("plot", help="plot a run's metrics (reward, KL, lengths, step time) to a PNG")
     p.add_argument("target", metavar="JOBID_OR_RUN_DIR", help="a registered job id, or a run directory")

@@ -7,6 +7,7 @@ its GPUs is refused with the fix.
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 import tempfile
@@ -308,6 +309,7 @@ def _compose(recipe: Recipe, recipe_path: str | None, site_name: str, run_dir: s
         _check_text(model_source, "model.path")
     spec = JobSpec(SPEC_VERSION, __version__, time.time(), str(run_path), site, recipe, time_s, python,
                    reward_modules, model_source, deepspeed_user)
+    _check_dirs_are_this_runs(spec)
     deepspeed_inputs.check(spec, plan, deepspeed_sources)
     if check_fit:
         _check_fit(spec, plan)
@@ -482,11 +484,64 @@ def _check_output_dir(site: Site, path: Path, model_path: str = "") -> None:
                             f" ({model_path}), which the run's model would overwrite: name another directory")
     if path.exists() and not path.is_dir():
         raise UserError(f"{where}: {path} is a file, not a directory")
-    if path.is_dir() and any(path.iterdir()) and not rundir.is_model_dir(path) \
-            and not any(p.name.startswith(rundir.MODEL_CHECKPOINT_PREFIX) for p in path.iterdir()):
+    if path.is_dir() and any(p.name != rundir.RUN_IDENTITY_FILE for p in path.iterdir()) and not _holds_model(path):
         raise UserError(f"{where}: {path} holds files that are not a model; the final model would replace "
                         f"them: name a new or empty directory")
     _check_writable_on_compute(site, path, where)
+
+
+def _holds_model(path: Path) -> bool:
+    return rundir.is_model_dir(path) or any(p.name.startswith(rundir.MODEL_CHECKPOINT_PREFIX) for p in path.iterdir())
+
+
+def _check_dirs_are_this_runs(spec: JobSpec) -> None:
+    """checkpoint.dir and checkpoint.output_dir belong to one run (rundir.RUN_IDENTITY_FILE): in
+    another run's, this one would resume from that run's weights and optimizer (another recipe's)
+    and move its `latest`, or replace its model. A new run is never the owner: a run continues
+    from its own run directory (`hpcrl submit --resume`), which is not composed again. A claim
+    whose run directory is gone and that holds nothing (a render whose submission failed) is free."""
+    ours = rundir.run_identity(json.loads(spec.to_json()))
+    checkpoint = spec.recipe.checkpoint
+    if checkpoint.dir:
+        path = Path(checkpoint.dir).expanduser().absolute()
+        owner = _other_owner(path, ours, rundir.CHECKPOINTS_DIR)
+        if owner is not None and rundir.is_run_dir(owner):
+            raise UserError(f"checkpoint.dir: {path} is the checkpoint directory of run {owner}; this run would "
+                            f"resume from its checkpoints and write over them: {_continue_hint(owner)}name another "
+                            f"directory")
+        if rundir.read_identity(path) != ours and rundir.training_checkpoint_steps(path):
+            if owner is not None:
+                raise UserError(f"checkpoint.dir: {path} holds the training checkpoints of run {owner}, whose run "
+                                f"directory is gone; this run would resume from them: remove them or name another "
+                                f"directory")
+            raise UserError(f"checkpoint.dir: {path} holds training checkpoints that no run claims (written before "
+                            f"hpcrl recorded whose); this run would resume from them: to continue the run that wrote "
+                            f"them, `hpcrl submit --resume RUN_DIR` with its run directory; otherwise remove them or "
+                            f"name another directory")
+    if checkpoint.output_dir:
+        where = "checkpoint.output_dir (TRL's output_dir)"
+        path = Path(checkpoint.output_dir).expanduser().absolute()
+        owner = _other_owner(path, ours, rundir.MODEL_DIR)
+        if owner is not None and rundir.is_run_dir(owner):
+            raise UserError(f"{where}: {path} is the output directory of run {owner}, whose model this run's would "
+                            f"replace: {_continue_hint(owner)}name another directory")
+        if rundir.read_identity(path) != ours and path.is_dir() and _holds_model(path):
+            whose = f"of run {owner}, whose run directory is gone" if owner else "that this run did not write"
+            raise UserError(f"{where}: {path} holds a model {whose}; the final model would replace it: name a new "
+                            f"or empty directory")
+
+
+def _continue_hint(run_dir: str) -> str:
+    if (Path(run_dir) / rundir.FINISHED_MARKER).exists():
+        return "that run has finished; "
+    return f"to continue that run, `{rundir.resume_command(run_dir)}`; otherwise "
+
+
+def _other_owner(path: Path, ours: dict, own_name: str) -> str | None:
+    """The run directory of the run other than ours that ``path`` belongs to, None where none does.
+    Ours only where a deleted run directory's run is rendered again as it was: the same path and
+    the same recipe."""
+    return None if rundir.read_identity(path) == ours else rundir.owner(path, own_name)
 
 
 def _reward_modules(recipe, recipe_path: str | None, check_installed: bool) -> tuple[str, ...]:

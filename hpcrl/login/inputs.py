@@ -3,10 +3,11 @@ queue: each mistake is one UserError naming the field (hpcrl.login.compose calls
 
 Light and fast: no torch, no datasets. Files are looked at, not loaded: a model directory's
 config.json and weight file names (with LoRA, its weights' names: model.lora_target_modules must name
-modules it has), a tokenizer's file names, a dataset's first row (the first
-line of a .jsonl, a .csv header, a parquet schema when pyarrow happens to be importable, the
-features a save_to_disk directory lists in its JSON). What only loading can find (a corrupt row
-further on, weights that do not match their config) fails on the compute nodes, in one line.
+modules it has), a tokenizer's file names, a dataset's columns (the first line of a .jsonl, a .csv
+header, a parquet schema when pyarrow happens to be importable, the features a save_to_disk
+directory lists in its JSON) and the prompt of every row, within a time bound
+(hpcrl.login.data_rows). What only loading can find (a line that is not JSON, weights that do not
+match their config) fails on the compute nodes, in one line.
 
 Only what this machine can see is checked: a path on a file system it does not mount (its top
 directory is absent here) is left to the compute nodes. Hub ids must be in the Hugging Face cache
@@ -31,10 +32,10 @@ from hpcrl.job.fit import (ALL_LINEAR, DECODER_LINEARS, decoder_linear_path, lor
                            read_safetensors_header)
 from hpcrl.job.recipe import DATASET_BUILDERS, DataSource, ModelConfig, Recipe
 from hpcrl.job.site import Site
+from hpcrl.login import data_rows
 
 DEMO_DATA = "demo"
 DEMO_MODEL_PREFIX = "demo:"
-WHOLE_JSON_MAX_BYTES = 32 << 20         # a .json file is parsed whole only up to this size
 # Split names datasets infers from file names, beyond the split's own name.
 SPLIT_WORDS = {"train": ("training",), "validation": ("valid", "val", "dev"), "test": ("testing", "eval", "evaluation")}
 # Decoder layers of the "demo:<size>" models (Qwen2, built in the job by hpcrl.compute.models.tiny,
@@ -442,6 +443,7 @@ def _check_source_files(source: DataSource, where: str, column: str, base: Path 
             matches = [full]
         found += matches
     _check_source_columns(source, where, column, found[0])
+    data_rows.check_prompts(found, column, where, source.split)
 
 
 def _check_source_dir(source: DataSource, where: str, column: str, directory: Path, field: str) -> None:
@@ -453,8 +455,9 @@ def _check_source_dir(source: DataSource, where: str, column: str, directory: Pa
     if not files:
         raise UserError(f"{field}: {directory} holds no data files ({', '.join(hfcache.DATA_FILE_BUILDERS)})")
     for name in _split_names(source.split):
-        _check_source_columns(source, where, column,
-                              _split_files(directory, files, name, f"{where}.split", str(directory))[0])
+        split_files = _split_files(directory, files, name, f"{where}.split", str(directory))
+        _check_source_columns(source, where, column, split_files[0])
+        data_rows.check_prompts(split_files, column, where, name)
 
 
 def _check_source_columns(source: DataSource, where: str, column: str, file: Path) -> None:
@@ -487,6 +490,7 @@ def _check_files(patterns: list[str], where: str, split: str, column: str) -> No
     except (OSError, ValueError) as e:
         raise UserError(str(e)) from None
     _check_column(files[0], column)
+    data_rows.check_prompts(files, column, where)
 
 
 def _check_saved(path: Path, name: str, split: str, column: str) -> None:
@@ -505,6 +509,7 @@ def _check_saved(path: Path, name: str, split: str, column: str) -> None:
     features = _read_json(info, "data.path").get("features") if info.is_file() else None
     if isinstance(features, dict) and features and column not in features:
         raise UserError(f"data.prompt_column: no {column!r} column in {name} (columns: {', '.join(features)})")
+    data_rows.check_prompts(data_rows.saved_files(path), column, "data.path", split)
 
 
 def _check_data_dir(path: Path, name: str, split: str, column: str) -> None:
@@ -512,7 +517,9 @@ def _check_data_dir(path: Path, name: str, split: str, column: str) -> None:
     if not files:
         raise UserError(f"data.path: {name} holds no data files ({', '.join(hfcache.DATA_FILE_BUILDERS)}) "
                         f"and is no save_to_disk directory")
-    _check_column(_split_files(path, files, split, "data.split", name)[0], column)
+    split_files = _split_files(path, files, split, "data.split", name)
+    _check_column(split_files[0], column)
+    data_rows.check_prompts(split_files, column, "data.path", split)
 
 
 def _split_files(directory: Path, files: list[Path], split: str, where: str, shown: str) -> list[Path]:
@@ -559,7 +566,7 @@ def first_row_columns(file: Path) -> list[str] | None:
                 return list(pq.read_schema(file).names)
             except Exception as e:                # noqa: BLE001 - any unreadable file, in one line
                 raise UserError(f"{where}: not a readable parquet file ({str(e).splitlines()[0]})") from None
-        if file.suffix == ".json" and file.stat().st_size <= WHOLE_JSON_MAX_BYTES:
+        if file.suffix == ".json" and file.stat().st_size <= data_rows.WHOLE_JSON_MAX_BYTES:
             text = file.read_text(encoding="utf-8")
             try:
                 whole = json.loads(text)

@@ -40,7 +40,10 @@ from hpcrl.job.rundir import LOCAL_LOG_FILE, METRICS_FILE
 from hpcrl.job.slurm_time import format_walltime
 
 INTERRUPTED = 130            # supervise's code for a run stopped by Ctrl-C or SIGTERM (128 + SIGINT)
-STOP_GRACE_S = 10.0          # after Ctrl-C / SIGTERM: how long ranks get to exit before SIGKILL
+# After the first Ctrl-C / SIGTERM the trainers checkpoint at the end of their step: this long at
+# most, or until a second one; then the ranks get STOP_GRACE_S before SIGKILL.
+CHECKPOINT_GRACE_S = 120.0
+STOP_GRACE_S = 10.0
 AFTER_FAILURE_GRACE_S = 15.0  # beyond peer_failure_timeout_s, after a rank announced a fatal exit
 # Every fatal message of hpcrl.compute.launch ends so (watchdog.die, the supervisor, main).
 _FATAL_LINE = re.compile(r"^hpcrl: .*; exiting\s*$")
@@ -82,7 +85,7 @@ def run(args) -> int:
     from hpcrl.job import rundir
     from hpcrl.login import compose
 
-    spec = compose.from_args(args)
+    spec = _resumed(args) if args.resume else compose.from_args(args)
     site = spec.site
     if site.launcher != "mpiexec":
         raise UserError(f"--site: {site.name} starts its tasks with srun; `hpcrl run` runs on this machine "
@@ -98,9 +101,17 @@ def run(args) -> int:
     # ranks, so $HOME and the like in them are expanded here.
     env.update({k: os.path.expandvars(v) for k, v in spec.environment().items()})
     env.update(HPCRL_RUN_DIR=spec.run_dir, HPCRL_LAUNCH_ID=f"local-{uuid.uuid4().hex[:12]}", PYTHONUNBUFFERED="1")
-    run_dir = rundir.create(spec.run_dir, spec.to_json(), None, spec.reward_modules)
-    print(f"hpcrl: run directory {run_dir}; {plan.world_size} tasks ({plan.num_trainers} trainer(s), "
-          f"{plan.nodes * plan.engines_per_node} engine(s))", file=sys.stderr, flush=True)
+    if args.resume:
+        run_dir = Path(spec.run_dir)
+        (run_dir / rundir.FAILURE_FILE).unlink(missing_ok=True)     # the last attempt's, not this one's
+        steps = rundir.training_checkpoint_steps(Path(spec.recipe.checkpoint.dir or run_dir / rundir.CHECKPOINTS_DIR))
+        print(f"hpcrl: resuming {run_dir} " + (f"from its checkpoint of step {steps[-1]}" if steps
+                                                else "from the start: it has no checkpoint"),
+              file=sys.stderr, flush=True)
+    else:
+        run_dir = rundir.create(spec.run_dir, spec.to_json(), None, spec.reward_modules)
+        print(f"hpcrl: run directory {run_dir}; {plan.world_size} tasks ({plan.num_trainers} trainer(s), "
+              f"{plan.nodes * plan.engines_per_node} engine(s))", file=sys.stderr, flush=True)
     grace = spec.recipe.launch.peer_failure_timeout_s + AFTER_FAILURE_GRACE_S
     console = ConsoleFilter()
     if spec.recipe.mode != "train":
@@ -117,6 +128,24 @@ def run(args) -> int:
                   output_dir=spec.recipe.checkpoint.output_dir)
     print_failure(run_dir, code, console)
     return code
+
+
+def _resumed(args):
+    """`hpcrl run --resume RUN_DIR`: the run's own spec, continued from its latest checkpoint."""
+    from hpcrl.job.spec import JobSpec
+    from hpcrl.login.api import job_args_given
+
+    given = [g for g in job_args_given(args) if not (g == "--site" and args.site == "local")]   # run's default
+    if given:
+        raise UserError(f"--resume: takes no {', '.join(given)}; the run keeps the spec it started with")
+    path = Path(args.resume).expanduser().absolute()
+    spec = JobSpec.load(path)                      # UserError when it is not a run directory
+    if spec.site.launcher != "mpiexec":
+        raise UserError(f"--resume: {path} is a Slurm job's run directory (site {spec.site.name}); "
+                        f"resume it with `hpcrl submit --resume {shlex.quote(str(path))}`")
+    if (path / rundir.FINISHED_MARKER).exists():
+        raise UserError(f"--resume: {path} already finished its training")
+    return spec
 
 
 class ConsoleFilter:
@@ -348,8 +377,10 @@ def print_summary(run_dir: Path, max_steps: int, wall_s: float, code: int, file=
     if rundir.is_model_dir(model):
         lines.append(f"  model     {model}")
     elif rundir.training_checkpoint_steps(run_dir / rundir.CHECKPOINTS_DIR):
-        # A run stopped early has no final model; its last checkpoint can still be turned into one.
+        # A run stopped early has no final model; its last checkpoint can still be turned into one,
+        # or trained on.
         lines.append(f"  model     not written (stopped early); hpcrl export {shlex.quote(str(run_dir))}")
+        lines.append(f"  resume    hpcrl run --resume {shlex.quote(str(run_dir))}")
     # Last, so that a run which ran to its end but taught the policy nothing does not end on "finished".
     nothing = mk.learning_check(trained, plot.num_generations(run_dir), rundir.model_vs_base(run_dir))
     if nothing:
@@ -358,12 +389,17 @@ def print_summary(run_dir: Path, max_steps: int, wall_s: float, code: int, file=
 
 
 def supervise(cmd: list[str], env: dict, log_path: Path, after_failure_s: float,
-              progress: Progress | None = None, console: ConsoleFilter | None = None) -> int:
+              progress: Progress | None = None, console: ConsoleFilter | None = None,
+              checkpoint_grace_s: float = CHECKPOINT_GRACE_S) -> int:
     """Run `cmd` in its own session, tee its output (every line to `log_path`, those `console`
-    lets through to this process's stdout/stderr), and bound every way of ending it."""
+    lets through to this process's stdout/stderr), and bound every way of ending it. The first
+    Ctrl-C or SIGTERM asks the trainers to checkpoint and stop; a second, or `checkpoint_grace_s`,
+    stops every rank at once."""
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)
+    launch_id = env.get("HPCRL_LAUNCH_ID")
     failed_at: list[float] = []
+    interrupted: list[float] = []
     lock = threading.Lock()
     with open(log_path, "ab") as log:
         def pump(src, dst) -> None:
@@ -382,51 +418,96 @@ def supervise(cmd: list[str], env: dict, log_path: Path, after_failure_s: float,
                  threading.Thread(target=pump, args=(proc.stderr, sys.stderr), daemon=True)]
         for t in pumps:
             t.start()
-        stop = threading.Event()
-        old = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)
+        stops: list[float] = []      # when each Ctrl-C / SIGTERM came
+        wake = threading.Event()
+
+        def on_stop(*_):
+            stops.append(time.monotonic())
+            wake.set()
+
+        old = {sig: signal.signal(sig, on_stop) for sig in (signal.SIGTERM, signal.SIGINT)
                if signal.getsignal(sig) is not signal.SIG_IGN}
         try:
             while proc.poll() is None:
                 if progress is not None:
                     progress.poll()
-                if stop.is_set():
+                if stops and (len(stops) > 1 or time.monotonic() - stops[0] > checkpoint_grace_s):
                     if progress is not None:
                         progress.close()
-                    print("hpcrl: interrupted; stopping the ranks", file=sys.stderr, flush=True)
-                    _stop(proc)
+                    print("hpcrl: interrupted; stopping the ranks now", file=sys.stderr, flush=True)
+                    _stop(proc, launch_id)
                     return INTERRUPTED
+                if stops and not interrupted:
+                    interrupted.append(stops[0])
+                    with lock, (progress.writing() if progress is not None else contextlib.nullcontext()):
+                        print(f"hpcrl: interrupted; the trainers checkpoint at the end of their step "
+                              f"(Ctrl-C again to stop now)", file=sys.stderr, flush=True)
+                    request_stop(launch_id)
                 if failed_at and time.monotonic() - failed_at[0] > after_failure_s:
                     if progress is not None:
                         progress.close()
                     print(f"hpcrl: ranks still running {after_failure_s:.0f} s after a fatal error; stopping them",
                           file=sys.stderr, flush=True)
-                    _stop(proc)
+                    _stop(proc, launch_id)
                     break
-                stop.wait(0.2)
+                wake.wait(0.2)
+                wake.clear()
         finally:
             for sig, handler in old.items():
                 signal.signal(sig, handler)
-            kill_group(proc.pid)            # leftovers (engine processes) of a finished launch
+            kill_launch(proc, launch_id)    # leftovers (engine processes) of a finished launch
             for t in pumps:
                 t.join(2.0)
     code = proc.wait()
+    if interrupted:
+        return INTERRUPTED
     return code if code >= 0 else 128 - code
 
 
-def kill_group(pgid: int) -> None:
-    """SIGKILL mpiexec's whole session (the ranks and whatever they started); one already gone is fine."""
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+def launch_processes(launch_id: str) -> list[tuple[int, str]]:
+    """(pid, command line) of every process of this user that carries the launch's id in its
+    environment: the ranks and all they started, vLLM's engine processes included. Not by process
+    tree or session: hydra puts each rank in a session of its own, and a dead rank's children are
+    reparented to init."""
+    marker = f"HPCRL_LAUNCH_ID={launch_id}".encode()
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            if marker not in (proc / "environ").read_bytes().split(b"\0"):
+                continue
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:                 # gone meanwhile, or another user's
+            continue
+        found.append((int(proc.name), cmdline))
+    return found
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def request_stop(launch_id: str) -> None:
+    """The stop request (SIGUSR2, as Slurm's warning) to every hpcrl task of the launch: hydra does
+    not forward it. The engines' processes are not tasks, and ignore it anyway."""
+    for pid, cmdline in launch_processes(launch_id):
+        if "hpcrl.compute.launch" in cmdline and "mpiexec" not in cmdline:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGUSR2)
+
+
+def kill_launch(proc: subprocess.Popen, launch_id: str | None) -> None:
+    """SIGKILL mpiexec's process group and every process of the launch; one already gone is fine."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    for pid, _ in launch_processes(launch_id) if launch_id else ():
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _stop(proc: subprocess.Popen, launch_id: str | None) -> None:
     """SIGINT to mpiexec (it forwards it), then SIGKILL to the whole session after a bound."""
     try:
         proc.send_signal(signal.SIGINT)
         proc.wait(STOP_GRACE_S)
     except subprocess.TimeoutExpired:
         pass
-    kill_group(proc.pid)
+    kill_launch(proc, launch_id)
     proc.wait()

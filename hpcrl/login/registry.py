@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from hpcrl.job.errors import UserError
+
 __all__ = ["Record", "Registry", "RegistryError", "default_path"]
 
 SCHEMA_VERSION = 1
@@ -42,8 +44,28 @@ CREATE INDEX IF NOT EXISTS jobs_by_time ON jobs (submitted_at);
 """
 
 
-class RegistryError(Exception):
-    """The registry file cannot be used (written by a newer hpcrl, not a database...)."""
+class RegistryError(UserError):
+    """The registry file cannot be used (written by a newer hpcrl, not a database, truncated...): the
+    user's to fix (cli.main prints the message, exit 2), so the message says how."""
+
+
+def _unusable(path: Path, e: sqlite3.DatabaseError) -> RegistryError:
+    if "locked" in str(e):
+        return RegistryError(f"{path}: {e} (another hpcrl command held it for {BUSY_TIMEOUT_S:.0f} s); try again")
+    return RegistryError(f"{path}: not a usable hpcrl job registry ({e}); move it aside (mv {path} {path}.broken) "
+                         f"and hpcrl starts an empty one, or set HPCRL_HOME to keep the registry elsewhere")
+
+
+def _reported(method):
+    """A method whose sqlite3 errors become RegistryError: a file damaged past its first pages
+    opens, and fails only on the read that reaches them."""
+    def wrapper(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except sqlite3.DatabaseError as e:
+            raise _unusable(self.path, e) from None
+    wrapper.__name__, wrapper.__doc__ = method.__name__, method.__doc__
+    return wrapper
 
 
 class Record(namedtuple("Record", "job_id name site run_dir_text script_path_text submitted_at last_state "
@@ -98,9 +120,12 @@ class Registry:
             self._set_journal_mode("DELETE" if _on_network_fs(self.path.parent) else "WAL")
             self._db.execute("PRAGMA synchronous = NORMAL")
             self._migrate()
+            # A table of another shape (another program's file, a hand edit) fails here, before
+            # `submit` has handed Slurm a job it could then not register.
+            self._db.execute(f"SELECT {_COLUMNS} FROM jobs LIMIT 0")
         except (sqlite3.DatabaseError, RegistryError) as e:
             self._db.close()
-            raise e if isinstance(e, RegistryError) else RegistryError(f"{self.path}: {e}") from None
+            raise e if isinstance(e, RegistryError) else _unusable(self.path, e) from None
 
     def _set_journal_mode(self, mode: str) -> None:
         """Changing the journal mode needs an exclusive lock, and SQLite answers "database is
@@ -147,6 +172,7 @@ class Registry:
 
     # ------------------------------------------------------------------------------ API
 
+    @_reported
     def add(self, job_id: str, name: str, site: str, run_dir: str | Path, script_path: str | Path,
             submitted_at: float | None = None) -> Record:
         """Record a submitted job. A job id already present is replaced: Slurm reuses ids when a
@@ -160,10 +186,12 @@ class Registry:
                               rec.submitted_at))
         return rec
 
+    @_reported
     def get(self, job_id: str) -> Record | None:
         row = self._db.execute(f"SELECT {_COLUMNS} FROM jobs WHERE job_id = ?", (str(job_id),)).fetchone()
         return _record(row) if row else None
 
+    @_reported
     def list(self, limit: int | None = None) -> list[Record]:
         """Newest submission first."""
         sql = f"SELECT {_COLUMNS} FROM jobs ORDER BY submitted_at DESC, rowid DESC"
@@ -176,6 +204,7 @@ class Registry:
         (or the update was older)."""
         return bool(self.update_states({job_id: info}, seen_at))
 
+    @_reported
     def update_states(self, infos: dict[str, dict], seen_at: float | None = None) -> list[str]:
         """update_state for many jobs in one transaction: one commit (one journal sync where the
         registry lives on a network filesystem) for a `status` of 1,000 jobs, not 1,000. Returns
@@ -192,6 +221,7 @@ class Registry:
                     updated.append(str(job_id))
         return updated
 
+    @_reported
     def amend_states(self, states: dict[str, tuple[dict, float]]) -> list[str]:
         """Replace stored states, {job_id: (info, seen_at)}, where the stored one is still the one
         Slurm reported at seen_at (not re-registered or updated since); state_seen_at is kept.
@@ -205,6 +235,7 @@ class Registry:
                     amended.append(str(job_id))
         return amended
 
+    @_reported
     def remove(self, job_id: str) -> bool:
         with self._write():
             cur = self._db.execute("DELETE FROM jobs WHERE job_id = ?", (str(job_id),))

@@ -204,6 +204,11 @@ def cancel(job_id: str) -> None:
     _run(["scancel", str(job_id)])
 
 
+def signal_batch(job_id: str, signal_name: str) -> None:
+    """Send a signal to a running job's batch script only (its trap decides what the step gets)."""
+    _run(["scancel", "--batch", f"--signal={signal_name}", str(job_id)])
+
+
 # ------------------------------------------------------------------------------------- query
 
 def query(job_ids: Iterable[str]) -> dict[str, JobInfo]:

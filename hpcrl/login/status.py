@@ -4,8 +4,8 @@ and `cancel` share (hpcrl.login.commands holds the commands themselves).
 Fast on a loaded login node with a thousand registered jobs: one squeue call for the jobs still
 alive (finished jobs keep the final state the registry recorded, and are not asked about again), one
 registry transaction for what Slurm said, one small read per listed job still running or recently
-ended (its metrics tail; an older job's row is kept in the registry, see SHOWN_AFTER_S), no torch,
-no jinja2, no YAML, no recipe or spec.
+ended (its metrics tail, and a stat of failure.txt; an older job's row is kept in the registry, see
+SHOWN_AFTER_S), no torch, no jinja2, no YAML, no recipe or spec.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from hpcrl.login import slurm
 from hpcrl.job import metric_keys as mk
 from hpcrl.job.errors import UserError
 from hpcrl.login.registry import Registry
-from hpcrl.job.rundir import HEARTBEAT_FILE, METRICS_FILE, read_failure, slurm_output
+from hpcrl.job.rundir import FAILURE_FILE, HEARTBEAT_FILE, METRICS_FILE, read_failure, slurm_output
 
 
 def last_json_line(path: str | os.PathLike, max_bytes: int = 65536) -> dict | None:
@@ -101,16 +101,46 @@ def refresh(registry: Registry, records) -> tuple[dict[str, dict], str | None]:
     return states, None
 
 
+# Shown in place of RUNNING (or COMPLETING): Slurm keeps a job there for minutes after a node died
+# (until srun's kill-on-bad-exit and the epilogs are through), when its tasks already said why.
+FAILING = "FAILING"
+
+
+def recorded_failure(run_dir: str, after: float | None = None, before: float | None = None) -> str | None:
+    """read_failure, where failure.txt was written (its mtime) at or after ``after`` and before
+    ``before`` (unix seconds, Slurm's times; None: no bound). A stat first: most jobs have none."""
+    try:
+        written = os.stat(os.path.join(run_dir, FAILURE_FILE)).st_mtime
+    except OSError:
+        return None
+    if (after is not None and written < after) or (before is not None and written >= before):
+        return None
+    return read_failure(run_dir)
+
+
+def failing(state: dict, run_dir: str) -> str | None:
+    """The reason of a job Slurm still calls RUNNING or COMPLETING whose tasks already recorded a
+    failure, else None. Only a failure.txt written since the job (re)started counts: the batch
+    script removes an earlier attempt's at its start, which may come minutes after Slurm's."""
+    if state.get("state") not in ("RUNNING", "COMPLETING") or not state.get("start_time"):
+        return None
+    return recorded_failure(run_dir, after=state["start_time"])
+
+
 def explain(state: dict, run_dir: str) -> str:
     """One line on why a job is where it is: Slurm's reason while it waits; after an unsuccessful
     end, the job's own first fatal line (which rank, node and role, and what happened)."""
     name = state.get("state", "UNKNOWN")
     if name == "PENDING":
         return state.get("reason", "")
-    if name == "CANCELLED":
-        return "cancelled (scancel, or an administrator)"
-    if name == "TIMEOUT":
-        return ("reached its time limit without checkpointing on the warning signal "
+    if name in ("CANCELLED", "TIMEOUT"):
+        # A failure recorded before the end is the cause (a person or Slurm ended a job that had
+        # already failed); one recorded at the end is the tasks' echo of being killed.
+        why = recorded_failure(run_dir, before=state.get("end_time"))
+        if name == "CANCELLED":
+            return f"{why}; then cancelled" if why else "cancelled (scancel, or an administrator)"
+        return (f"{why}; then reached its time limit" if why else
+                "reached its time limit without checkpointing on the warning signal "
                 "(see the log; `hpcrl submit --resume RUN_DIR` continues from the last checkpoint)")
     if finished(state) and name != "COMPLETED":
         why = read_failure(run_dir)
@@ -121,7 +151,7 @@ def explain(state: dict, run_dir: str) -> str:
         if name == "OUT_OF_MEMORY":
             return "a task ran out of memory (Slurm OUT_OF_MEMORY)"
         return f"no task recorded a reason (exit code {state.get('exit_code')}); see the log"
-    return ""
+    return failing(state, run_dir) or ""
 
 
 # What a row takes from the job's run directory (the last metrics line; after a failure, the first
@@ -136,16 +166,20 @@ _SHOWN_FIELDS = ("step", "reward", "tokens_per_s", "sync_s", "reason")
 
 
 def job_row(record, state: dict) -> dict:
-    """One line of `hpcrl status`: of a job's run directory the list reads its metrics tail (and a
-    failed job's failure.txt), never the heartbeat; nothing once the registry keeps the row."""
+    """One line of `hpcrl status`: of a job's run directory the list reads its metrics tail (and the
+    failure.txt of a job that failed, or is failing), never the heartbeat; nothing once the registry
+    keeps the row. "state" is Slurm's, or FAILING (then "slurm_state" is Slurm's)."""
     shown = state.get(SHOWN)
     if shown is None:
         m = latest_metrics(record.run_dir_text)
         shown = {"step": m.get(mk.STEP), "reward": m.get(mk.REWARD), "tokens_per_s": m.get(mk.TOKENS_PER_S),
                  "sync_s": m.get(mk.SYNC_S), "reason": explain(state, record.run_dir_text)}
+    slurm_state = state.get("state", "UNKNOWN")
+    # explain's reason for a RUNNING job is the failure its tasks recorded (a kept row is settled)
+    shown_state = FAILING if slurm_state in ("RUNNING", "COMPLETING") and shown["reason"] else slurm_state
     return {
         "job_id": record.job_id, "name": record.name, "site": record.site,
-        "state": state.get("state", "UNKNOWN"), "reason": shown["reason"],
+        "state": shown_state, "slurm_state": slurm_state, "reason": shown["reason"],
         "elapsed_s": state.get("elapsed_s"), "time_limit_s": state.get("time_limit_s"),
         "nodes": state.get("nodes"), "restarts": state.get("restarts", 0), "exit_code": state.get("exit_code"),
         "step": shown["step"], "reward": shown["reward"], "tokens_per_s": shown["tokens_per_s"],

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -19,12 +20,15 @@ from pathlib import Path
 from hpcrl.compute.inference.types import Sampling
 from hpcrl.compute.launch.channel import PeerClosed
 from hpcrl.compute.launch.context import LaunchContext
+from hpcrl.compute.launch.reason import Explained
+from hpcrl.compute.launch.stop import STOP
+from hpcrl.compute.launch.watchdog import die
 from hpcrl.compute.sync.api import ServerSync, default_backend
 from hpcrl.job import rundir
 from hpcrl.job.recipe import engine_dtype
 
 BATCH_WINDOW_S = 0.05      # after the first request, wait this long for the other trainers'
-HEALTH_EVERY_S = 5.0
+HEALTH_EVERY_S = 5.0       # also the longest a dead engine process goes unseen between requests
 
 
 def engine_errors_log(ctx: LaunchContext) -> Path:
@@ -102,6 +106,7 @@ class Server:
         trainers = set(self.ctx.channel.expected)
         self.write_health("serving")
         while self.done != trainers:
+            self._check_engine()
             if time.time() - self.last_health > HEALTH_EVERY_S:
                 # after a failed sync the server refuses to generate until a full one finishes
                 self.write_health({"open": "syncing", "failed": "sync failed"}.get(self.receiver.state, "serving"))
@@ -110,6 +115,17 @@ class Server:
                 self.handle(*received)
         self.write_health("finished")
         return 0
+
+    def _check_engine(self) -> None:
+        """An engine process that died while the trainers train is found here, within the receive
+        timeout, rather than at the next generation (a training step may take minutes). Not after
+        a stop signal: vLLM's engine stops on SIGTERM by design while the trainers checkpoint."""
+        if STOP.raised:
+            return
+        death = getattr(self.engine, "death", None)
+        reason = death() if death is not None else None
+        if reason:
+            raise Explained(reason)
 
     def _receive(self, timeout: float) -> tuple[int, dict] | None:
         """The next message from any trainer, or None after `timeout`. A trainer may close its end
@@ -212,20 +228,45 @@ def run_server(ctx: LaunchContext) -> int:
         raise _engine_cause(ctx, e)
     ctx.log(f"{engine.name} engine{'' if ctx.task.engine is None else f' {ctx.task.engine}'} ready in {time.perf_counter() - t0:.1f} s on GPU(s) "
             f"{','.join(map(str, ctx.task.gpus))} (cores {','.join(map(str, ctx.task.cores))})")
+    watching = _watch_engine(ctx, engine)
     try:
         return Server(ctx, engine).serve()
     except Exception as e:
-        raise _engine_cause(ctx, e)
+        raise _engine_cause(ctx, e, engine)
     finally:
+        watching.set()
         engine.close()
 
 
-def _engine_cause(ctx: LaunchContext, e: Exception) -> Exception:
+def _watch_engine(ctx: LaunchContext, engine, every_s: float = 1.0) -> threading.Event:
+    """A thread that ends the job within seconds of an engine process's death, with how it died.
+    The serving loop cannot: vLLM's generate may wait forever on a killed engine core. Set the
+    returned event to stop watching (before the engine is closed on purpose)."""
+    stop = threading.Event()
+    death = getattr(engine, "death", None)
+    if death is None:
+        return stop             # an engine in this process (transformers) dies with the server
+
+    def watch() -> None:
+        while not stop.wait(every_s):
+            reason = None if STOP.raised else death()       # vLLM stops on SIGTERM by design
+            if reason and not stop.is_set():
+                ctx.watchdog.fail(reason, grace_s=0)
+                die(ctx.watchdog.who, reason)
+
+    threading.Thread(target=watch, name="hpcrl-engine-watch", daemon=True).start()
+    return stop
+
+
+def _engine_cause(ctx: LaunchContext, e: Exception, engine=None) -> Exception:
     """`e`, or where vLLM only says "see root cause above", the error its engine's processes logged
     (the job's failure line names it), chained to `e` for the traceback."""
     from hpcrl.compute.inference.vllm_engine import logged_cause
 
     cause = logged_cause(e, engine_errors_log(ctx))
+    if cause is e and engine is not None and getattr(engine, "death", None) is not None:
+        reason = engine.death()         # killed by a signal: no last words in its log
+        cause = Explained(reason) if reason else e
     if cause is not e:
         cause.__cause__ = e
     return cause

@@ -12,8 +12,16 @@ from typing import Sequence
 
 from hpcrl.compute.inference.types import Completion, Sampling
 from hpcrl.compute.launch.reason import Explained, points_elsewhere, root_cause
+from hpcrl.compute.launch.stop import ShieldedChildren
 from hpcrl.compute.sync.receiver import engine_env, engine_kwargs, llm_dtype
+from hpcrl.compute.sync.vllm_plugin import ENGINE_PROCESS_ENV
 from hpcrl.job.recipe import InferenceConfig, ModelConfig, engine_dtype
+
+
+# On SIGTERM (scancel, a preemption) vLLM's engine core finishes the requests it has for up to
+# this long before it stops: the trainers' generation in flight completes and they can checkpoint
+# the step within Slurm's KillWait, instead of failing on a dead engine.
+ENGINE_DRAIN_S = 30
 
 
 def vllm_available() -> bool:
@@ -33,7 +41,8 @@ def vllm_options(model_dir: str, inference: InferenceConfig, model: ModelConfig,
         dtype = "float32"
     options = dict(model=model_dir, tokenizer=model.tokenizer or model_dir, trust_remote_code=model.trust_remote_code,
                    dtype=dtype, max_model_len=inference.max_model_len, enforce_eager=inference.enforce_eager,
-                   seed=seed, tensor_parallel_size=inference.tensor_parallel_size, logprobs_mode="processed_logprobs")
+                   seed=seed, tensor_parallel_size=inference.tensor_parallel_size, logprobs_mode="processed_logprobs",
+                   shutdown_timeout=ENGINE_DRAIN_S)
     if device != "cpu":
         options["gpu_memory_utilization"] = inference.gpu_memory_utilization
     options.update(engine_kwargs(backend))
@@ -112,11 +121,13 @@ class VLLMEngine:
         # Forced, not defaulted: the backend cannot work without it. Set before the engine starts:
         # its processes inherit the environment and cache vLLM's variables when they start.
         os.environ.update(engine_env(backend))
+        os.environ[ENGINE_PROCESS_ENV] = "1"        # its processes die with this one (vllm_plugin)
         if errors_log is not None:
             log_engine_errors(Path(errors_log))
         from vllm import LLM
 
-        self.llm = LLM(**vllm_options(model_dir, inference, model, device=device, seed=seed, backend=backend))
+        with ShieldedChildren():        # Slurm's SIGUSR2 is the trainers' to act on, not the engine's
+            self.llm = LLM(**vllm_options(model_dir, inference, model, device=device, seed=seed, backend=backend))
         self.tokenizer = self.llm.get_tokenizer()
         self.version = 0
 
@@ -144,6 +155,28 @@ class VLLMEngine:
                 completions.append(Completion(i, tuple(c.token_ids), lps, c.text,
                                               c.finish_reason == "length", self.version))
         return completions
+
+    def _engine_processes(self) -> list:
+        """vLLM's engine-core processes (multiprocessing Process objects); [] where vLLM keeps them elsewhere."""
+        core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        manager = getattr(getattr(core, "resources", None), "engine_manager", None)
+        return list(getattr(manager, "processes", None) or [])
+
+    def death(self) -> str | None:
+        """How an engine-core process ended, if one has: vLLM itself only says "EngineDeadError: see
+        the stack trace above", and a process killed by a signal (the OOM killer, kill -9) left none."""
+        import signal
+
+        for proc in self._engine_processes():
+            code = proc.exitcode
+            if code is None:
+                continue
+            if code < 0:
+                name = signal.Signals(-code).name
+                hint = " (out of memory? see dmesg / the node's memory use)" if -code == signal.SIGKILL else ""
+                return f"vLLM's {proc.name} (pid {proc.pid}) was killed by {name}{hint}"
+            return f"vLLM's {proc.name} (pid {proc.pid}) exited with status {code}"
+        return None
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop the engine's processes in order. Left to the interpreter's exit, they go first and

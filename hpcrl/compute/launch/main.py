@@ -22,7 +22,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from hpcrl.job.errors import UserError
-from hpcrl.compute.launch import faults, outcome, pinning, rendezvous
+from hpcrl.compute.launch import faults, outcome, pinning, rendezvous, shm_sweep
 from hpcrl.compute.launch.channel import NodeChannel, NodeServerChannel
 from hpcrl.compute.launch.context import LaunchContext, write_line
 from hpcrl.compute.launch.mesh import build_mesh
@@ -52,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     launch = spec.recipe.launch
     outcome.record_to(run_dir)
+    stale = shm_sweep.sweep()       # before MPI_Init: a killed attempt's segments would break it
+    if stale:
+        print(f"hpcrl: removed {len(stale)} shared-memory file(s) a killed run left in /dev/shm "
+              f"({', '.join(stale[:3])}{', ...' if len(stale) > 3 else ''})", file=sys.stderr, flush=True)
     book = ArrivalBook(run_dir, rendezvous.launch_id(os.environ), plan)
     who = _who(plan)
     supervisor = Supervisor(who, launch.rendezvous_timeout_s, book.explain)

@@ -12,8 +12,11 @@ Two jobs no code inside the task can do:
   exit status and says which rank, node and role died, and how, before exiting with
   128 + signal (an ordinary failure to the launcher, which then stops the others).
 
-Signals the launcher sends (SIGTERM at a step's end, USR2 before the time limit, INT) are
-passed on to the task; the task dies with the supervisor (PR_SET_PDEATHSIG). The supervisor
+Signals the launcher sends (SIGTERM at a step's end or a cancel, USR2 before the time limit, INT)
+are passed on to the task; the task dies with the supervisor (PR_SET_PDEATHSIG). Before the
+rendezvous a terminating signal ends the task within KILL_AFTER_S; after it the task takes it as a
+stop request (hpcrl.compute.launch.stop) and checkpoints, bounded by the launcher's own SIGKILL
+(Slurm's KillWait, `hpcrl run`'s second Ctrl-C or its grace). The supervisor
 imports nothing heavy and holds no MPI state: it is a few MB of copy-on-write memory.
 """
 
@@ -66,7 +69,7 @@ class Supervisor:
             # Its own process group: whatever the task starts (vLLM's engine and workers) can be
             # ended with it, even after a SIGKILL that gave the task no chance to stop them.
             os.setpgid(0, 0)
-            _die_with_parent(parent)
+            die_with_parent(parent)
             self._pipe = write_end
             return True
         os.close(write_end)
@@ -125,7 +128,7 @@ class Supervisor:
             os.kill(self._task, signum)
             if signum in TERMINATING:
                 os.kill(self._task, signal.SIGCONT)      # a stopped task would never see it
-                if self._kill_timer is None:
+                if self._kill_timer is None and not self._met:
                     self._kill_timer = threading.Timer(KILL_AFTER_S, self._kill)
                     self._kill_timer.daemon = True
                     self._kill_timer.start()
@@ -194,8 +197,9 @@ def _say(line: str) -> None:
     outcome.fatal(line)
 
 
-def _die_with_parent(parent: int) -> None:
-    """The task must not outlive its supervisor (a launcher's SIGKILL reaches only the latter)."""
+def die_with_parent(parent: int) -> None:
+    """This process must not outlive `parent`: the task its supervisor (a launcher's SIGKILL reaches
+    only the latter), an engine process the task that started it."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL)       # PR_SET_PDEATHSIG

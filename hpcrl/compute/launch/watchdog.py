@@ -58,6 +58,9 @@ def heartbeat_interval(peer_timeout_s: float) -> float:
     return max(0.05, min(5.0, peer_timeout_s / 4))
 
 
+HUB_LOST_GRACE_S = 1.0
+
+
 def die(who: str, reason: str, callbacks: list[Callable[[], None]] = ()) -> NoReturn:
     """Print one line and end the process now, from any thread. Callbacks (a server stopping its
     engine) get a bounded moment first; a stuck one cannot keep the process alive."""
@@ -433,6 +436,9 @@ class Watchdog:
             except (ChannelClosed, OSError):
                 if self._closing:
                     return
+                # Rank 0's own supervisor names how it died ("killed by SIGKILL"): a moment for its
+                # line to be the job's reason (the first one written wins) before this echo of it.
+                time.sleep(HUB_LOST_GRACE_S)
                 self._fatal(f"lost the watchdog hub on {hub}: its connection closed, so rank 0 died or was killed")
             now = time.monotonic()
             if now - last_heard > self.peer_timeout_s and not self._closing:

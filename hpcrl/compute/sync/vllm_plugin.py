@@ -11,6 +11,8 @@ an abort for an open update, for any backend, and the tied-weights refresh for t
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from hpcrl.compute.sync.api import SHM_BACKEND, WORKER_EXTENSION
@@ -25,10 +27,15 @@ __all__ = [
 ]
 
 
+# Set by the server before it starts vLLM: the engine processes it spawns are hpcrl's.
+ENGINE_PROCESS_ENV = "HPCRL_ENGINE_PROCESS"
+
+
 def register() -> None:
     """Entry point: make ``hpcrl_shm`` a vLLM weight-transfer backend in this process (idempotent)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
+    end_with_parent()
     request_amx_permission()
 
     # By module path, as vLLM's factories take their engines.
@@ -38,6 +45,21 @@ def register() -> None:
     if SHM_BACKEND not in WeightTransferTrainerFactory._registry:
         WeightTransferTrainerFactory.register_engine(SHM_BACKEND, HpcrlShmTrainerWeightTransferEngine.__module__,
                                                      HpcrlShmTrainerWeightTransferEngine.__name__)
+
+
+def end_with_parent() -> None:
+    """An engine process hpcrl started (EngineCore, its workers) dies with the process that spawned
+    it. Else a server task killed by its launcher leaves its engine core running, reparented to
+    init, holding the GPU and the task's output pipes: mpiexec then waits on those pipes, and a
+    dead run lingers for minutes. Spawned processes only; vLLM's main process is the server task."""
+    import multiprocessing
+
+    parent = multiprocessing.parent_process()
+    if os.environ.get(ENGINE_PROCESS_ENV) != "1" or parent is None:
+        return
+    from hpcrl.compute.launch.supervisor import die_with_parent
+
+    die_with_parent(parent.pid)
 
 
 def request_amx_permission() -> bool:

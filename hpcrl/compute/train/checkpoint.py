@@ -10,6 +10,7 @@ Layout of a checkpoint directory (on a file system every trainer rank sees)::
         rank-<r>.pt            per rank: RNG states, scheduler, the caller's `extra`, the step
         meta.json              step, world size, time (written last, by rank 0)
     <dir>/latest               the name of the newest complete checkpoint ("step-<N>")
+    <dir>/.hpcrl-run.json      the run they belong to (rundir.RUN_IDENTITY_FILE), by the first save
 
 Atomic by construction: everything is written into ``step-<N>.tmp/``; after every rank has finished
 (a barrier), rank 0 renames it to ``step-<N>/`` and then replaces ``latest`` (temp file +
@@ -72,6 +73,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 PREFIX = "step-"
+# The run directory both launchers give every task (the sbatch script and `hpcrl run` export it):
+# its job.json says which run the checkpoints are saved for.
+RUN_DIR_ENV = "HPCRL_RUN_DIR"
 LATEST = "latest"
 META = rundir.TRAINING_CHECKPOINT_META
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -166,6 +170,25 @@ def latest_checkpoint(directory: str | os.PathLike) -> Optional[Path]:
         return d / name
     found = list_checkpoints(d)
     return found[-1] if found else None
+
+
+def _this_run() -> Optional[dict[str, str]]:
+    """This run's identity (rundir.run_identity); None outside a job (no run directory given)."""
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    return rundir.job_identity(run_dir) if run_dir else None
+
+
+def _check_owner(directory: Path, ours: Optional[dict[str, str]]) -> None:
+    """Every rank, before anything is read or written: another run's checkpoints are never resumed
+    from nor written among (compose refuses such a checkpoint.dir; two runs rendered before either
+    wrote one, or by an hpcrl without identities, still meet here). The run directory alone is
+    compared: a run's job.json may be edited between its resumes (more steps)."""
+    theirs = rundir.read_identity(directory)
+    if ours is None or theirs is None or theirs["run_dir"] == ours["run_dir"]:
+        return
+    raise CheckpointError(f"{directory} holds the checkpoints of run {theirs['run_dir']}, not of this run "
+                          f"({ours['run_dir']}): two runs cannot share a checkpoint.dir; continue that run with "
+                          f"`{rundir.resume_command(theirs['run_dir'])}` and give this one another checkpoint.dir")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -320,8 +343,12 @@ def save(directory: str | os.PathLike, step: int, model: nn.Module, optimizer: O
     world = dist.get_world_size() if _dist() else 1
     group = control_group(timeout_s)
     t0 = time.perf_counter()
+    ours = _this_run()
+    _check_owner(directory, ours)
     if rank == 0:
         directory.mkdir(parents=True, exist_ok=True)
+        if ours is not None and rundir.read_identity(directory) is None:
+            rundir.write_identity(directory, ours)      # the run's own checkpoints/, or a pre-identity run's
         if tmp.exists():
             shutil.rmtree(tmp)      # from an interrupted save of the same step
         tmp.mkdir()
@@ -358,6 +385,7 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: Optional[torch.op
     path = Path(path)
     if not _complete(path):
         raise CheckpointError(f"{path}: not a complete checkpoint (no .metadata or {META})")
+    _check_owner(path.parent, _this_run())
     rank = _rank()
     if (read_state is not None) != is_deepspeed(path):
         written, engine = ("DeepSpeed", "fsdp2") if is_deepspeed(path) else ("FSDP2 (DCP)", "deepspeed")

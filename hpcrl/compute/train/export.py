@@ -27,6 +27,12 @@ complete; a killed writer leaves only that hidden directory (removed by the next
 directory of the same name is replaced only once the new one is whole. The final model directory
 keeps the checkpoint-<step>/ directories saved inside it (TRL's output_dir layout).
 
+A damaged training checkpoint (.metadata missing or garbled, a shard file missing, cut short or
+corrupt) is a DamagedCheckpoint naming the file: found from the sizes .metadata gives before a byte
+is written, else when the file's tensors fail to decode; either way the export leaves nothing (not
+even the directory it made to hold its temporary), and ``hpcrl export`` says which step to export
+instead, exit status 2.
+
 A LoRA run (model.use_peft) writes peft adapter directories instead (save_lora_from_trainers,
 export_lora_checkpoint; the merged model on request, checkpoint.save_merged_model).
 
@@ -36,8 +42,10 @@ export_lora_checkpoint; the merged model on request, checkpoint.save_merged_mode
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import shlex
 import shutil
 import sys
 import warnings
@@ -54,7 +62,7 @@ from hpcrl.job import rundir
 
 __all__ = ["DTYPES", "SINGLE_FILE", "INDEX_FILE", "export_dtype", "saved_dtype", "export_tensors", "plan_shards", "ShardWriter",
            "prepare_tmp", "write_metadata", "commit", "save_from_trainers", "save_lora_from_trainers",
-           "export_checkpoint", "export_lora_checkpoint", "main"]
+           "export_checkpoint", "export_lora_checkpoint", "DamagedCheckpoint", "main"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 SINGLE_FILE = "model.safetensors"
@@ -263,6 +271,10 @@ def commit(tmp: Path, final: Path) -> Path:
         for child in sorted(aside.glob(f"{rundir.MODEL_CHECKPOINT_PREFIX}*")):
             if child.is_dir() and not (final / child.name).exists():
                 os.rename(child, final / child.name)
+        # Which run the directory belongs to (written at render) stays with it.
+        identity = aside / rundir.RUN_IDENTITY_FILE
+        if identity.is_file() and not (final / rundir.RUN_IDENTITY_FILE).exists():
+            os.rename(identity, final / rundir.RUN_IDENTITY_FILE)
         shutil.rmtree(aside, ignore_errors=True)
     return final
 
@@ -383,19 +395,95 @@ def save_lora_from_trainers(model: torch.nn.Module, final: Path, *, recipe_model
 
 
 # ---------------------------------------------------------------------------------------- from a checkpoint
-def _dcp_tensors(checkpoint: Path) -> tuple[dict[str, tuple[tuple[int, ...], torch.dtype]], Callable]:
-    """A torch.distributed.checkpoint's model tensors: name -> (shape, dtype), and a reader of some."""
+class DamagedCheckpoint(RuntimeError):
+    """A training checkpoint whose files are missing or cannot be read: ``what`` names the file."""
+
+    def __init__(self, checkpoint: Path, what: str) -> None:
+        super().__init__(f"{checkpoint}: {what}")
+        self.checkpoint, self.what = Path(checkpoint), what
+
+
+def _cause(e: BaseException) -> str:
+    """The error's type and first sentence (torch's unpickler goes on with advice that does not apply)."""
+    text = str(e).strip().split("\n")[0].split(". ")[0][:80]
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _dcp_metadata(checkpoint: Path):
+    """DCP's index of ``checkpoint``, once the files that hold its model tensors are known to be there
+    and long enough: a missing or cut-short file is named here, before anything is written. (The
+    optimizer's tensors are not read by an export, so their files are not asked about.)"""
     import torch.distributed.checkpoint as dcp
 
-    meta = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    try:
+        meta = dcp.FileSystemReader(str(checkpoint)).read_metadata()
+    except FileNotFoundError:
+        raise DamagedCheckpoint(checkpoint, ".metadata (DCP's index of the shard files) is missing") from None
+    except OSError:
+        raise
+    except Exception as e:      # noqa: BLE001 - a garbled pickle raises anything
+        raise DamagedCheckpoint(checkpoint, f".metadata is corrupt: it cannot be decoded ({_cause(e)})") from None
+    ends: dict[str, int] = {}
+    for index, info in meta.storage_data.items():
+        if index.fqn.startswith("model."):
+            ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        try:
+            size = (checkpoint / name).stat().st_size
+        except FileNotFoundError:
+            raise DamagedCheckpoint(checkpoint, f"{name} is missing (.metadata lists it)") from None
+        if size < end:
+            raise DamagedCheckpoint(checkpoint, f"{name} is truncated ({size} bytes; .metadata places data "
+                                                f"up to byte {end})")
+    return meta
+
+
+def _dcp_load(checkpoint: Path, state: dict[str, Any]) -> None:
+    """dcp.load in this one process; a shard file that cannot be read is named (DamagedCheckpoint)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    class Reader(dcp.FileSystemReader):
+        """Reads file by file, to remember which one failed (DCP's own error does not say)."""
+        failed: tuple[str, BaseException] | None = None
+
+        def read_data(self, plan, planner):
+            per_file: dict[str, list] = {}
+            for item in plan.items:
+                per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+            for name, items in per_file.items():
+                try:
+                    done = super().read_data(dataclasses.replace(plan, items=items), planner)
+                except Exception as e:
+                    self.failed = (name, e)
+                    raise
+            return done
+
+    reader = Reader(str(checkpoint))
+    try:
+        with warnings.catch_warnings():     # one process, no process group, on purpose
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+            dcp.load(state, storage_reader=reader, no_dist=True)
+    except (Exception, CheckpointException) as e:      # DCP wraps any error (Ctrl-C too) in a BaseException
+        if reader.failed is not None and not isinstance(reader.failed[1], OSError):
+            name, cause = reader.failed
+            raise DamagedCheckpoint(checkpoint, f"{name} is corrupt: its tensors cannot be decoded "
+                                                f"({_cause(cause)})") from None
+        wrapped = [exc for exc, _ in getattr(e, "failures", {}).values()]
+        if wrapped:
+            raise wrapped[0] from None      # an OSError or a KeyboardInterrupt, as its caller knows them
+        raise
+
+
+def _dcp_tensors(checkpoint: Path) -> tuple[dict[str, tuple[tuple[int, ...], torch.dtype]], Callable]:
+    """A torch.distributed.checkpoint's model tensors: name -> (shape, dtype), and a reader of some."""
+    meta = _dcp_metadata(checkpoint).state_dict_metadata
     stored = {key[len("model."):]: (tuple(m.size), m.properties.dtype) for key, m in meta.items()
               if key.startswith("model.") and hasattr(m, "size")}
 
     def read(entries: list[tuple[str, tuple[int, ...], torch.dtype]], track) -> dict[str, torch.Tensor]:
         into = {name: track(torch.empty(shape, dtype=dt)) for name, shape, dt in entries}
-        with warnings.catch_warnings():     # one process, no process group, on purpose
-            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-            dcp.load({"model": into}, checkpoint_id=str(checkpoint), no_dist=True)
+        _dcp_load(checkpoint, {"model": into})
         return into
 
     return stored, read
@@ -416,16 +504,26 @@ def _deepspeed_tensors(checkpoint: Path) -> tuple[dict[str, tuple[tuple[int, ...
     return stored, read
 
 
-def _checkpoint_buckets(checkpoint: Path, specs: list[tuple[str, tuple[int, ...]]], bucket_bytes: int,
-                        dtype_of: Callable[[torch.dtype], torch.dtype], tracker: LiveBytes | None
-                        ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """The checkpoint's model tensors in ``specs``' order, a bucket at a time, each cast."""
+def _open_checkpoint(checkpoint: Path, specs: list[tuple[str, tuple[int, ...]]]
+                     ) -> tuple[dict[str, tuple[tuple[int, ...], torch.dtype]], Callable]:
+    """The checkpoint's tensors and their reader, once it is known to hold every one of ``specs``."""
     from hpcrl.compute.train.checkpoint import is_deepspeed
 
     stored, read = (_deepspeed_tensors if is_deepspeed(checkpoint) else _dcp_tensors)(checkpoint)
     missing = [name for name, _ in specs if name not in stored]
     if missing:
         raise RuntimeError(f"{checkpoint}: the checkpoint lacks {len(missing)} of the model's tensors: {missing[:5]}")
+    for name, shape in specs:
+        if tuple(stored[name][0]) != tuple(shape):
+            raise RuntimeError(f"{checkpoint}: {name} has shape {tuple(stored[name][0])}, the model {tuple(shape)}")
+    return stored, read
+
+
+def _checkpoint_buckets(stored: dict[str, tuple[tuple[int, ...], torch.dtype]], read: Callable,
+                        specs: list[tuple[str, tuple[int, ...]]], bucket_bytes: int,
+                        dtype_of: Callable[[torch.dtype], torch.dtype], tracker: LiveBytes | None
+                        ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The checkpoint's model tensors in ``specs``' order, a bucket at a time, each cast."""
     pending: list[tuple[str, tuple[int, ...], torch.dtype]] = []
     size = 0
     track = tracker.track if tracker is not None else (lambda t: t)
@@ -440,9 +538,7 @@ def _checkpoint_buckets(checkpoint: Path, specs: list[tuple[str, tuple[int, ...]
         return out
 
     for name, shape in specs:
-        stored_shape, dt = stored[name]
-        if tuple(stored_shape) != tuple(shape):
-            raise RuntimeError(f"{checkpoint}: {name} has shape {tuple(stored_shape)}, the model {tuple(shape)}")
+        dt = stored[name][1]
         nbytes = torch.Size(shape).numel() * dt.itemsize
         if pending and size + nbytes > bucket_bytes:
             bucket = load(pending)
@@ -455,6 +551,20 @@ def _checkpoint_buckets(checkpoint: Path, specs: list[tuple[str, tuple[int, ...]
         bucket = load(pending)
         yield bucket
         bucket.clear()
+
+
+def _new_dirs(path: Path) -> list[Path]:
+    """The ancestors of ``path`` that do not exist yet, innermost first."""
+    return [p for p in path.parents if not p.exists()]
+
+
+def _remove_new_dirs(dirs: list[Path]) -> None:
+    """Remove the directories an export made for itself, innermost first, if still empty."""
+    for d in dirs:
+        try:
+            d.rmdir()
+        except OSError:
+            return
 
 
 def export_checkpoint(checkpoint: str | os.PathLike, model_dir: str | os.PathLike, final: str | os.PathLike, *,
@@ -472,27 +582,29 @@ def export_checkpoint(checkpoint: str | os.PathLike, model_dir: str | os.PathLik
     layout = CheckpointLayout(meta, tensors)
     cast = lambda dt: dtype if dt.is_floating_point else dt       # noqa: E731
     specs = [ParamSpec(name, cast(t.dtype), tuple(t.shape)) for name, t in tensors]
+    wanted = [(s.name, s.shape) for s in specs]
+    stored, read = _open_checkpoint(checkpoint, wanted)     # a damaged checkpoint is found before any write
+    made = _new_dirs(final)
     tmp = prepare_tmp(final)
     shards = ShardWriter(tmp, layout.specs(specs), max_shard_bytes)
     try:
-        for bucket in layout.buckets(_checkpoint_buckets(checkpoint, [(s.name, s.shape) for s in specs], bucket_bytes,
-                                                         cast, tracker)):
+        for bucket in layout.buckets(_checkpoint_buckets(stored, read, wanted, bucket_bytes, cast, tracker)):
             for name, t in bucket:
                 shards.write(name, t)
             t = None
         shards.finish()
         write_metadata(tmp, model_dir, dtype, tokenizer, trust_remote_code)
+        return commit(tmp, final)
     except BaseException:
         shards.abort()
         shutil.rmtree(tmp, ignore_errors=True)
+        _remove_new_dirs(made)      # `hpcrl export` makes <run_dir>/model for checkpoint-<step>: no empty one left
         raise
-    return commit(tmp, final)
 
 
 def export_lora_checkpoint(checkpoint: str | os.PathLike, model_dir: str | os.PathLike, final: str | os.PathLike, *,
                            recipe_model, tokenizer) -> Path:
     """A LoRA run's training checkpoint (its adapters) -> a peft adapter directory ``final``."""
-    import torch.distributed.checkpoint as dcp
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from hpcrl.compute.train import lora
@@ -503,21 +615,21 @@ def export_lora_checkpoint(checkpoint: str | os.PathLike, model_dir: str | os.Pa
         meta = lora.add_adapters(AutoModelForCausalLM.from_config(
             config, trust_remote_code=recipe_model.trust_remote_code), recipe_model)
     into = {name: torch.empty(tuple(p.shape), dtype=torch.float32) for name, p in lora.adapter_tensors(meta)}
-    stored = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    stored = _dcp_metadata(checkpoint).state_dict_metadata
     missing = [name for name in into if f"model.{name}" not in stored]
     if missing:
         raise RuntimeError(f"{checkpoint}: the checkpoint lacks {len(missing)} of the recipe's LoRA adapters "
                            f"(model.lora_*: was it written with other settings?): {missing[:3]}")
-    with warnings.catch_warnings():     # one process, no process group, on purpose
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        dcp.load({"model": into}, checkpoint_id=str(checkpoint), no_dist=True)
+    _dcp_load(checkpoint, {"model": into})
+    made = _new_dirs(final)
     tmp = prepare_tmp(final)
     try:
         lora.write_adapter_dir(tmp, into, recipe_model=recipe_model, base_model=str(model_dir), tokenizer=tokenizer)
+        return commit(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        _remove_new_dirs(made)
         raise
-    return commit(tmp, final)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -555,11 +667,27 @@ def main(argv: list[str] | None = None) -> int:
                           max_shard_bytes=int(recipe.checkpoint.model_max_shard_size_gb * GB),
                           bucket_bytes=recipe.inference.sync_bucket_mb * 2**20,
                           trust_remote_code=recipe.model.trust_remote_code)
+    except DamagedCheckpoint as e:
+        # The input, not the machine: the same command can only fail again; another step may not.
+        print(f"hpcrl: error: export: {e}; {other_steps_hint(args.run_dir, step, steps, args.output)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:       # the partial directory is gone; `hpcrl` says it was interrupted
+        return 130
     except (OSError, RuntimeError, ValueError) as e:
         # A checkpoint that does not fit the model, a full disk: one line, the hidden directory removed.
         print(f"hpcrl: error: export of step {step} to {out} failed: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def other_steps_hint(run_dir: str, step: int, steps: list[int], output: str | None) -> str:
+    """What to export instead of a damaged checkpoint: the newest older step, as a command."""
+    others = [s for s in steps if s != step]
+    if not others:
+        return "the run has no other checkpoint to export instead"
+    pick = ([s for s in others if s < step] or others)[-1]
+    cmd = ["hpcrl", "export", str(run_dir), "--step", str(pick), *(["-o", output] if output else [])]
+    return f"export another step: {shlex.join(cmd)} (other checkpoints: {', '.join(map(str, others))})"
 
 
 if __name__ == "__main__":

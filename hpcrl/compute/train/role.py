@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from hpcrl.compute.launch import outcome as job_outcome
 from hpcrl.compute.launch.context import LaunchContext
 from hpcrl.compute.train import checkpoint as ckpt
 from hpcrl.compute.train.trainer import Trainer, TrainerSetup
@@ -72,8 +73,10 @@ def run_trainer(ctx: LaunchContext) -> int:
     generator.wait_ready()
     trainer = Trainer(setup, generator)
     resume_step = trainer.resume_step_hint() if rank0 else None
-    if resume_step is not None:
-        writer.truncate_after(resume_step)
+    if rank0:
+        # Steps past the checkpoint are done again; with no checkpoint (an attempt killed before its
+        # first) every step is, and the killed attempt's lines go.
+        writer.truncate_after(resume_step or 0)
     try:
         outcome = trainer.run()
     finally:
@@ -84,8 +87,20 @@ def run_trainer(ctx: LaunchContext) -> int:
         if outcome == "finished":
             (Path(ctx.run_dir) / FINISHED_MARKER).write_text(f"{trainer.step}\n")
         ctx.log(f"{outcome} at step {trainer.step}")
+        if outcome == "stopped":
+            _ready_to_requeue(ctx, trainer.step, began_at=resume_step or 0)
         _log_balance(ctx)
     return 0
+
+
+def _ready_to_requeue(ctx: LaunchContext, step: int, began_at: int) -> None:
+    """Tell the batch script a requeue will resume somewhere new; else say why it would not."""
+    if step > began_at:
+        (Path(ctx.run_dir) / rundir.REQUEUE_READY_MARKER).write_text(f"{step}\n")
+        return
+    job_outcome.fatal(f"hpcrl: stopped at step {step}, where this attempt began: no step fits between start-up "
+                      f"and the stop signal, so a requeue would only repeat this; not requeued (ask for more "
+                      f"--time, or a smaller site.signal lead)")
 
 
 def _load_models(ctx: LaunchContext, model_dir: str, device: torch.device, readers):

@@ -193,6 +193,9 @@ class Trainer:
                                       **self._evaluate()})
         while self.step < self.grpo.max_steps:
             if self._stop_requested():
+                if self.setup.trainer_rank == 0:
+                    self.setup.log(f"stop requested ({self.flag.signal_name or 'by a peer'}) at step {self.step}: "
+                                   f"checkpointing")
                 self.save()
                 return "stopped"
             faults.at_step()
@@ -239,7 +242,9 @@ class Trainer:
             sync_s = 0.0
             if it == mu - 1:
                 self.generation, self.generation_steps_done = None, 0     # spent: the next loop generates
-                if self._sync_due():
+                # A stop skips the sync: the engine may be draining its last requests (SIGTERM), and a
+                # resume pushes the checkpoint's weights anyway.
+                if self._sync_due() and not self._stop_requested():
                     sync_s = self._sync_weights()
             metrics = self._step_metrics(generation, losses, first=first, train_s=train_s, sync_s=sync_s,
                                          started=started)

@@ -2,12 +2,15 @@
 
 The arguments are checked here, without torch; the work is hpcrl.compute.train.export in a
 subprocess of this interpreter (it reads the checkpoint tensor by tensor). Its exit status is passed
-through.
+through. A damaged checkpoint (a file missing here, missing, cut short or corrupt there) is one line
+naming the file and the step to export instead, exit status 2, like any input that cannot be used:
+the same command can only fail again.
 """
 
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +33,12 @@ def main(args) -> int:
                         f"model's config and tokenizer from it (run it where the job's files are)")
     ckpt_dir = Path(spec.recipe.checkpoint.dir or run_dir / rundir.CHECKPOINTS_DIR)
     steps = rundir.training_checkpoint_steps(ckpt_dir)
+    damaged = _damaged_steps(ckpt_dir, steps)
+    # A step-<N> is renamed into place only once whole, so one that lacks a file was damaged since;
+    # the newest being damaged is said, not silently passed over for an older one.
+    wanted = args.step if args.step is not None else max([*steps, *damaged], default=None)
+    if wanted in damaged:
+        raise UserError(f"export: {damaged[wanted]}; {other_steps_hint(args.run_dir, wanted, steps, args.output)}")
     if args.step is not None and args.step not in steps:
         have = f"it has steps {', '.join(map(str, steps))}" if steps else "it has none"
         raise UserError(f"export: --step {args.step}: no training checkpoint of that step in {ckpt_dir} ({have})")
@@ -49,10 +58,43 @@ def main(args) -> int:
             raise UserError(f"export: -o {args.output}: directory {out.parent} is not writable")
         cmd += ["-o", str(out)]
     print(f"hpcrl: exporting step {step} of {run_dir} to {out}", file=sys.stderr, flush=True)
-    code = subprocess.call(cmd)
+    proc = subprocess.Popen(cmd)
+    try:
+        code = proc.wait()
+    except KeyboardInterrupt:
+        # The export got the same Ctrl-C and is removing its partial directory: let it finish
+        # (subprocess.call would kill it in the middle and leave that directory behind).
+        proc.wait()
+        raise
     if code == 0:
         print(f"model: {out}")
     return code
+
+
+def _damaged_steps(ckpt_dir: Path, complete: list[int]) -> dict[int, str]:
+    """step -> what is wrong, for the step-<N> directories that lack a file of a complete checkpoint."""
+    out = {}
+    for path in ckpt_dir.glob(f"{rundir.TRAINING_CHECKPOINT_PREFIX}*"):
+        tail = path.name.removeprefix(rundir.TRAINING_CHECKPOINT_PREFIX)
+        if not tail.isdigit() or int(tail) in complete or not path.is_dir():
+            continue
+        if not any((path / f).exists() for f in rundir.TRAINING_CHECKPOINT_STATE):
+            what = f"{rundir.TRAINING_CHECKPOINT_STATE[0]} (the index of the model and optimizer shards) is missing"
+        else:
+            what = f"{rundir.TRAINING_CHECKPOINT_META} (the save's last file) is missing"
+        out[int(tail)] = f"{path}: {what}"
+    return out
+
+
+def other_steps_hint(run_dir: str, step: int, steps: list[int], output: str | None) -> str:
+    """What to export instead of a damaged checkpoint: the newest older step, as a command (the
+    compute side's twin, hpcrl.compute.train.export.other_steps_hint, says the same)."""
+    others = [s for s in steps if s != step]
+    if not others:
+        return "the run has no other checkpoint to export instead"
+    pick = ([s for s in others if s < step] or others)[-1]
+    cmd = ["hpcrl", "export", str(run_dir), "--step", str(pick), *(["-o", output] if output else [])]
+    return f"export another step: {shlex.join(cmd)} (other checkpoints: {', '.join(map(str, others))})"
 
 
 def _empty_dir(path: Path) -> bool:

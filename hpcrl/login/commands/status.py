@@ -15,7 +15,8 @@ from hpcrl.job import metric_keys as mk
 from hpcrl.job import rundir
 from hpcrl.job.slurm_time import format_walltime
 from hpcrl.login.registry import Registry
-from hpcrl.login.status import SHOWN, find_record, finished, job_row, job_rows, log_path, progress, refresh
+from hpcrl.login.status import (SHOWN, find_record, finished, job_row, job_rows, log_path, progress, refresh,
+                                settled)
 from hpcrl.login.table import print_table
 
 
@@ -112,6 +113,22 @@ def _learning(run_dir, state: dict, job: dict) -> str | None:
     return check(rundir.read_metrics(run_dir, max_bytes=256 * 1024)) and check(rundir.read_metrics(run_dir))
 
 
+def _servers(heartbeat: dict, state: dict) -> dict[str, str]:
+    """Each engine's state as shown, by rundir.server_key in order: the last word of its health file
+    (as the heartbeat gathered it), which stays "serving" when the job ends without the engine saying
+    goodbye (a node died, the job was cancelled). Once Slurm says the job is over, none is serving."""
+    servers = heartbeat.get("servers") or {}
+    over = settled(state)
+    shown = {}
+    for key, health in sorted(servers.items(), key=lambda kv: rundir.server_key_order(kv[0])):
+        if not isinstance(health, dict):
+            continue
+        last = health.get("state", "?")
+        text = f"stopped (last: {last})" if over and last != "finished" else last
+        shown[key] = text + (f" (weights v{health['weight_version']})" if "weight_version" in health else "")
+    return shown
+
+
 def _one(registry: Registry, args) -> int:
     record = find_record(registry, args.job_id)
     states, warning = refresh(registry, [record])
@@ -123,7 +140,7 @@ def _one(registry: Registry, args) -> int:
     detail = {**row, "slurm": {k: v for k, v in state.items() if k != SHOWN}, "heartbeat": p["heartbeat"], "metrics": p["metrics"],
               "log": str(log) if log else None, "log_tail": _tail(log, 20) if log else [],
               "model": _model(record.run_dir, job), "balance": _balance(record.run_dir, job) if job else [],
-              "learning": _learning(record.run_dir, state, job)}
+              "learning": _learning(record.run_dir, state, job), "servers": _servers(p["heartbeat"], state)}
     if warning:
         print(warning, file=sys.stderr)
     if args.json:
@@ -131,7 +148,8 @@ def _one(registry: Registry, args) -> int:
         return 0
     print(f"job {row['job_id']}  {row['name']}  on {row['site']}")
     exit_text = "" if row["exit_code"] is None else f"  exit code {row['exit_code']}"
-    print(f"  state      {row['state']}{exit_text}")
+    slurm_text = "" if row["state"] == row["slurm_state"] else f" (Slurm still says {row['slurm_state']})"
+    print(f"  state      {row['state']}{slurm_text}{exit_text}")
     if row["reason"]:
         print(f"  why        {row['reason']}")
     print(f"  time       {_fmt(row['elapsed_s'], format_walltime)} of {_fmt(row['time_limit_s'], format_walltime)}"
@@ -149,11 +167,10 @@ def _one(registry: Registry, args) -> int:
         print(f"  balance    {line}")
     servers = p["heartbeat"].get("servers") or {}
     engines = 1 + max((h.get("engine_index") or 0 for h in servers.values() if isinstance(h, dict)), default=0)
-    for key, health in sorted(servers.items(), key=lambda kv: rundir.server_key_order(kv[0])):
+    for key, text in detail["servers"].items():
         node, _, engine = str(key).partition("/")       # rundir.server_key: "<node>/<engine>"
         where = f"node {node}" if engines == 1 else f"node {node} engine {engine}"
-        print(f"  server     {where}: {health.get('state', '?')}" +
-              (f" (weights v{health['weight_version']})" if "weight_version" in health else ""))
+        print(f"  server     {where}: {text}")
     if log:
         print(f"  log        {log}")
         for line in detail["log_tail"]:

@@ -9,13 +9,13 @@ import sys
 
 from hpcrl.job import rundir
 from hpcrl.login import compose
-from hpcrl.login.api import resubmit, submit_spec
+from hpcrl.login.api import job_args_given, resubmit, submit_spec
 from hpcrl.login.render import render_sbatch
 
 
 def main(args) -> int:
     if args.resume:
-        job_id, run_dir = resubmit(args.resume, bad_args=_job_args_given(args))
+        job_id, run_dir = resubmit(args.resume, bad_args=job_args_given(args))
         print(job_id)
         print(f"resubmitted {run_dir} as job {job_id}; it resumes from its last checkpoint", file=sys.stderr)
         return 0
@@ -32,11 +32,3 @@ def main(args) -> int:
     print(f"submitted {spec.name} as job {job_id} on {spec.site.name}; run directory {run_dir}", file=sys.stderr)
     return 0
 
-
-def _job_args_given(args) -> list[str]:
-    """Flags that would change a job; a resumed run keeps the spec it was started with."""
-    given = [f"--{k.replace('_', '-')}" for k in ("site", "nodes", "time", "account", "partition", "qos", "name",
-                                                  "run_dir", "output") if getattr(args, k, None)]
-    if args.recipe or args.overrides:
-        given.append("recipe/key=value")
-    return given
