@@ -483,6 +483,63 @@ def test_ctrl_c_checkpoints_reports_an_interrupt_and_resume_finishes(tmp_path):
     assert _survivors(run_dir) == []
 
 
+def _children(pid: int) -> list[tuple[int, str]]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append((int(proc.name), (proc / "cmdline").read_bytes().decode(errors="replace")))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def _descendants(pid: int) -> list[int]:
+    out = []
+    for child, _ in _children(pid):
+        out += [child, *_descendants(child)]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", ["engine core", "trainer rank 0"])
+def test_a_killed_engine_or_trainer_ends_the_run_in_seconds_with_its_cause_and_no_survivors(tmp_path, victim):
+    """Issue #26, item 5: kill -9 of vLLM's EngineCore left the trainers waiting (minutes, until a
+    request timed out); a killed trainer left vLLM's processes running, holding mpiexec's pipes, so
+    the run ended only after peer_failure_timeout_s + 15 s (325 s). The vLLM engine where it is
+    installed (the transformers engine has no processes of its own)."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "hpcrl", "run", "--run-dir", str(run_dir), "grpo.max_steps=100000",
+           "grpo.per_device_train_batch_size=16", "grpo.num_generations=8"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = run_dir / rundir.METRICS_FILE
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 3) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    pids = {r["role"]: r["pid"] for r in json.loads((run_dir / rundir.RANKS_FILE).read_text())}
+    engine = [pid for pid, cmdline in _children(pids["server"]) if "EngineCore" in cmdline]
+    if victim == "engine core" and not engine:
+        proc.kill()
+        pytest.skip("the transformers engine runs inside the server task")
+    engine_tree = engine + [d for e in engine for d in _descendants(e)]
+    t0 = time.monotonic()
+    os.kill(engine[0] if victim == "engine core" else pids["trainer"], 9)
+    out, err = proc.communicate(timeout=120)
+    seconds = time.monotonic() - t0
+    assert proc.returncode != 0
+    assert seconds < 15, (seconds, err[-2000:])
+    reason = err.strip().splitlines()[-1]
+    expected = (f"vLLM's EngineCore (pid {engine[0]}) was killed by SIGKILL" if victim == "engine core"
+                else "rank 0 (node 0, trainer) was killed by SIGKILL")
+    assert reason.startswith(f"hpcrl: error: {expected}"), err[-2000:]
+    time.sleep(1)
+    assert _survivors(run_dir) == []
+    alive = [p for p in engine_tree if Path(f"/proc/{p}").exists()
+             and (Path(f"/proc/{p}") / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
+    assert alive == [], alive       # the engine's processes (their environment is overwritten by vLLM's titles)
+    print(f"{victim} killed: run over in {seconds:.1f} s")
+
+
 def test_resume_refuses_changes_and_slurm_run_dirs(tmp_path):
     run_dir = _make_run_dir(tmp_path)
     for extra, said in ((["-N", "2"], "--nodes"), (["grpo.beta=0.1"], "recipe/key=value")):

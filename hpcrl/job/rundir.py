@@ -307,3 +307,16 @@ def read_metrics(run_dir: str | os.PathLike, max_bytes: int | None = None) -> li
         except ValueError:
             continue
     return out
+
+
+def other_steps_hint(run_dir: str, step: int, steps: list[int], output: str | None) -> str:
+    """What to export instead of a damaged checkpoint: the newest older step, as a command (`hpcrl
+    export` says it before it starts the export, the export itself when it finds the damage)."""
+    import shlex
+
+    others = [s for s in steps if s != step]
+    if not others:
+        return "the run has no other checkpoint to export instead"
+    pick = ([s for s in others if s < step] or others)[-1]
+    cmd = ["hpcrl", "export", str(run_dir), "--step", str(pick), *(["-o", output] if output else [])]
+    return f"export another step: {shlex.join(cmd)} (other checkpoints: {', '.join(map(str, others))})"

@@ -45,7 +45,6 @@ import argparse
 import dataclasses
 import json
 import os
-import shlex
 import shutil
 import sys
 import warnings
@@ -669,7 +668,7 @@ def main(argv: list[str] | None = None) -> int:
                           trust_remote_code=recipe.model.trust_remote_code)
     except DamagedCheckpoint as e:
         # The input, not the machine: the same command can only fail again; another step may not.
-        print(f"hpcrl: error: export: {e}; {other_steps_hint(args.run_dir, step, steps, args.output)}", file=sys.stderr)
+        print(f"hpcrl: error: export: {e}; {rundir.other_steps_hint(args.run_dir, step, steps, args.output)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:       # the partial directory is gone; `hpcrl` says it was interrupted
         return 130
@@ -679,15 +678,6 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     return 0
 
-
-def other_steps_hint(run_dir: str, step: int, steps: list[int], output: str | None) -> str:
-    """What to export instead of a damaged checkpoint: the newest older step, as a command."""
-    others = [s for s in steps if s != step]
-    if not others:
-        return "the run has no other checkpoint to export instead"
-    pick = ([s for s in others if s < step] or others)[-1]
-    cmd = ["hpcrl", "export", str(run_dir), "--step", str(pick), *(["-o", output] if output else [])]
-    return f"export another step: {shlex.join(cmd)} (other checkpoints: {', '.join(map(str, others))})"
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ the same command can only fail again.
 from __future__ import annotations
 
 import os
-import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -38,7 +37,7 @@ def main(args) -> int:
     # the newest being damaged is said, not silently passed over for an older one.
     wanted = args.step if args.step is not None else max([*steps, *damaged], default=None)
     if wanted in damaged:
-        raise UserError(f"export: {damaged[wanted]}; {other_steps_hint(args.run_dir, wanted, steps, args.output)}")
+        raise UserError(f"export: {damaged[wanted]}; {rundir.other_steps_hint(args.run_dir, wanted, steps, args.output)}")
     if args.step is not None and args.step not in steps:
         have = f"it has steps {', '.join(map(str, steps))}" if steps else "it has none"
         raise UserError(f"export: --step {args.step}: no training checkpoint of that step in {ckpt_dir} ({have})")
@@ -85,16 +84,6 @@ def _damaged_steps(ckpt_dir: Path, complete: list[int]) -> dict[int, str]:
         out[int(tail)] = f"{path}: {what}"
     return out
 
-
-def other_steps_hint(run_dir: str, step: int, steps: list[int], output: str | None) -> str:
-    """What to export instead of a damaged checkpoint: the newest older step, as a command (the
-    compute side's twin, hpcrl.compute.train.export.other_steps_hint, says the same)."""
-    others = [s for s in steps if s != step]
-    if not others:
-        return "the run has no other checkpoint to export instead"
-    pick = ([s for s in others if s < step] or others)[-1]
-    cmd = ["hpcrl", "export", str(run_dir), "--step", str(pick), *(["-o", output] if output else [])]
-    return f"export another step: {shlex.join(cmd)} (other checkpoints: {', '.join(map(str, others))})"
 
 
 def _empty_dir(path: Path) -> bool:
