@@ -109,8 +109,9 @@ class Site:
     gpu_request: str = "--gpus-per-node={gpus}"
     # Signal sent before the time limit so trainers checkpoint; not USR1, which NCCL/RCCL catch.
     signal: str = "USR2@300"
-    # Seconds from a job's start to its first step here (staging, imports, model load, engine start),
-    # as measured on the site: a time limit must leave a step after it and the signal's lead.
+    # Seconds from a job's start to the end of its first step here (staging, imports, model load,
+    # engine start, one step), as measured on the site: a time limit must leave that and the
+    # signal's lead, or every attempt is stopped before it trains.
     startup_s: int = 120
     srun_options: tuple[str, ...] = ()
     modules: tuple[str, ...] = ()
@@ -155,9 +156,9 @@ class Site:
             return
         needed = self.startup_s + self.signal_lead_s
         if time_s <= needed:
-            raise UserError(f"time: {time_text} leaves no time to train on {self.name}: start-up takes about "
-                            f"{self.startup_s} s (site startup_s) and Slurm's {self.signal} warning comes "
-                            f"{self.signal_lead_s} s before the limit; ask for more than {needed} s plus a few steps")
+            raise UserError(f"time: {time_text} leaves no time to train on {self.name}: start-up and a first step "
+                            f"take about {self.startup_s} s (site startup_s) and Slurm's {self.signal} warning "
+                            f"comes {self.signal_lead_s} s before the limit; ask for more than {needed} s")
 
     def gpu_cores(self, gpu: int) -> tuple[int, ...]:
         text = self.node.gpu_cores.get(str(gpu))
