@@ -55,6 +55,8 @@ deepspeed_ws2_over_ws1_memory: Y for the deepspeed rows (the goal is <= 0.6 too)
 
     .venv/bin/python scripts/bench_train.py            # the 100M model ("base"), about 2-3 minutes on 2 cores
     .venv/bin/python scripts/bench_train.py --quick    # the 10M model ("small"), about two minutes
+    .venv/bin/python scripts/bench_train.py --smoke    # the 1M model ("tiny"), 4 short completions, 1 step:
+                                                       # that it runs (tests/test_bench_smoke.py), seconds
 """
 
 from __future__ import annotations
@@ -138,14 +140,15 @@ def _rank_main(rank: int, world: int, cfg: dict, store: str, out_dir: str) -> No
     per = max(1, len(cores) // world)
     mine = cores[rank * per:(rank + 1) * per] or cores
     os.sched_setaffinity(0, mine)
-    os.environ["OMP_NUM_THREADS"] = str(len(mine))
+    threads = cfg.get("threads") or len(mine)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from hpcrl.job.recipe import GRPOConfig, ModelConfig, Recipe
 
-    torch.set_num_threads(len(mine))
+    torch.set_num_threads(threads)
     torch.manual_seed(0)
     from transformers.utils import logging as hf_logging
 
@@ -156,7 +159,7 @@ def _rank_main(rank: int, world: int, cfg: dict, store: str, out_dir: str) -> No
     grpo_cfg = GRPOConfig(learning_rate=1e-6, beta=BETA, per_device_train_batch_size=cfg["micro"],
                           num_generations=cfg["num_generations"], max_completion_length=cfg["completion_len"],
                           max_steps=1000, gradient_checkpointing=False)
-    out = {"rank": rank, "world": world, "threads": len(mine), "cores": mine}
+    out = {"rank": rank, "world": world, "threads": threads, "cores": mine}
     for mode in cfg["modes"]:
         if mode == "lora":      # LoRA on every linear layer of the decoder, TRL's r and alpha
             recipe = Recipe(grpo=grpo_cfg, model=ModelConfig(use_peft=True, lora_target_modules="all-linear"))
@@ -402,13 +405,16 @@ def _ratio(a, b) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help='the 10M model ("small") instead of the 100M one')
+    parser.add_argument("--smoke", action="store_true",
+                        help='that every row runs, in seconds: the 1M model ("tiny"), 4 completions of <= 8 tokens '
+                             "in micro-batches of 2, 1 step, no warm-up")
     parser.add_argument("--size", default=None, help='hpcrl.compute.models.tiny size (default "base", ~100M; --quick: "small")')
     parser.add_argument("--batch", type=int, default=None, help="completions per rank and step (default 8)")
     parser.add_argument("--micro", type=int, default=None, help="completions per micro-batch (default: --batch)")
     parser.add_argument("--prompt-len", type=int, default=None, help="longest prompt, tokens (default 16)")
     parser.add_argument("--completion-len", type=int, default=None, help="longest completion, tokens (default 32)")
     parser.add_argument("--steps", type=int, default=None, help="measured steps per setting (default 3)")
-    parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps first (default 1)")
+    parser.add_argument("--warmup", type=int, default=None, help="unmeasured steps first (default 1)")
     parser.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "hpcrl-bench-train",
                         help="where the model is built (kept for the next run)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per world size")
@@ -416,11 +422,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-deepspeed", action="store_true", help="no trainer.engine=deepspeed rows")
     args = parser.parse_args(argv)
 
-    size = args.size or ("small" if args.quick else "base")
-    batch = args.batch or 8
-    cfg = dict(batch=batch, micro=args.micro or batch, num_generations=4, prompt_len=args.prompt_len or 16,
-               completion_len=args.completion_len or 32, steps=args.steps or 3,
-               warmup=args.warmup)
+    size = args.size or ("tiny" if args.smoke else "small" if args.quick else "base")
+    batch = args.batch or (4 if args.smoke else 8)
+    cfg = dict(batch=batch, micro=args.micro or (2 if args.smoke else batch), num_generations=4,
+               prompt_len=args.prompt_len or (8 if args.smoke else 16),
+               completion_len=args.completion_len or (8 if args.smoke else 32), steps=args.steps or (1 if args.smoke else 3),
+               warmup=args.warmup if args.warmup is not None else 0 if args.smoke else 1)
     if cfg["batch"] % cfg["micro"] or cfg["batch"] % cfg["num_generations"]:
         parser.error("--batch must be a multiple of --micro and of 4 (generations per prompt)")
     # Before any child starts: glibc reads it at process start (see the module docstring).
@@ -428,6 +435,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     cores = sorted(os.sched_getaffinity(0))
     cfg["cores"] = cores
+    if args.smoke:
+        # Matrices this small gain nothing from threads, and on busy cores OpenMP's spinning
+        # threads made the smoke run twice as long.
+        cfg["threads"] = 1
     deepspeed = not args.no_deepspeed and importlib.util.find_spec("deepspeed") is not None
     if not args.no_deepspeed and not deepspeed:
         print("deepspeed is not installed: no trainer.engine=deepspeed rows")
@@ -445,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"batch per rank: {cfg['batch']} completions ({cfg['batch'] // cfg['num_generations']} prompts x "
           f"{cfg['num_generations']}), micro-batch {cfg['micro']}, prompts <= {cfg['prompt_len']} and completions "
           f"<= {cfg['completion_len']} tokens; {cfg['warmup']} warm-up + {cfg['steps']} measured steps per setting; "
-          f"{len(cores)} cores, torch threads per rank = cores / world size")
+          f"{len(cores)} cores, torch threads per rank = " + ("1" if cfg.get("threads") else "cores / world size"))
 
     load0 = os.getloadavg()[0]
     results: dict[int, list[dict]] = {}

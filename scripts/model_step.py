@@ -38,9 +38,10 @@ node), writes the figure (--out, default docs/step_model.png), and, last, one li
     speedup_strong_at_256=X speedup_weak_at_256=Y sync_s_hpcrl=Z sync_s_single_server_at_256=W
     sync_share_at_256_hpcrl=... sync_share_at_256_single_server=... crossover_nodes_strong=C
 X, Y = single server's step / hpcrl's step at 256 nodes; C = the fewest nodes at which hpcrl's step
-is the shorter (strong scaling).
+is the shorter (strong scaling; inf where it never is).
 
     .venv/bin/python scripts/model_step.py [--out docs/step_model.png] [--no-plot] [--server-gpus 8]
+    .venv/bin/python scripts/model_step.py --smoke     # the same, the figure drawn into a temporary file
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import tempfile
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
@@ -254,10 +256,11 @@ def print_tables(inp: Inputs, runs: dict[str, list[dict]]) -> None:
         print_table(title, headers, table)
 
 
-def summary(inp: Inputs, runs: dict[str, list[dict]]) -> dict[str, float | int | None]:
+def summary(inp: Inputs, runs: dict[str, list[dict]]) -> dict[str, float | int]:
     strong, weak = runs["strong"][-1], runs["weak"][-1]
     n = strong["nodes"]
-    cross = next((r["nodes"] for r in runs["strong"] if r["single"] and r["single"]["step"] > r["hpcrl"]["step"]), None)
+    cross = next((r["nodes"] for r in runs["strong"] if r["single"] and r["single"]["step"] > r["hpcrl"]["step"]),
+                 math.inf)
     return {
         f"speedup_strong_at_{n}": strong["single"]["step"] / strong["hpcrl"]["step"],
         f"speedup_weak_at_{n}": weak["single"]["step"] / weak["hpcrl"]["step"],
@@ -322,11 +325,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-plot", action="store_true", help="tables and the last line only")
     ap.add_argument("--server-gpus", type=int, default=Inputs.server_gpus,
                     help="GCDs of the single server (8: a node of its own; 1: one GCD of node 0)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="check that the script runs (tests/test_bench_smoke.py): the figure goes to a temporary file")
     args = ap.parse_args(argv)
     inp = replace(Inputs(), server_gpus=args.server_gpus)
     runs = {"strong": scaling(inp, "strong"), "weak": scaling(inp, "weak")}
     print_tables(inp, runs)
-    if not args.no_plot:
+    if args.smoke and not args.no_plot:
+        with tempfile.TemporaryDirectory() as tmp:     # the figure in docs/ is the full run's
+            plot(inp, runs, Path(tmp) / "step_model.png")
+            print(f"figure: drawn ({(Path(tmp) / 'step_model.png').stat().st_size:,} bytes), not kept")
+    elif not args.no_plot:
         plot(inp, runs, args.out)
         print(f"figure: {args.out}")
     print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary(inp, runs).items()))

@@ -522,6 +522,9 @@ def test_a_killed_engine_or_trainer_ends_the_run_in_seconds_with_its_cause_and_n
         proc.kill()
         pytest.skip("the transformers engine runs inside the server task")
     engine_tree = engine + [d for e in engine for d in _descendants(e)]
+    records = list((run_dir / rundir.SERVERS_DIR).glob("shm-*.json"))
+    buffers = [name for r in records for name in json.loads(r.read_text())["files"]]
+    assert buffers or not engine, "the server recorded none of its engine's /dev/shm buffers"
     t0 = time.monotonic()
     os.kill(engine[0] if victim == "engine core" else pids["trainer"], 9)
     out, err = proc.communicate(timeout=120)
@@ -537,6 +540,7 @@ def test_a_killed_engine_or_trainer_ends_the_run_in_seconds_with_its_cause_and_n
     alive = [p for p in engine_tree if Path(f"/proc/{p}").exists()
              and (Path(f"/proc/{p}") / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
     assert alive == [], alive       # the engine's processes (their environment is overwritten by vLLM's titles)
+    assert [b for b in buffers if Path("/dev/shm", b).exists()] == []      # 160-250 MB each, left by the kill
     print(f"{victim} killed: run over in {seconds:.1f} s")
 
 

@@ -112,3 +112,21 @@ def test_the_script_requeues_only_after_a_checkpoint_with_progress_and_within_ma
     requeue = script[script.index('if [ -e "$HPCRL_RUN_DIR/.requeue-requested" ]'):]
     assert requeue.index(".requeue-ready") < requeue.index("scontrol requeue")
     assert '[ "${SLURM_RESTART_COUNT:-0}" -lt 3 ]' in requeue
+
+
+def test_recorded_engine_buffers_are_swept_once_unmapped_and_only_on_their_host(tmp_path):
+    from hpcrl.job import rundir
+
+    shm, run_dir = tmp_path / "shm", tmp_path / "run"
+    shm.mkdir()
+    gone, held, foreign = (_segment(shm, n, age_s=0) for n in ("psm_0a", "psm_0b", "psm_0c"))
+    unrecorded = _segment(shm, "psm_0d")            # another program's: never touched
+    shm_sweep.record(rundir.engine_shm_record(run_dir, 0, 0), [gone.name, held.name])
+    other_host = rundir.engine_shm_record(run_dir, 1, 0)
+    shm_sweep.record(other_host, [foreign.name])
+    other_host.write_text(other_host.read_text().replace('"host": "', '"host": "elsewhere-'))
+    with open(held, "r+b") as f, mmap.mmap(f.fileno(), 4096):
+        assert shm_sweep.sweep_recorded(run_dir, shm_dir=shm) == [gone.name]
+    assert held.exists() and foreign.exists() and unrecorded.exists()
+    assert shm_sweep.sweep_recorded(run_dir, shm_dir=shm) == [held.name]
+    assert not rundir.engine_shm_record(run_dir, 0, 0).exists() and other_host.exists()

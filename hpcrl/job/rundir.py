@@ -82,6 +82,13 @@ def server_health_file(run_dir: str | os.PathLike, node: int, engine: int) -> Pa
     return Path(run_dir) / SERVERS_DIR / f"node-{node}-engine-{engine}.json"
 
 
+def engine_shm_record(run_dir: str | os.PathLike, node: int, engine: int) -> Path:
+    """The shared-memory files an engine's processes made (/dev/shm names, its host), kept so that
+    what a killed engine leaves can be removed (hpcrl.compute.launch.shm_sweep). Not node-*.json:
+    readers of the health files glob that."""
+    return Path(run_dir) / SERVERS_DIR / f"shm-node-{node}-engine-{engine}.json"
+
+
 def server_key(node: int, engine: int) -> str:
     """How the heartbeat's `servers` names an engine: "<node>/<engine>"."""
     return f"{node}/{engine}"

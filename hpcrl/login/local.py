@@ -458,10 +458,20 @@ def supervise(cmd: list[str], env: dict, log_path: Path, after_failure_s: float,
             kill_launch(proc, launch_id)    # leftovers (engine processes) of a finished launch
             for t in pumps:
                 t.join(2.0)
+            if env.get("HPCRL_RUN_DIR"):
+                _sweep_shared_memory(env["HPCRL_RUN_DIR"], env)
     code = proc.wait()
     if interrupted:
         return INTERRUPTED
     return code if code >= 0 else 128 - code
+
+
+def _sweep_shared_memory(run_dir: str, env: dict) -> None:
+    """What killed engines left in /dev/shm (hpcrl.compute.launch.shm_sweep; compute-side code, so
+    run, not imported). Bounded, and never the run's failure."""
+    with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+        subprocess.run([sys.executable, "-m", "hpcrl.compute.launch.shm_sweep", run_dir], env=env, timeout=30,
+                       stdout=subprocess.DEVNULL)
 
 
 def launch_processes(launch_id: str) -> list[tuple[int, str]]:

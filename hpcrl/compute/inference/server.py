@@ -228,6 +228,7 @@ def run_server(ctx: LaunchContext) -> int:
         raise _engine_cause(ctx, e)
     ctx.log(f"{engine.name} engine{'' if ctx.task.engine is None else f' {ctx.task.engine}'} ready in {time.perf_counter() - t0:.1f} s on GPU(s) "
             f"{','.join(map(str, ctx.task.gpus))} (cores {','.join(map(str, ctx.task.cores))})")
+    _record_shared_memory(ctx, engine)
     watching = _watch_engine(ctx, engine)
     try:
         return Server(ctx, engine).serve()
@@ -236,6 +237,18 @@ def run_server(ctx: LaunchContext) -> int:
     finally:
         watching.set()
         engine.close()
+
+
+def _record_shared_memory(ctx: LaunchContext, engine) -> None:
+    """The engine's /dev/shm files, for the sweep after a kill (hpcrl.compute.launch.shm_sweep)."""
+    pids = getattr(engine, "process_ids", None)
+    if pids is None:
+        return
+    from hpcrl.compute.launch import shm_sweep
+
+    names = [n for n in shm_sweep.mapped_by(pids()) if n.startswith(shm_sweep.ENGINE_PATTERNS)]
+    if names:
+        shm_sweep.record(rundir.engine_shm_record(ctx.run_dir, ctx.task.node, ctx.task.engine), names)
 
 
 def _watch_engine(ctx: LaunchContext, engine, every_s: float = 1.0) -> threading.Event:

@@ -13,8 +13,8 @@ from typing import Sequence
 from hpcrl.compute.inference.types import Completion, Sampling
 from hpcrl.compute.launch.reason import Explained, points_elsewhere, root_cause
 from hpcrl.compute.launch.stop import ShieldedChildren
+from hpcrl.compute.sync.api import ENGINE_PROCESS_ENV
 from hpcrl.compute.sync.receiver import engine_env, engine_kwargs, llm_dtype
-from hpcrl.compute.sync.vllm_plugin import ENGINE_PROCESS_ENV
 from hpcrl.job.recipe import InferenceConfig, ModelConfig, engine_dtype
 
 
@@ -161,6 +161,10 @@ class VLLMEngine:
         core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
         manager = getattr(getattr(core, "resources", None), "engine_manager", None)
         return list(getattr(manager, "processes", None) or [])
+
+    def process_ids(self) -> list[int]:
+        """The engine-core processes' pids (their workers are their children)."""
+        return [p.pid for p in self._engine_processes() if p.pid is not None]
 
     def death(self) -> str | None:
         """How an engine-core process ended, if one has: vLLM itself only says "EngineDeadError: see

@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     launch = spec.recipe.launch
     outcome.record_to(run_dir)
-    stale = shm_sweep.sweep()       # before MPI_Init: a killed attempt's segments would break it
+    # Before MPI_Init: a killed attempt's segments would break it; its engines' buffers hold memory.
+    stale = shm_sweep.sweep() + shm_sweep.sweep_recorded(run_dir)
     if stale:
         print(f"hpcrl: removed {len(stale)} shared-memory file(s) a killed run left in /dev/shm "
               f"({', '.join(stale[:3])}{', ...' if len(stale) > 3 else ''})", file=sys.stderr, flush=True)

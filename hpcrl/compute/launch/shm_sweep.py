@@ -7,21 +7,99 @@ task's start: a live job's segments are mapped by its processes, and a segment a
 launch has just made is younger than the launch. Every task sweeps before MPI_Init (tasks of a node
 may sweep at once: a file already gone is fine). Torch-free, MPI-free.
 
-Not swept: vLLM's psm_* (Python's shared_memory) and multiprocessing's sem.mp-* semaphores. They
-block nothing, and their creators unlink them themselves at exit: on the testbed a sweep of
-sem.mp-* once took one that a live process still meant to unlink (its exit then failed on it). A
-killed attempt's psm_* stay until the node's epilog or a reboot clears /dev/shm.
+vLLM's buffers (psm_*, Python's shared_memory, 160-250 MB each) and multiprocessing's semaphores
+(sem.mp-*) block nothing, but a killed engine leaves them, and they hold the node's memory. Their
+names are random, and other programs make the same kind: only the ones a server recorded as its
+engine's (`record`) are removed, once no process maps them (`sweep_recorded`: every task at its
+start, `hpcrl run` and the batch script after the run).
+
+`python -m hpcrl.compute.launch.shm_sweep RUN_DIR` runs both sweeps on this host.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import socket
+import sys
 import time
 from pathlib import Path
 
+from hpcrl.job import rundir
+
 SHM_DIR = Path("/dev/shm")
 PATTERNS = ("mpich_shm_*",)
+ENGINE_PATTERNS = ("psm_", "sem.mp-")       # the engine's files a server records
 MARGIN_S = 2.0        # a peer's segment made this long before our own start still counts as new
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(proc.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def mapped_by(pids, shm_dir: Path = SHM_DIR) -> list[str]:
+    """Names under `shm_dir` that the processes `pids`, or any process they started, map."""
+    prefix, names, todo, seen = str(shm_dir) + "/", set(), list(pids), set()
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        todo += _children(pid)
+        try:
+            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+                path = line.split(maxsplit=5)[5:]
+                if path and path[0].startswith(prefix):
+                    names.add(path[0][len(prefix):].removesuffix(" (deleted)"))
+        except OSError:
+            continue
+    return sorted(n for n in names if (shm_dir / n).exists())
+
+
+def record(path: Path, names: list[str]) -> None:
+    """Keep an engine's shared-memory file names (rundir.engine_shm_record) for sweep_recorded."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"host": socket.gethostname(), "files": names}))
+    os.replace(tmp, path)
+
+
+def sweep_recorded(run_dir: str | os.PathLike, shm_dir: Path = SHM_DIR) -> list[str]:
+    """Remove the files this host's engines of the run recorded, where no process maps them any more;
+    a record whose files are all gone goes too."""
+    records = sorted((Path(run_dir) / rundir.SERVERS_DIR).glob("shm-*.json"))
+    host, removed = socket.gethostname(), []
+    used = _in_use(shm_dir) if records else set()
+    for path in records:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if data.get("host") != host:
+            continue
+        left = []
+        for name in data.get("files", []):
+            f = shm_dir / Path(name).name
+            if not f.exists():
+                continue
+            if name in used:
+                left.append(name)
+                continue
+            try:
+                f.unlink()
+                removed.append(name)
+            except OSError:
+                left.append(name)
+        if not left:
+            path.unlink(missing_ok=True)
+    return removed
 
 
 def _in_use(shm_dir: Path) -> set[str]:
@@ -74,3 +152,19 @@ def sweep(started_at: float | None = None, shm_dir: Path = SHM_DIR) -> list[str]
         except OSError:
             continue
     return removed
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m hpcrl.compute.launch.shm_sweep RUN_DIR", file=sys.stderr)
+        return 2
+    removed = sweep_recorded(args[0]) + sweep()
+    if removed:
+        print(f"hpcrl: removed {len(removed)} shared-memory file(s) a killed run left in /dev/shm on "
+              f"{socket.gethostname()}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

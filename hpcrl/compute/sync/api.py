@@ -44,6 +44,9 @@ BACKENDS = tuple(TRANSPORTS)
 # What vLLM workers are extended with (vllm_plugin.WorkerSyncExtension), as vLLM takes it: a
 # dotted path, so that the server side names it without importing vLLM.
 WORKER_EXTENSION = "hpcrl.compute.sync.vllm_plugin.WorkerSyncExtension"
+# Set by the server before it starts vLLM: the engine processes it spawns are hpcrl's, and die with
+# their parent (vllm_plugin.end_with_parent).
+ENGINE_PROCESS_ENV = "HPCRL_ENGINE_PROCESS"
 
 Notify = Callable[[dict], Any]
 

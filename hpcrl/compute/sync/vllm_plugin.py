@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from hpcrl.compute.sync.api import SHM_BACKEND, WORKER_EXTENSION
+from hpcrl.compute.sync.api import ENGINE_PROCESS_ENV, SHM_BACKEND, WORKER_EXTENSION
 from hpcrl.compute.sync.reload import abort_layerwise_reload, refresh_tied_weights
 from hpcrl.compute.sync.shm_vllm import HpcrlShmTrainerWeightTransferEngine, HpcrlShmWeightTransferEngine
 
@@ -25,10 +25,6 @@ __all__ = [
     "WorkerSyncExtension",
     "WORKER_EXTENSION",
 ]
-
-
-# Set by the server before it starts vLLM: the engine processes it spawns are hpcrl's.
-ENGINE_PROCESS_ENV = "HPCRL_ENGINE_PROCESS"
 
 
 def register() -> None:
