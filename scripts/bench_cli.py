@@ -3,9 +3,11 @@
 
     SLURM_CONF=/tmp/hpcrl-testbed/etc/slurm.conf .venv/bin/python scripts/bench_cli.py \
         [--jobs 200] [--many 1000] [--alive 20] [--nodes 256] [--repeat 15]
+    ... scripts/bench_cli.py --smoke     # that it runs (tests/test_bench_smoke.py): 3 jobs, 12 rows, 2 nodes, once
 
 Times each command --repeat times, the commands taking turns, and reports medians. Last line:
-worst_cli_over_python_start=X  (the largest ratio; the status rows are held against python start + one squeue)
+worst_cli_over_python_start=X render_over_import_floor=R  (X: the largest ratio; the status rows are held
+against python start + one squeue. R: hpcrl render over the "(ref) import jinja2+spec" row)
 Reference rows (not in X): a Python start that only imports jinja2, and one that also imports
 hpcrl.job.spec (the recipe and site dataclasses): the floor under `hpcrl render`; the squeue query
 status sends while a job it shows is alive (text, -O hpcrl.login.slurm.SQUEUE_FORMAT, -j the ids);
@@ -43,6 +45,7 @@ import argparse
 import compileall
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -163,26 +166,38 @@ def write_log(run_dir: Path, job_id: str, mb: int) -> None:
         f.write(line * (mb * 2**20 // len(line)))
 
 
-def wait_until_quiet(timeout: float, staying: set[str]) -> None:
+def wait_until_quiet(timeout: float, staying: set[str], only: list[str] | None = None) -> None:
     """slurmctld is busy with hundreds of fresh jobs for a while: time commands against a quiet one
-    (the `staying` jobs, held, are not waited for)."""
+    (the `staying` jobs, held, are not waited for; with `only`, the jobs waited for are those)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        queued = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout.split()
+        which = ["-j", ",".join(only)] if only else []
+        queued = subprocess.run(["squeue", "-h", "-o", "%i", *which], capture_output=True, text=True).stdout.split()
         if set(queued) <= staying:
             return
         time.sleep(1)
 
 
-def main() -> int:
+SMOKE = dict(jobs=3, many=12, alive=2, nodes=2, log_mb=1, repeat=1)
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--jobs", type=int, default=200)
-    ap.add_argument("--many", type=int, default=1000)
-    ap.add_argument("--alive", type=int, default=20, help="held (pending) jobs in the --many registry")
-    ap.add_argument("--nodes", type=int, default=256)
-    ap.add_argument("--log-mb", type=int, default=20, help="size of the big job's Slurm output")
-    ap.add_argument("--repeat", type=int, default=15)
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true",
+                    help="that it runs, in seconds: "
+                         + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in SMOKE.items())
+                         + " (unless given); waits for its own jobs only, not for a quiet slurmctld")
+    ap.add_argument("--jobs", type=int, default=None, help="default 200")
+    ap.add_argument("--many", type=int, default=None, help="default 1000")
+    ap.add_argument("--alive", type=int, default=None, help="held (pending) jobs in the --many registry (default 20)")
+    ap.add_argument("--nodes", type=int, default=None, help="default 256")
+    ap.add_argument("--log-mb", type=int, default=None, help="size of the big job's Slurm output (default 20)")
+    ap.add_argument("--repeat", type=int, default=None, help="default 15")
+    args = ap.parse_args(argv)
+    full = dict(jobs=200, many=1000, alive=20, nodes=256, log_mb=20, repeat=15)
+    for key, value in (SMOKE if args.smoke else full).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     if not os.environ.get("SLURM_CONF"):
         sys.exit("bench_cli: set SLURM_CONF (start the testbed: scripts/slurm-testbed.sh start)")
 
@@ -210,10 +225,13 @@ def main() -> int:
         held.append(sbatch(work, "--hold", "-J", "big", "-o", str(big / "slurm-%j.out"), "--wrap", "true"))
         write_log(big, held[-1], args.log_mb)
         Registry(Path(homes["big"]) / "registry.sqlite").add(held[-1], "big", "frontier", big, big / "job.sbatch")
-        wait_until_quiet(180, set(held))
+        # A smoke run shares the testbed with other tests' jobs: it waits for its own.
+        wait_until_quiet(180, set(held), real if args.smoke else None)
         return bench(args, work, env, held[-1])
     finally:
         subprocess.run(["scancel", *held], capture_output=True)
+        if args.smoke:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 def bench(args, work: Path, env: dict, big_job: str) -> int:
@@ -263,7 +281,8 @@ def bench(args, work: Path, env: dict, big_job: str) -> int:
                 [[name, f"{t[name] * 1e3:.1f}", "" if base is None else f"{base * 1e3:.1f}",
                   "" if base is None else f"{t[name] / base:.2f}"] for name, base, _ in rows])
     worst = max(t[name] / base for name, base, in_x in rows if in_x)
-    print(f"worst_cli_over_python_start={worst:.2f}")
+    print(f"worst_cli_over_python_start={worst:.2f} "
+          f"render_over_import_floor={t['hpcrl render'] / t['(ref) import jinja2+spec']:.2f}")
     return 0
 
 

@@ -4,6 +4,7 @@ streaming every tensor to every trainer (the default), against each node loading
 staged to node-local storage (site.stage.model_dest; model_via "srun" on the testbed).
 
     SLURM_CONF=/tmp/hpcrl-testbed/etc/slurm.conf .venv/bin/python scripts/bench_load.py [--nodes 1 2 4] [--size base]
+    ... scripts/bench_load.py --smoke     # that it runs (tests/test_bench_smoke.py): --nodes 1 --size tiny
 
 Each row is one real job (1 trainer + 1 transformers engine per node, one GRPO step). The figures
 are the job's own lines: "model loaded in X s" (trainer rank 0, policy + reference) and each
@@ -20,6 +21,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -67,14 +69,28 @@ def run_job(nodes: int, model: Path, staged: bool, env: dict) -> dict:
     return {"load_s": loaded, "stage_s": max(staging) if staging else 0.0}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 4])
-    ap.add_argument("--size", default="base", help="hpcrl.compute.models.tiny size of the model loaded")
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true",
+                    help="that it runs (--nodes 1 --size tiny unless given); its run directories are removed")
+    ap.add_argument("--nodes", type=int, nargs="+", default=None, help="default 1 2 4")
+    ap.add_argument("--size", default=None, help='hpcrl.compute.models.tiny size of the model loaded (default "base")')
+    args = ap.parse_args(argv)
+    args.nodes = args.nodes or ([1] if args.smoke else [1, 2, 4])
+    args.size = args.size or ("tiny" if args.smoke else "base")
+    if not os.environ.get("SLURM_CONF"):
+        sys.exit("bench_load: set SLURM_CONF (start the testbed: scripts/slurm-testbed.sh start)")
+    work = Path(tempfile.mkdtemp(prefix="bench-load-"))
+    try:
+        return bench(args, work)
+    finally:
+        if args.smoke:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def bench(args, work: Path) -> int:
     from hpcrl.compute.models.tiny import make_tiny_model
 
-    work = Path(tempfile.mkdtemp(prefix="bench-load-"))
     model = make_tiny_model(work / "model", size=args.size, seed=0)
     model_bytes = sum(p.stat().st_size for p in model.glob("*.safetensors"))
     env = {**os.environ, "HPCRL_HOME": str(work / "home")}

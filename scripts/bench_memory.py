@@ -42,10 +42,13 @@ against TRL).
 Layout: a function per measurement section returns its table and its key=value results; the last
 line joins the results of all sections. (The fit estimate of issue 14 is to become a second section.)
 
-Last line: logprob_peak_ratio_chunked_over_full=X, the peak of the chunked variant at the recipe's
-default chunk over the unchunked peak (target X <= 0.25).
+Last line: logprob_peak_ratio_chunked_over_full=X fit_estimate_error=Y. X: the peak of the chunked
+variant at the recipe's default chunk over the unchunked peak (target X <= 0.25). Y: the fit
+section's worst |estimate - measured| / measured (target Y <= 0.3).
 
-    .venv/bin/python scripts/bench_memory.py     # about a minute on 2 cores, ~12 GB free memory needed
+    .venv/bin/python scripts/bench_memory.py          # a few minutes on 2 cores, ~12 GB free memory needed
+    .venv/bin/python scripts/bench_memory.py --smoke  # that it runs (tests/test_bench_smoke.py): 256 tokens,
+                                                      # vocabulary 4,096, chunk 64, the 1M model; seconds
 """
 
 from __future__ import annotations
@@ -62,14 +65,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchtable import print_table  # noqa: E402  (scripts/benchtable.py)
 from hpcrl.job.recipe import TrainerConfig  # noqa: E402
 from rss import MMAP_THRESHOLD, peak_rss_bytes, reset_peak_rss, rss_bytes  # noqa: E402  (scripts/rss.py)
 
 MIB = 2 ** 20
-VOCAB = 151_936
-TOKENS = 4_096
-ROWS = 2
-HIDDEN = 256
+# The log-probs' setting (see the docstring), and the smallest one for --smoke.
+SHAPE = dict(tokens=4_096, rows=2, vocab=151_936, hidden=256)
+SMOKE_SHAPE = dict(tokens=256, rows=2, vocab=4_096, hidden=32)
 
 
 def native_bf16() -> bool:
@@ -163,10 +166,10 @@ def run_child(cfg: dict, timeout: float) -> dict:
 
 
 def logprob_section(args) -> tuple[str, list[str], list[list[str]], list[str], dict[str, str]]:
-    threads = len(os.sched_getaffinity(0))
+    threads = 1 if args.smoke else len(os.sched_getaffinity(0))
     dtype = args.dtype or ("bfloat16" if native_bf16() else "float32")
-    base = dict(tokens=TOKENS, rows=ROWS, vocab=VOCAB, hidden=HIDDEN, dtype=dtype, temperature=args.temperature,
-                threads=threads)
+    shape = SMOKE_SHAPE if args.smoke else SHAPE
+    base = dict(shape, dtype=dtype, temperature=args.temperature, threads=threads)
     variants = [("unchunked", 0)] + [("chunked", c) for c in args.chunks]
     results = []
     for variant, chunk in variants:
@@ -193,9 +196,10 @@ def logprob_section(args) -> tuple[str, list[str], list[list[str]], list[str], d
         rows.append([variant, str(chunk) if chunk else "-", f"{r['fwd_peak'] / MIB:,.0f}",
                      f"{r['bwd_peak'] / MIB:,.0f}", f"{r['peak'] / MIB:,.0f}", f"{(r['peak'] - floor) / MIB:,.0f}", f"{r['peak'] / full['peak']:.4f}",
                      f"{r['fwd_s']:.1f}", f"{r['bwd_s']:.1f}", f"{r['total_s']:.1f}"])
-    title = (f"Log-probs + dapo loss, forward and backward: {TOKENS} completion tokens ({ROWS} x {TOKENS // ROWS}), "
-             f"vocabulary {VOCAB:,}, hidden {HIDDEN}, {dtype} logits, temperature {args.temperature:g}, "
-             f"{threads} threads")
+    tokens, rows_ = shape["tokens"], shape["rows"]
+    title = (f"Log-probs + dapo loss, forward and backward: {tokens} completion tokens ({rows_} x {tokens // rows_}), "
+             f"vocabulary {shape['vocab']:,}, hidden {shape['hidden']}, {dtype} logits, "
+             f"temperature {args.temperature:g}, {threads} thread{'s' if threads > 1 else ''}")
     notes = [
         f"peak: RSS high-water mark over the step minus RSS before it, in a fresh process per variant; the logits "
         f"are {full['logits_bytes'] / MIB:,.0f} MiB in {dtype}, their gradient as much (2x logits = "
@@ -221,7 +225,9 @@ def fit_section(args) -> tuple[str, list[str], list[list[str]], list[str], dict[
     work.mkdir(parents=True, exist_ok=True)
     model_dir = make_tiny_model(work / f"model-{args.fit_size}", size=args.fit_size, seed=0)
     cfg = dict(batch=8, micro=8, num_generations=4, prompt_len=16, completion_len=32, steps=2, warmup=1,
-               cores=sorted(os.sched_getaffinity(0)), model_dir=str(model_dir))
+               cores=sorted(os.sched_getaffinity(0)), model_dir=str(model_dir), modes=["full"])
+    if args.smoke:          # bench_train --smoke's setting
+        cfg.update(batch=4, micro=4, prompt_len=8, completion_len=8, steps=1, warmup=0, threads=1)
     params = fit.count_parameters(str(model_dir))
     shape = fit.ModelShape.from_config(json.loads((model_dir / "config.json").read_text()), params=params)
     headers = ["world", "reference", "measured MiB", "estimate MiB", "error", "state est/meas", "activ.+logits est/meas"]
@@ -229,7 +235,7 @@ def fit_section(args) -> tuple[str, list[str], list[list[str]], list[str], dict[
     for world in (1, 2):
         ranks = bench_train.run_world(world, cfg, work, args.timeout)
         for ref in ("ref_off", "ref_on"):
-            measured = bench_train.summarize(ranks, ref)
+            measured = bench_train.summarize(ranks, "full", ref)
             parts = fit.trainer_parts(shape, micro_batch=cfg["micro"], seq_len=cfg["prompt_len"] + cfg["completion_len"],
                                       completion_len=cfg["completion_len"], shard=world, compute_dtype="float32",
                                       reference=ref == "ref_on", logprob_chunk_tokens=TrainerConfig.logprob_chunk_tokens,
@@ -255,25 +261,25 @@ SECTIONS = [logprob_section, fit_section]
 CHILD_STEPS = {"logprob": logprob_step}     # what a section's children run, by cfg["step"]
 
 
-def print_table(title: str, headers: list[str], rows: list[list[str]]) -> None:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-    print(title)
-    print("  ".join(h.rjust(w) for h, w in zip(headers, widths)))
-    for r in rows:
-        print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--chunks", type=lambda s: [int(x) for x in s.split(",")], default=[TrainerConfig.logprob_chunk_tokens, 1024],
-                        help=f"chunk sizes to measure, comma separated (default {TrainerConfig.logprob_chunk_tokens},1024)")
+    parser.add_argument("--chunks", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                        help="chunk sizes to measure, comma separated "
+                             f"(default {TrainerConfig.logprob_chunk_tokens},1024; --smoke: 64)")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
                         help="logits dtype (default: bfloat16 where this CPU computes it natively, else float32)")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per variant or world size")
-    parser.add_argument("--fit-size", default="base", help='model of the fit section (hpcrl.compute.models.tiny size; default "base", ~100M)')
+    parser.add_argument("--fit-size", default=None,
+                        help='model of the fit section (hpcrl.compute.models.tiny size; default "base", ~100M; '
+                             '--smoke: "tiny")')
+    parser.add_argument("--smoke", action="store_true",
+                        help="that it runs, in seconds: 256 tokens, vocabulary 4,096, chunk 64; the fit on the 1M "
+                             "model, 1 step")
     args = parser.parse_args(argv)
+    args.fit_size = args.fit_size or ("tiny" if args.smoke else "base")
+    args.chunks = args.chunks or ([64] if args.smoke else [TrainerConfig.logprob_chunk_tokens, 1024])
     if args.child:
         cfg = json.loads(args.child)
         print(json.dumps(CHILD_STEPS[cfg["step"]](cfg)))

@@ -64,6 +64,8 @@ MemAvailable falls below it. Last line:
 
     .venv/bin/python scripts/bench_scale.py                      # 16,64,128,256
     .venv/bin/python scripts/bench_scale.py --sizes 16,64,128,256,512
+    .venv/bin/python scripts/bench_scale.py --smoke    # 8 and 16 ranks, the hub alone at 16 and 64: that it
+                                                       # runs (tests/test_bench_smoke.py), seconds
 """
 
 from __future__ import annotations
@@ -432,23 +434,40 @@ HUB_FIGURES = [("hub_reg_s", "registered + table s", 2), ("hub_reg_cpu_s", "its 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes", default="16,64,128,256", help="ranks per launch, multiples of 8 (default 16,64,128,256)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="that it runs, in seconds: --sizes 8,16 --hub-sizes 16,64 --hub-peer-timeout 2 (unless given)")
+    ap.add_argument("--sizes", default=None, help="ranks per launch, multiples of 8 (default 16,64,128,256)")
     ap.add_argument("--peer-timeout", type=float, default=10.0, help="launch.peer_failure_timeout_s (default 10)")
     ap.add_argument("--rendezvous-timeout", type=float, default=300.0, help="launch.rendezvous_timeout_s (default 300)")
     ap.add_argument("--timeout", type=float, default=540.0, help="seconds a launch may take before it is stopped")
     ap.add_argument("--min-free-gb", type=float, default=3.0, help="never let MemAvailable fall below this (GiB)")
     ap.add_argument("--no-kill", action="store_true", help="skip the failure launches")
-    ap.add_argument("--hub-sizes", default="256,1024,2048,4096",
+    ap.add_argument("--hub-sizes", default=None,
                     help="ranks for the hub alone (default 256,1024,2048,4096; '' skips it)")
-    ap.add_argument("--hub-peer-timeout", type=float, default=20.0,
+    ap.add_argument("--hub-peer-timeout", type=float, default=None,
                     help="peer_failure_timeout_s of the hub alone (default 20: a heartbeat round every 5 s)")
-    ap.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "hpcrl-bench-scale")
+    ap.add_argument("--work-dir", type=Path, default=None,
+                    help=f"run directories go here (default {Path(tempfile.gettempdir()) / 'hpcrl-bench-scale'}; "
+                         "--smoke: a temporary one, removed)")
     ap.add_argument("--json", type=Path, default=None, help="also write every measurement here")
     args = ap.parse_args(argv)
+    for key, full, smoke in (("sizes", "16,64,128,256", "8,16"), ("hub_sizes", "256,1024,2048,4096", "16,64"),
+                             ("hub_peer_timeout", 20.0, 2.0)):
+        if getattr(args, key) is None:
+            setattr(args, key, smoke if args.smoke else full)
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
     if any(n % TASKS_PER_NODE or n < TASKS_PER_NODE for n in sizes):
         ap.error(f"--sizes: every size must be a multiple of {TASKS_PER_NODE}")
+    if args.work_dir is None and args.smoke:
+        with tempfile.TemporaryDirectory(prefix="hpcrl-bench-scale-") as tmp:
+            args.work_dir = Path(tmp)
+            return run(args, sizes)
+    args.work_dir = args.work_dir or Path(tempfile.gettempdir()) / "hpcrl-bench-scale"
     args.work_dir.mkdir(parents=True, exist_ok=True)
+    return run(args, sizes)
+
+
+def run(args, sizes: list[int]) -> int:
     min_free_kb = int(args.min_free_gb * 2**20)
 
     results, per_rank_mb, skipped = [], None, []

