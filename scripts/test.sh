@@ -12,7 +12,11 @@ if ! SLURM_CONF=$SLURM_BASE/etc/slurm.conf scontrol ping 2>/dev/null | grep -q U
   SLURM_NODES=${SLURM_NODES:-16} SLURM_NODE_GPUS=${SLURM_NODE_GPUS:-8} bash scripts/slurm-testbed.sh start
   started=1
 fi
-cleanup() { [ -n "$started" ] && [ -z "${HPCRL_KEEP_TESTBED:-}" ] && bash scripts/slurm-testbed.sh stop || true; }
+cleanup() {
+  [ -n "$started" ] && [ -z "${HPCRL_KEEP_TESTBED:-}" ] && bash scripts/slurm-testbed.sh stop || true
+  # The CI budget (issue #29): install, testbed and tests together, against 30 minutes.
+  echo "hpcrl: CI time ${SECONDS} s of a 1800 s budget ($((SECONDS * 100 / 1800))%)"
+}
 trap cleanup EXIT
 export SLURM_CONF=$SLURM_BASE/etc/slurm.conf
 # The slowest tests are listed last, so that CI time can be kept in view (aim: under 30 minutes).
