@@ -189,6 +189,23 @@ def test_vllm_job_checkpoints_at_the_signal_requeues_and_survives_a_killed_attem
     assert log.count("resumed from") >= 2
 
 
+def test_a_stop_before_any_step_is_not_requeued(testbed, hpcrl, cancel_after):
+    """Issue #26, item 3: the script requeued whenever its marker existed; a time limit shorter than
+    start-up + the signal's lead requeued forever, every attempt stopped during start-up. Now a stop
+    that trained no step in the attempt ends the job with why, and no requeue."""
+    job_id, run_dir = _submit(hpcrl, "inference.engine=transformers", "grpo.max_steps=50", "-t", "15")
+    cancel_after(job_id)
+    deadline = time.time() + 300
+    log = lambda: next(run_dir.glob("slurm-*.out"), None)       # noqa: E731
+    while not (log() and "launched:" in log().read_text()) and time.time() < deadline:
+        time.sleep(0.5)
+    subprocess.run(["scancel", "--batch", "--signal=USR2", job_id], check=True, timeout=30)
+    info = _wait(hpcrl, job_id, lambda i: i["state"] in FINAL, 300)
+    assert info["state"] == "FAILED" and info["restarts"] == 0, info
+    assert "no step fits between start-up and the stop signal" in info["reason"], info["reason"]
+    assert not (run_dir / "metrics.jsonl").exists() or not _metrics(run_dir)
+
+
 def test_killed_server_fails_the_job_naming_its_node_and_keeps_the_checkpoint(testbed, hpcrl, cancel_after):
     job_id, run_dir = _submit(hpcrl, "-N", "2", *TWO_TASKS, "grpo.max_steps=100000", "checkpoint.every=2",
                               "-t", "15")
