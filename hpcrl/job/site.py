@@ -145,6 +145,11 @@ class Site:
             raise UserError(f"{where}.startup_s: must be >= 0, got {self.startup_s}")
 
     @property
+    def signal_name(self) -> str:
+        """The name of site.signal without its SIG prefix (USR2 without one: the trainers' stop request)."""
+        return (self.signal.partition("@")[0] or "USR2").removeprefix("SIG")
+
+    @property
     def signal_lead_s(self) -> int:
         """Seconds before the time limit that Slurm sends site.signal (0 without one)."""
         return int(self.signal.partition("@")[2] or 0) if self.signal else 0
@@ -152,7 +157,7 @@ class Site:
     def check_time_limit(self, time_s: int, time_text: str) -> None:
         """A time limit that leaves no step between start-up and the stop signal: every attempt
         would be stopped, and (before the trainers' progress check) requeued, during start-up."""
-        if not self.signal or self.scheduler == "none":
+        if not self.signal:
             return
         needed = self.startup_s + self.signal_lead_s
         if time_s <= needed:

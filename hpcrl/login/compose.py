@@ -104,6 +104,7 @@ def _validate_resources(site: Site, recipe: Recipe, need_account: bool = True) -
     time_s = parse_walltime(res.time)
     if site.scheduler == "none":
         return time_s
+    site.check_time_limit(time_s, res.time)
     if need_account and site.account_required and not res.account:
         raise UserError(f"account: site {site.name} requires a project account (-A PROJECT_ID)")
     if site.partitions and res.partition and res.partition not in site.partitions:

@@ -399,7 +399,7 @@ def supervise(cmd: list[str], env: dict, log_path: Path, after_failure_s: float,
                             start_new_session=True)
     launch_id = env.get("HPCRL_LAUNCH_ID")
     failed_at: list[float] = []
-    interrupted: list[float] = []
+    stop_requested = False         # the first Ctrl-C's stop request went to the ranks
     lock = threading.Lock()
     with open(log_path, "ab") as log:
         def pump(src, dst) -> None:
@@ -437,8 +437,8 @@ def supervise(cmd: list[str], env: dict, log_path: Path, after_failure_s: float,
                     print("hpcrl: interrupted; stopping the ranks now", file=sys.stderr, flush=True)
                     _stop(proc, launch_id)
                     return INTERRUPTED
-                if stops and not interrupted:
-                    interrupted.append(stops[0])
+                if stops and not stop_requested:
+                    stop_requested = True
                     with lock, (progress.writing() if progress is not None else contextlib.nullcontext()):
                         print(f"hpcrl: interrupted; the trainers checkpoint at the end of their step "
                               f"(Ctrl-C again to stop now)", file=sys.stderr, flush=True)
@@ -461,7 +461,7 @@ def supervise(cmd: list[str], env: dict, log_path: Path, after_failure_s: float,
             if env.get("HPCRL_RUN_DIR"):
                 _sweep_shared_memory(env["HPCRL_RUN_DIR"], env)
     code = proc.wait()
-    if interrupted:
+    if stops:
         return INTERRUPTED
     return code if code >= 0 else 128 - code
 

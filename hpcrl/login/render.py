@@ -51,13 +51,11 @@ def _environment() -> jinja2.Environment:
 
 def render_sbatch(spec: JobSpec) -> str:
     site, plan = spec.site, spec.plan()
-    site.check_time_limit(spec.time_s, spec.recipe.resources.time)
-    signal_name, _, lead = site.signal.partition("@")
     cpus = site.node.cpus_per_task or (site.node.cores // plan.tasks_per_node if site.node.cores else 1)
     return _environment().get_template("sbatch.sh.j2").render(
         spec=spec, site=site, plan=plan, res=spec.recipe.resources, env=spec.environment(),
         walltime=format_walltime(spec.time_s), cpus_per_task=max(1, cpus),
         gpu_request=site.gpu_request.format(gpus=site.node.gpus) if site.gpu_request else "",
-        signal_name=signal_name or "USR2", signal_lead=lead or "0", hpcrl_version=__version__,
+        signal_name=site.signal_name, signal_lead=site.signal_lead_s, hpcrl_version=__version__,
         rundir=rundir, max_restarts=spec.recipe.launch.max_restarts,
     )

@@ -28,7 +28,7 @@ from hpcrl.job import rundir
 from hpcrl.job.recipe import engine_dtype
 
 BATCH_WINDOW_S = 0.05      # after the first request, wait this long for the other trainers'
-HEALTH_EVERY_S = 5.0       # also the longest a dead engine process goes unseen between requests
+HEALTH_EVERY_S = 5.0
 
 
 def engine_errors_log(ctx: LaunchContext) -> Path:
@@ -106,7 +106,6 @@ class Server:
         trainers = set(self.ctx.channel.expected)
         self.write_health("serving")
         while self.done != trainers:
-            self._check_engine()
             if time.time() - self.last_health > HEALTH_EVERY_S:
                 # after a failed sync the server refuses to generate until a full one finishes
                 self.write_health({"open": "syncing", "failed": "sync failed"}.get(self.receiver.state, "serving"))
@@ -115,17 +114,6 @@ class Server:
                 self.handle(*received)
         self.write_health("finished")
         return 0
-
-    def _check_engine(self) -> None:
-        """An engine process that died while the trainers train is found here, within the receive
-        timeout, rather than at the next generation (a training step may take minutes). Not after
-        a stop signal: vLLM's engine stops on SIGTERM by design while the trainers checkpoint."""
-        if STOP.raised:
-            return
-        death = getattr(self.engine, "death", None)
-        reason = death() if death is not None else None
-        if reason:
-            raise Explained(reason)
 
     def _receive(self, timeout: float) -> tuple[int, dict] | None:
         """The next message from any trainer, or None after `timeout`. A trainer may close its end

@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     launch = spec.recipe.launch
     outcome.record_to(run_dir)
     # Before MPI_Init: a killed attempt's segments would break it; its engines' buffers hold memory.
-    stale = shm_sweep.sweep() + shm_sweep.sweep_recorded(run_dir)
+    stale = shm_sweep.sweep_run(run_dir)
     if stale:
         print(f"hpcrl: removed {len(stale)} shared-memory file(s) a killed run left in /dev/shm "
               f"({', '.join(stale[:3])}{', ...' if len(stale) > 3 else ''})", file=sys.stderr, flush=True)

@@ -18,12 +18,14 @@ start, `hpcrl run` and the batch script after the run).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 from hpcrl.job import rundir
 
@@ -33,31 +35,40 @@ ENGINE_PATTERNS = ("psm_", "sem.mp-")       # the engine's files a server record
 MARGIN_S = 2.0        # a peer's segment made this long before our own start still counts as new
 
 
-def _children(pid: int) -> list[int]:
-    out = []
+def _mapped(proc: Path, prefix: str) -> set[str]:
+    """Names under the /dev/shm `prefix` that the process at /proc/<pid> `proc` maps."""
+    names = set()
+    for line in (proc / "maps").read_text().splitlines():
+        path = line.split(maxsplit=5)[5:]
+        if path and path[0].startswith(prefix):
+            names.add(path[0][len(prefix):].removesuffix(" (deleted)"))
+    return names
+
+
+def _children() -> dict[int, list[int]]:
+    """Every process's children, from one pass over /proc."""
+    children: dict[int, list[int]] = {}
     for proc in Path("/proc").iterdir():
         try:
-            if proc.name.isdigit() and int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(proc.name))
+            if proc.name.isdigit():
+                ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(proc.name))
         except (OSError, ValueError, IndexError):
             continue
-    return out
+    return children
 
 
 def mapped_by(pids, shm_dir: Path = SHM_DIR) -> list[str]:
     """Names under `shm_dir` that the processes `pids`, or any process they started, map."""
-    prefix, names, todo, seen = str(shm_dir) + "/", set(), list(pids), set()
+    prefix, names, todo, seen, children = str(shm_dir) + "/", set(), list(pids), set(), _children()
     while todo:
         pid = todo.pop()
         if pid in seen:
             continue
         seen.add(pid)
-        todo += _children(pid)
+        todo += children.get(pid, [])
         try:
-            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
-                path = line.split(maxsplit=5)[5:]
-                if path and path[0].startswith(prefix):
-                    names.add(path[0][len(prefix):].removesuffix(" (deleted)"))
+            names |= _mapped(Path(f"/proc/{pid}"), prefix)
         except OSError:
             continue
     return sorted(n for n in names if (shm_dir / n).exists())
@@ -66,18 +77,40 @@ def mapped_by(pids, shm_dir: Path = SHM_DIR) -> list[str]:
 def record(path: Path, names: list[str]) -> None:
     """Keep an engine's shared-memory file names (rundir.engine_shm_record) for sweep_recorded."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"host": socket.gethostname(), "files": names}))
-    os.replace(tmp, path)
+    rundir.write_file_atomic(path, json.dumps({"host": socket.gethostname(), "files": names}))
 
 
-def sweep_recorded(run_dir: str | os.PathLike, shm_dir: Path = SHM_DIR) -> list[str]:
+def _in_use(shm_dir: Path) -> set[str]:
+    """Names under `shm_dir` that a process of this user maps or holds open."""
+    prefix, uid, used = str(shm_dir) + "/", os.getuid(), set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if proc.stat().st_uid != uid:
+                continue
+            used |= _mapped(proc, prefix)
+            for fd in (proc / "fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith(prefix):
+                    used.add(target[len(prefix):])
+        except OSError:             # gone meanwhile, or not ours to read
+            continue
+    return used
+
+
+def _in_use_once(shm_dir: Path) -> Callable[[], set[str]]:
+    """`_in_use`, scanned at the first call only: a sweep with no candidate scans no process."""
+    return functools.cache(lambda: _in_use(shm_dir))
+
+
+def sweep_recorded(run_dir: str | os.PathLike, shm_dir: Path = SHM_DIR,
+                   in_use: Callable[[], set[str]] | None = None) -> list[str]:
     """Remove the files this host's engines of the run recorded, where no process maps them any more;
     a record whose files are all gone goes too."""
-    records = sorted((Path(run_dir) / rundir.SERVERS_DIR).glob("shm-*.json"))
+    in_use = in_use or _in_use_once(shm_dir)
     host, removed = socket.gethostname(), []
-    used = _in_use(shm_dir) if records else set()
-    for path in records:
+    for path in sorted((Path(run_dir) / rundir.SERVERS_DIR).glob("shm-*.json")):
         try:
             data = json.loads(path.read_text())
         except (OSError, ValueError):
@@ -89,7 +122,7 @@ def sweep_recorded(run_dir: str | os.PathLike, shm_dir: Path = SHM_DIR) -> list[
             f = shm_dir / Path(name).name
             if not f.exists():
                 continue
-            if name in used:
+            if name in in_use():
                 left.append(name)
                 continue
             try:
@@ -102,32 +135,12 @@ def sweep_recorded(run_dir: str | os.PathLike, shm_dir: Path = SHM_DIR) -> list[
     return removed
 
 
-def _in_use(shm_dir: Path) -> set[str]:
-    """Names under `shm_dir` that a process of this user maps or holds open."""
-    prefix, uid, used = str(shm_dir) + "/", os.getuid(), set()
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            if proc.stat().st_uid != uid:
-                continue
-            for line in (proc / "maps").read_text().splitlines():
-                path = line.split(maxsplit=5)[5:]
-                if path and path[0].startswith(prefix):
-                    used.add(path[0][len(prefix):].removesuffix(" (deleted)"))
-            for fd in (proc / "fd").iterdir():
-                target = os.readlink(fd)
-                if target.startswith(prefix):
-                    used.add(target[len(prefix):])
-        except OSError:             # gone meanwhile, or not ours to read
-            continue
-    return used
-
-
-def sweep(started_at: float | None = None, shm_dir: Path = SHM_DIR) -> list[str]:
+def sweep(started_at: float | None = None, shm_dir: Path = SHM_DIR,
+          in_use: Callable[[], set[str]] | None = None) -> list[str]:
     """Remove this user's stale shared-memory files; returns their names."""
     if not shm_dir.is_dir():
         return []
+    in_use = in_use or _in_use_once(shm_dir)
     cutoff = (time.time() if started_at is None else started_at) - MARGIN_S
     uid = os.getuid()
     candidates = []
@@ -139,12 +152,9 @@ def sweep(started_at: float | None = None, shm_dir: Path = SHM_DIR) -> list[str]
                 continue
             if st.st_uid == uid and st.st_mtime < cutoff:
                 candidates.append(f)
-    if not candidates:
-        return []
-    used = _in_use(shm_dir)
     removed = []
     for f in candidates:
-        if f.name in used:
+        if f.name in in_use():
             continue
         try:
             f.unlink()
@@ -154,12 +164,18 @@ def sweep(started_at: float | None = None, shm_dir: Path = SHM_DIR) -> list[str]
     return removed
 
 
+def sweep_run(run_dir: str | os.PathLike, shm_dir: Path = SHM_DIR) -> list[str]:
+    """Both sweeps for a run on this host, with one scan of the processes."""
+    in_use = _in_use_once(shm_dir)
+    return sweep_recorded(run_dir, shm_dir, in_use) + sweep(shm_dir=shm_dir, in_use=in_use)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         print("usage: python -m hpcrl.compute.launch.shm_sweep RUN_DIR", file=sys.stderr)
         return 2
-    removed = sweep_recorded(args[0]) + sweep()
+    removed = sweep_run(args[0])
     if removed:
         print(f"hpcrl: removed {len(removed)} shared-memory file(s) a killed run left in /dev/shm on "
               f"{socket.gethostname()}", file=sys.stderr)
