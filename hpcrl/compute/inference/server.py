@@ -221,10 +221,22 @@ def run_server(ctx: LaunchContext) -> int:
     try:
         return Server(ctx, engine).serve()
     except Exception as e:
+        if STOP.raised and engine.name == "vllm":
+            return _stopped_with_the_job(ctx, engine)
         raise _engine_cause(ctx, e, engine)
     finally:
         watching.set()
         engine.close()
+
+
+def _stopped_with_the_job(ctx: LaunchContext, engine) -> int:
+    """vLLM's engine core ends on SIGTERM and SIGINT by design (scancel, `scontrol requeue`, a
+    preemption without a warning signal): the signal is the cause, not the engine, so the job's line
+    says so, without the EngineDeadError traceback that would send a reader looking for a bug."""
+    reason = f"the job was stopped by {STOP.signal_name}: the {engine.name} engine ends on it"
+    ctx.log(reason)
+    ctx.watchdog.fail(reason)
+    return 1
 
 
 def _record_shared_memory(ctx: LaunchContext, engine) -> None:
