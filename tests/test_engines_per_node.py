@@ -23,9 +23,7 @@ from pathlib import Path
 
 import pytest
 from conftest import run_to_the_end
-from test_demo_learning import check_learning
 
-from hpcrl.job.recipe import DEMO_GRPO
 
 PY = sys.executable
 MPIEXEC = str(Path(PY).parent / "mpiexec") if (Path(PY).parent / "mpiexec").exists() else shutil.which("mpiexec")
@@ -69,11 +67,17 @@ def check_every_engine_synced(run_dir: Path, steps: int, engines: int, kind: str
         assert (h["engine"], h["state"], h["weight_version"], h["requests"]) == (kind, "finished", steps - 1, steps), h
 
 
-def test_one_trainer_feeds_two_transformers_engines_and_the_run_learns(tmp_path, hpcrl_home):
-    proc, run_dir = _run(tmp_path, *ONE_TRAINER_TWO_ENGINES, "inference.engine=transformers", *SYNC_CHECK)
-    steps = DEMO_GRPO["max_steps"]
+def test_one_trainer_feeds_two_transformers_engines_each_synced(tmp_path, hpcrl_home):
+    """The demo's batch split over two engines for 20 steps. Each completion's log-probability as
+    its engine gave it equals the trainer's recomputation on the prompt the trainer put it back
+    with, so every completion came home to its own prompt (and so to that prompt's answer and
+    reward) from a synced engine: what learning needs of the split. That the demo learns is
+    tests/test_demo_learning.py's; until issue #29 this run also learnt over the demo's 200 steps
+    (~50 s of CI for the same proof)."""
+    steps = 20
+    proc, run_dir = _run(tmp_path, *ONE_TRAINER_TWO_ENGINES, "inference.engine=transformers", *SYNC_CHECK,
+                         f"grpo.max_steps={steps}")
     check_every_engine_synced(run_dir, steps, 2, "transformers")
-    print(check_learning(_metrics(run_dir), steps))
     assert "engine 0 on node 0 (rank 1), engine 1 on node 0 (rank 2) ready (transformers)" in proc.stderr
     # The run's summary weighs both engines' idle time against the trainer's wait.
     assert "node 0: trainers waited" in proc.stderr and "its engines idled" in proc.stderr

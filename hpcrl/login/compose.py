@@ -18,7 +18,7 @@ from typing import Any
 
 from hpcrl import __version__
 from hpcrl.job import context, rundir
-from hpcrl.job.config import build, closest, deep_merge, problems_error, set_dotted, unknown_fields
+from hpcrl.job.config import build, closest, deep_merge, problems_error, set_dotted, to_dict, unknown_fields
 from hpcrl.job.errors import UserError
 from hpcrl.job.hfcache import is_glob
 from hpcrl.job.placement import Plan, make_plan
@@ -501,7 +501,9 @@ def _check_dirs_are_this_runs(spec: JobSpec) -> None:
     and move its `latest`, or replace its model. A new run is never the owner: a run continues
     from its own run directory (`hpcrl submit --resume`), which is not composed again. A claim
     whose run directory is gone and that holds nothing (a render whose submission failed) is free."""
-    ours = rundir.run_identity(json.loads(spec.to_json()))
+    # The recipe as job.json will hold it (JSON's keys), without job.json's indented dump: an indent
+    # makes json use its pure-Python encoder, a few ms of every render.
+    ours = rundir.run_identity({"run_dir": spec.run_dir, "recipe": json.loads(json.dumps(to_dict(spec.recipe)))})
     checkpoint = spec.recipe.checkpoint
     if checkpoint.dir:
         path = Path(checkpoint.dir).expanduser().absolute()
