@@ -58,10 +58,26 @@ def test_stop_flag_takes_every_stop_signal_and_names_the_first():
         flag.install()
         os.kill(os.getpid(), signal.SIGTERM)
         os.kill(os.getpid(), signal.SIGUSR2)
-        assert flag.raised and flag.signal_name == "SIGTERM"
+        assert flag.raised and flag.signal_name == "SIGTERM" and flag.received == {"SIGTERM", "SIGUSR2"}
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def test_an_engine_gone_after_a_signal_it_ends_on_is_the_signals_doing():
+    """Stop 34's CI: `scontrol requeue` (SIGTERM to every process of the step) ended vLLM's engine
+    core, as vLLM does by design, and its server reported an EngineDeadError traceback. The server
+    now says the job was stopped by SIGTERM; after SIGUSR2 alone (which the engine ignores) an engine
+    gone is still the engine's failure, named by the watcher."""
+    from hpcrl.compute.inference.server import signal_that_ends_the_engine
+
+    flag = StopFlag()
+    assert signal_that_ends_the_engine("vllm", flag) is None
+    flag._set(signal.SIGUSR2)
+    assert signal_that_ends_the_engine("vllm", flag) is None
+    flag._set(signal.SIGTERM)
+    assert signal_that_ends_the_engine("vllm", flag) == "SIGTERM"
+    assert signal_that_ends_the_engine("transformers", flag) is None     # in the server's process
 
 
 def test_engine_processes_started_shielded_outlive_the_stop_signal():

@@ -203,6 +203,17 @@ class Server:
             self.ctx.channel.reply(rank, {"ok": True, "completions": comps})
 
 
+ENGINE_ENDS_ON = frozenset({"SIGTERM", "SIGINT"})   # vLLM's engine core stops on these
+
+
+def signal_that_ends_the_engine(engine_name: str, flag=STOP) -> str | None:
+    """The stop signal this task received that its engine's own processes end on too (vLLM's, on
+    SIGTERM and SIGINT; SIGUSR2 they ignore), if any: then an engine gone is the signal's doing."""
+    if engine_name != "vllm":
+        return None
+    return min(flag.received & ENGINE_ENDS_ON, default=None)
+
+
 def run_server(ctx: LaunchContext) -> int:
     from hpcrl.compute.train.sources import job_model_dir, tokenizer_dir
 
@@ -221,19 +232,21 @@ def run_server(ctx: LaunchContext) -> int:
     try:
         return Server(ctx, engine).serve()
     except Exception as e:
-        if STOP.raised and engine.name == "vllm":
-            return _stopped_with_the_job(ctx, engine)
+        ended_by = signal_that_ends_the_engine(engine.name)
+        if ended_by:
+            return _stopped_with_the_job(ctx, engine, ended_by)
         raise _engine_cause(ctx, e, engine)
     finally:
         watching.set()
         engine.close()
 
 
-def _stopped_with_the_job(ctx: LaunchContext, engine) -> int:
+def _stopped_with_the_job(ctx: LaunchContext, engine, signal_name: str) -> int:
     """vLLM's engine core ends on SIGTERM and SIGINT by design (scancel, `scontrol requeue`, a
     preemption without a warning signal): the signal is the cause, not the engine, so the job's line
-    says so, without the EngineDeadError traceback that would send a reader looking for a bug."""
-    reason = f"the job was stopped by {STOP.signal_name}: the {engine.name} engine ends on it"
+    says so, without the EngineDeadError traceback that would send a reader looking for a bug.
+    (SIGUSR2 is not among them: the engine ignores it, ShieldedChildren.)"""
+    reason = f"the job was stopped by {signal_name}: the {engine.name} engine ends on it"
     ctx.log(reason)
     ctx.watchdog.fail(reason)
     return 1
@@ -262,7 +275,7 @@ def _watch_engine(ctx: LaunchContext, engine, every_s: float = 1.0) -> threading
 
     def watch() -> None:
         while not stop.wait(every_s):
-            reason = None if STOP.raised else death()       # vLLM stops on SIGTERM by design
+            reason = None if signal_that_ends_the_engine(engine.name) else death()
             if reason and not stop.is_set():
                 ctx.watchdog.fail(reason, grace_s=0)
                 die(ctx.watchdog.who, reason)

@@ -17,14 +17,17 @@ class StopFlag:
     def __init__(self):
         self.raised = False
         self.signal_name: str | None = None       # the first stop signal's name, for the log
+        self.received: set[str] = set()           # every stop signal's name
 
     def install(self, signals=STOP_SIGNALS) -> None:
         for s in signals:
             signal.signal(s, self._set)
 
     def _set(self, signum, _frame=None):
+        name = signal.Signals(signum).name
         if not self.raised:
-            self.signal_name = signal.Signals(signum).name
+            self.signal_name = name
+        self.received.add(name)
         self.raised = True
 
 
