@@ -7,7 +7,7 @@ blink and this needs only a few dozen lines: nested dataclasses, Optional, list,
 from __future__ import annotations
 
 import dataclasses
-import difflib
+import functools
 import types
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
@@ -16,6 +16,8 @@ from hpcrl.job.errors import UserError
 
 def closest(name: str, choices) -> str:
     """' (did you mean "x"?)' or ''."""
+    import difflib      # only for a mistake: not on the path of every command
+
     match = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
     return f' (did you mean "{match[0]}"?)' if match else ""
 
@@ -121,11 +123,18 @@ def _dataclass_of(tp):
     return None
 
 
+@functools.cache
+def _hints(cls) -> dict:
+    """`cls`'s resolved annotations, once per class: under `from __future__ import annotations` each
+    is a string that typing compiles and evaluates, ~200 of them for a recipe."""
+    return get_type_hints(cls)
+
+
 def unknown_fields(cls, data: Any, where: str = "") -> list[str]:
     """Every key of `data`, at any depth, that `cls` has no field for, as one message each."""
     if not isinstance(data, dict):
         return []
-    hints = get_type_hints(cls)
+    hints = _hints(cls)
     fields = {f.name for f in dataclasses.fields(cls) if f.init}
     prefix = f"{where}." if where else ""
     out = []
@@ -163,7 +172,7 @@ def build(cls, data: Any, where: str = ""):
         unknown = unknown_fields(cls, data)
         if unknown:
             raise problems_error(unknown)
-    hints = get_type_hints(cls)
+    hints = _hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     prefix = f"{where}." if where else ""
     for key in data:

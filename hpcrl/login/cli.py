@@ -37,28 +37,26 @@ def _add_job_args(p: argparse.ArgumentParser, site_default: str | None) -> None:
     p.add_argument("--run-dir", help="run directory (default: <site runs_dir>/<name>-<time>)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="hpcrl", description="GRPO fine-tuning of LLMs on Slurm supercomputers.")
-    parser.add_argument("--version", action="version", version=_version())
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-
-    p = sub.add_parser("run", help="run a recipe on this machine (no Slurm): the embedded default")
+def _run_args(p: argparse.ArgumentParser) -> None:
     _add_job_args(p, "local")
     p.add_argument("--dry-run", action="store_true", help="print the launch command and stop")
     p.add_argument("--resume", metavar="RUN_DIR",
                    help="run a run directory of `hpcrl run` again; it continues from its last checkpoint")
 
-    for name, text in (("render", "write the run directory and a standalone sbatch script"),
-                       ("submit", "render, submit with sbatch, and register the job")):
-        p = sub.add_parser(name, help=text)
-        _add_job_args(p, None)
-        p.add_argument("-o", "--output", help="also write the script to this file")
-        if name == "submit":
-            p.add_argument("--dry-run", action="store_true", help="print the script; write and submit nothing")
-            p.add_argument("--resume", metavar="RUN_DIR",
-                           help="submit an existing run directory again; it continues from its last checkpoint")
 
-    p = sub.add_parser("plan", help="the placement a job gets, one row per task, and whether it fits in memory")
+def _render_args(p: argparse.ArgumentParser) -> None:
+    _add_job_args(p, None)
+    p.add_argument("-o", "--output", help="also write the script to this file")
+
+
+def _submit_args(p: argparse.ArgumentParser) -> None:
+    _render_args(p)
+    p.add_argument("--dry-run", action="store_true", help="print the script; write and submit nothing")
+    p.add_argument("--resume", metavar="RUN_DIR",
+                   help="submit an existing run directory again; it continues from its last checkpoint")
+
+
+def _plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("recipe", nargs="?", help="recipe YAML (default: the built-in demo)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="override recipe fields, e.g. grpo.beta=0.04")
     p.add_argument("--site", "-s", help="site profile (see `hpcrl sites`)")
@@ -70,37 +68,70 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--server-gpus", type=int, help="GPUs per node for the inference server (= inference.gpus)")
     p.add_argument("--json", action="store_true")
 
-    p = sub.add_parser("recipe", help="print the recipe a file (hpcrl's or TRL's) and key=value overrides resolve to")
+
+def _recipe_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("recipe", nargs="?", help="recipe or `trl grpo --config` YAML (default: the built-in demo)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="override fields, e.g. grpo.beta=0.04 or beta=0.04")
     p.add_argument("--json", action="store_true")
 
-    p = sub.add_parser("status", help="registered jobs, or one job in detail")
+
+def _status_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("job_id", nargs="?")
     p.add_argument("--json", action="store_true")
     p.add_argument("-n", "--limit", type=int, default=50, help="show at most this many jobs")
 
-    p = sub.add_parser("logs", help="print (or follow) a job's log")
+
+def _logs_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("job_id")
     p.add_argument("-f", "--follow", action="store_true")
 
-    p = sub.add_parser("cancel", help="cancel a job (a running one checkpoints first)")
+
+def _cancel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("job_id")
     p.add_argument("--now", action="store_true", help="scancel at once, without the trainers' checkpoint")
 
-    p = sub.add_parser("plot", help="plot a run's metrics (reward, KL, lengths, step time) to a PNG")
+
+def _plot_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("target", metavar="JOBID_OR_RUN_DIR", help="a registered job id, or a run directory")
     p.add_argument("-o", "--output", help="the PNG to write (default: <run_dir>/metrics.png)")
 
-    p = sub.add_parser("export", help="write a Hugging Face model directory from a run's training checkpoint")
+
+def _export_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument("--step", type=int, help="the checkpoint's step (default: the latest)")
     p.add_argument("-o", "--output", metavar="DIR",
                    help="where the model goes (default: <run_dir>/model/checkpoint-<step>)")
 
-    p = sub.add_parser("sites", help="list site profiles, or show one resolved")
+
+def _sites_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", nargs="?")
 
+
+COMMANDS = {  # name: (its line in `hpcrl --help`, what adds its arguments); each runs hpcrl.login.commands.<name>
+    "run": ("run a recipe on this machine (no Slurm): the embedded default", _run_args),
+    "render": ("write the run directory and a standalone sbatch script", _render_args),
+    "submit": ("render, submit with sbatch, and register the job", _submit_args),
+    "plan": ("the placement a job gets, one row per task, and whether it fits in memory", _plan_args),
+    "recipe": ("print the recipe a file (hpcrl's or TRL's) and key=value overrides resolve to", _recipe_args),
+    "status": ("registered jobs, or one job in detail", _status_args),
+    "logs": ("print (or follow) a job's log", _logs_args),
+    "cancel": ("cancel a job (a running one checkpoints first)", _cancel_args),
+    "plot": ("plot a run's metrics (reward, KL, lengths, step time) to a PNG", _plot_args),
+    "export": ("write a Hugging Face model directory from a run's training checkpoint", _export_args),
+    "sites": ("list site profiles, or show one resolved", _sites_args),
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser, or (`command`) one that knows that command only: `hpcrl render` starts a
+    few ms sooner without argparse's setup of the other ten and their ~65 arguments (every help
+    string goes through gettext, which looks for a catalogue on disk each time)."""
+    parser = _Parser(prog="hpcrl", description="GRPO fine-tuning of LLMs on Slurm supercomputers.")
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for name, (text, add_arguments) in COMMANDS.items():
+        if command in (None, name):
+            add_arguments(sub.add_parser(name, help=text))
     return parser
 
 
@@ -110,7 +141,8 @@ def _version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv[0] if argv and argv[0] in COMMANDS else None)
     try:
         args, extra = parser.parse_known_args(argv)
         if extra:
