@@ -9,6 +9,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -297,6 +298,35 @@ def test_a_trl_users_config_on_two_nodes(testbed, hpcrl, cancel_after, tmp_path)
     assert info["state"] == "COMPLETED", info
     # Two trainers: 4 prompts a generation over the 12, so 3 steps.
     check_trl_user_run(run_dir, tmp_path / "out", 3)
+
+
+def test_a_staged_python_environment_is_unpacked_once_per_node_and_runs_the_job(testbed, hpcrl, cancel_after,
+                                                                                tmp_path):
+    """site.stage.python_env (issue #27, item 1): the packed environment's unpack was an srun with
+    --ntasks-per-node=1 only, so it took the job's task count and several tasks a node unpacked into
+    one directory at once (8 a node on Frontier). A stand-in for a conda-pack tarball: bin/python
+    runs this machine's Python, bin/conda-unpack notes the node it ran on; each node unpacks once, and
+    every task of the job runs the staged Python."""
+    env = tmp_path / "env"
+    (env / "bin").mkdir(parents=True)
+    unpacked, used = tmp_path / "unpacked.txt", tmp_path / "used.txt"
+    (env / "bin" / "python").write_text(f'#!/bin/bash\necho "$SLURMD_NODENAME" >> {used}\nexec {sys.executable} "$@"\n')
+    (env / "bin" / "conda-unpack").write_text(f'#!/bin/bash\necho "$SLURMD_NODENAME" >> {unpacked}\n')
+    for f in (env / "bin").iterdir():
+        f.chmod(0o755)
+    subprocess.run(["tar", "-czf", str(tmp_path / "env.tar.gz"), "-C", str(env), "."], check=True)
+    job_id, run_dir = _submit(hpcrl, "-N", "2", *TWO_TASKS, "inference.engine=transformers", "grpo.max_steps=1",
+                              "-t", "10", f"site.stage.python_env={tmp_path / 'env.tar.gz'}",
+                              "site.stage.dest=$HPCRL_RUN_DIR/node-local/env")
+    cancel_after(job_id)
+    info = _wait(hpcrl, job_id, lambda i: i["state"] in FINAL, 600)
+    log = (run_dir / f"slurm-{job_id}.out").read_text()
+    assert info["state"] == "COMPLETED", log[-3000:]
+    nodes = unpacked.read_text().split()
+    assert len(nodes) == 2 and len(set(nodes)) == 2, nodes          # once on each of the job's nodes
+    # Every task of the launch (2 a node) started the staged Python; the trainers import hpcrl from it.
+    assert sorted(set(used.read_text().split())) == sorted(nodes) and len(used.read_text().split()) >= 4
+    assert [m["step"] for m in _metrics(run_dir)] == [1]
 
 
 @pytest.mark.parametrize("via", ["srun", "sbcast"])
