@@ -80,7 +80,7 @@ def _background(request, tmp_path_factory, test_name: str):
     test `test_name`; None where that test is not selected or the testbed is down (it skips)."""
     if not any(item.name == test_name for item in request.session.items) or _testbed_up():
         return None
-    root = tmp_path_factory.mktemp(test_name[5:25])
+    root = tmp_path_factory.mktemp("background")
     env = {"HPCRL_HOME": str(root / "hpcrl-home"), "XDG_CONFIG_HOME": str(root / "xdg")}
     (root / "work").mkdir()
 

@@ -106,7 +106,8 @@ def test_frontier_stages_python_env_with_sbcast(hpcrl):
     assert "sbcast -pf \"$HPCRL_ENV_TAR\"" in script and "failed\"\n" in script      # its exit code is checked
     # One unpack a node (issue #27, item 1), checked; the testbed runs it: test_e2e_slurm.py.
     unpack = next(line for line in script.splitlines() if "conda-unpack" in line)
-    assert unpack.startswith("srun --nodes=1 --ntasks=1 --ntasks-per-node=1 ") and unpack.endswith("\\"), unpack
+    assert unpack.startswith("hpcrl_each_node ") and unpack.endswith("\\"), unpack
+    assert 'srun --nodes=1 --ntasks=1 --ntasks-per-node=1 "$@"' in script
     assert "HPCRL_ENV_TAR=/lustre/orion/abc/env.tar.gz" in script and "conda-unpack" in script
 
 
@@ -199,7 +200,8 @@ def test_frontier_sbcasts_the_model_to_every_node(hpcrl, tmp_path):
     assert f"HPCRL_MODEL_SRC={shlex.quote(str(model))}\n" in script          # a user's path, quoted
     assert 'HPCRL_MODEL_DEST="/mnt/bb/$USER/hpcrl-model"' in script
     assert 'sbcast -pf "$f" "$HPCRL_MODEL_DEST/${f##*/}" || hpcrl_fail' in script
-    assert "srun --nodes=4 --ntasks=4 --ntasks-per-node=1 mkdir -p \"$HPCRL_MODEL_DEST\" \\\n  || hpcrl_fail" in script
+    assert "hpcrl_each_node mkdir -p \"$HPCRL_MODEL_DEST\" \\\n  || hpcrl_fail" in script
+    assert 'srun --nodes=4 --ntasks=4 --ntasks-per-node=1 "$@"' in script
     # Staged before the launch, which then reads it.
     assert script.index("sbcast -pf \"$f\"") < script.index("-m hpcrl.compute.launch")
 
@@ -217,7 +219,8 @@ def test_srun_staging_expands_the_destination_on_each_node(hpcrl, tmp_path):
     _, script = _render(hpcrl, "--site", "testbed", "-N", "2", f"model.path={model}", "grpo.per_device_train_batch_size=16",
                         "grpo.num_generations=8", "site.stage.model_dest=/tmp/x/$SLURMD_NODENAME/model",
                         "site.stage.model_via=srun")
-    assert "srun --nodes=2 --ntasks=2 --ntasks-per-node=1 \"$HPCRL_PYTHON\" -m hpcrl.compute.stage" in script
+    assert "hpcrl_each_node \"$HPCRL_PYTHON\" -m hpcrl.compute.stage" in script
+    assert 'srun --nodes=2 --ntasks=2 --ntasks-per-node=1 "$@"' in script
     assert "sbcast" not in script and "$SLURMD_NODENAME" not in script       # expanded by the copy, per node
 
 

@@ -329,10 +329,10 @@ def test_hpcrl_run_takes_a_trl_config(tmp_path):
     assert "finished: step 6 of 6" in proc.stdout, proc.stdout
     assert f"model     {tmp_path / 'out'}" in proc.stdout and "  eval      reward " in proc.stdout
     check_trl_user_run(tmp_path / "run", tmp_path / "out", 6)
-    _export_decodes_as_the_trained_weights(tmp_path / "run", tmp_path / "my-model", tmp_path / "out", tmp_path)
+    _export_decodes_as_the_trained_weights(tmp_path / "run", tmp_path / "my-model", tmp_path / "out")
 
 
-def _export_decodes_as_the_trained_weights(run_dir: Path, source: Path, out: Path, tmp_path: Path) -> None:
+def _export_decodes_as_the_trained_weights(run_dir: Path, source: Path, out: Path) -> None:
     """The model in TRL's output_dir holds the trainer's final weights (its last training checkpoint
     put into the source model) and decodes greedily as they do. That a fresh vLLM engine serves what
     hpcrl writes is test_export.py's test_fresh_vllm_engine_loads_the_model, on the same writer; it
