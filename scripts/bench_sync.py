@@ -203,6 +203,9 @@ def trainer_rank(rank: int, world: int, init_file: str, model_dir: str, conn, cf
         conn.recv()
     barrier()
     dist.destroy_process_group()
+    from hpcrl.compute.launch.leave import exit_finished
+
+    exit_finished(0)        # as a trainer task leaves: gloo's last work can abort finalization
 
 
 def _lora_syncs(model_dir: str, world: int, notify, cfg: dict, barrier) -> dict:

@@ -133,6 +133,9 @@ def rank_main(rank: int, world: int, cfg: dict, store: str, out_dir: str) -> Non
     except BaseException:
         Path(out_dir, f"rank{rank}.err").write_text(traceback.format_exc())
         os._exit(1)
+    from hpcrl.compute.launch.leave import exit_finished
+
+    exit_finished(0)        # as a trainer task leaves: gloo's last work can abort finalization
 
 
 def _rank_main(rank: int, world: int, cfg: dict, store: str, out_dir: str) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import sys
 import time
 import traceback
 from pathlib import Path
@@ -44,12 +43,11 @@ def _entry(fn, rank: int, world: int, store: str, err_dir: str, args: tuple, dev
     except BaseException:
         Path(err_dir, f"rank{rank}.err").write_text(traceback.format_exc())
         os._exit(1)
-    # The rank's work is done and checked. Skip gloo's teardown: its C++ destructors can race with
-    # peers that already left and abort ("terminate called without an active exception", SIGABRT),
-    # failing a test whose every assertion passed. Nothing of hpcrl's runs there.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    # The rank's work is done and checked; it leaves as a trainer task does, never through the
+    # interpreter's finalization, which gloo's last work can abort (hpcrl/compute/launch/leave.py).
+    from hpcrl.compute.launch.leave import exit_finished
+
+    exit_finished(0)
 
 
 def spawn(fn, tmp: Path, *args, world: int = WORLD, timeout: float = 120.0, expect: dict | None = None,

@@ -22,7 +22,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from hpcrl.job.errors import UserError
-from hpcrl.compute.launch import faults, outcome, pinning, rendezvous, shm_sweep
+from hpcrl.compute.launch import faults, leave, outcome, pinning, rendezvous, shm_sweep
 from hpcrl.compute.launch.channel import NodeChannel, NodeServerChannel
 from hpcrl.compute.launch.context import LaunchContext, write_line
 from hpcrl.compute.launch.mesh import build_mesh
@@ -70,7 +70,11 @@ def main(argv: list[str] | None = None) -> int:
         return _exit_failed(1)
     code = run_role(ctx)
     code = teardown(ctx, code)
-    return code if code == 0 else _exit_failed(code)
+    if code != 0:
+        return _exit_failed(code)
+    if ctx.trainer_group is not None:
+        leave.exit_finished(0)          # never through finalization: leave.py says why
+    return 0
 
 
 def _who(plan) -> str:
