@@ -264,7 +264,10 @@ def check_rows_against_plan(rows, spec, source="mpi"):
         assert (seen["rank"], seen["node"], seen["local_rank"], seen["role"], seen["sender"]) == \
             (task.rank, task.node, task.local_rank, task.role, task.sender)
         assert seen["affinity"] == list(task.cores) and seen["source"] == source
-        assert seen["gpu_env"] == ({var: ",".join(map(str, task.gpus))} if var else {})
+        expected = {var: ",".join(map(str, task.gpus))} if var else {}
+        if var and spec.site.gpu_vendor == "amd" and task.role == "server":   # relative to the ROCr mask
+            expected["HIP_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(len(task.gpus)))
+        assert seen["gpu_env"] == expected, (task.rank, seen["gpu_env"])
         if task.role == "trainer":          # gloo binds to the interface that reaches trainer rank 0
             assert seen["gloo_socket_ifname"] in {name for _, name in socket.if_nameindex()}, seen
         assert all(check["ok"] for check in row["checks"].values()), row["checks"]
@@ -274,6 +277,19 @@ def check_rows_against_plan(rows, spec, source="mpi"):
             assert row["checks"]["channel"]["server_rank"] == task.server_rank
             n = plan.num_trainers
             assert row["checks"]["all_reduce"]["sum"] == n * (n + 1) / 2
+
+
+@needs_mpi
+def test_probe_on_rocm_gives_a_tensor_parallel_server_a_hip_mask_inside_its_rocr_one(tmp_path):
+    """Issue #27, item 2, through the real launch: the server of 2 GPUs sees ROCR_VISIBLE_DEVICES=2,3
+    and HIP_VISIBLE_DEVICES=0,1 (what Ray, started by vLLM for tensor parallelism, insists on)."""
+    proc, _, run_dir = _hpcrl_run(tmp_path, "site.node.gpus=4", "site.gpu_vendor=amd", "inference.gpus=2",
+                                  "inference.tensor_parallel_size=2")
+    assert proc.returncode == 0, proc.stderr
+    rows = probe_rows(proc.stdout)
+    check_rows_against_plan(rows, JobSpec.load(run_dir))
+    server = next(r for r in rows if r["plan"]["role"] == "server")
+    assert server["observed"]["gpu_env"] == {"ROCR_VISIBLE_DEVICES": "2,3", "HIP_VISIBLE_DEVICES": "0,1"}
 
 
 @needs_mpi

@@ -188,14 +188,24 @@ def test_nvidia_task_sees_exactly_its_gpu_among_what_slurm_gave():
     assert pinning.gpu_environment(site, task, {})[0] == {"CUDA_VISIBLE_DEVICES": "2"}
 
 
-def test_rocm_task_gets_one_mask_and_no_contradicting_variable():
+@pytest.mark.parametrize("tp", [1, 2])
+def test_rocm_tasks_get_the_rocr_mask_and_servers_a_hip_one_relative_to_it(tp):
+    """Issue #27, item 2: a server had ROCR_VISIBLE_DEVICES alone, and Ray (which vLLM starts for a
+    tensor-parallel engine) refuses that; a server's HIP_VISIBLE_DEVICES indexes into its ROCr mask
+    (absolute ids there would be "invalid device ordinal"). Trainers keep one mask."""
     site = profiles.load("frontier")
-    plan = make_plan(site, 1, server_gpus=2, tensor_parallel_size=2)
+    plan = make_plan(site, 1, server_gpus=2, tensor_parallel_size=tp)
     env = {"ROCR_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7", "HIP_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7",
            "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
-    set_vars, removed = pinning.gpu_environment(site, plan.task(6), env)     # the TP server
-    assert set_vars == {"ROCR_VISIBLE_DEVICES": "6,7"}
-    assert set(removed) == {"HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"}
+    servers = [t for t in plan.tasks if t.role == "server"]
+    assert [len(t.gpus) for t in servers] == [tp] * (2 // tp)
+    for task in plan.tasks:
+        set_vars, removed = pinning.gpu_environment(site, task, env)
+        after = {k: v for k, v in env.items() if k not in removed} | set_vars
+        mask = {"ROCR_VISIBLE_DEVICES": ",".join(map(str, task.gpus))}
+        if task.role == "server":
+            mask["HIP_VISIBLE_DEVICES"] = "0,1"[:2 * tp - 1]       # "0" or "0,1"
+        assert after == mask, (task.rank, task.role, after)
 
 
 def test_launcher_binding_one_gpu_per_task_is_refused_clearly():

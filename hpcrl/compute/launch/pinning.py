@@ -7,7 +7,8 @@ every site, whatever srun's binding options do there.
 GPU ids in the plan are the node's physical ids; the visibility variable the launcher set (if
 any) lists the devices the job holds, and plan GPU g is its g-th entry. On ROCm one variable
 is set (ROCR_VISIBLE_DEVICES, the runtime-level mask) and the HIP/CUDA ones are removed:
-they would apply on top of it, relative to the already-masked list ("invalid device ordinal").
+they would apply on top of it, relative to the already-masked list ("invalid device ordinal");
+an inference server also gets HIP_VISIBLE_DEVICES=0..k-1, relative to its mask, for Ray's sake.
 """
 
 from __future__ import annotations
@@ -65,8 +66,15 @@ def gpu_environment(site: Site, task: Task, environ: Mapping[str, str]) -> tuple
                 f"{site.node.gpus} per node; hpcrl pins GPUs itself, so srun must give every task all of "
                 f"the node's GPUs (--gpu-bind=none, no --gpus-per-task)")
         ids = [held[g] for g in task.gpus]
-    remove = tuple(v for v in _CONFLICTING[site.gpu_vendor] if v in environ)
-    return {var: ",".join(ids)}, remove
+    set_vars = {var: ",".join(ids)}
+    if site.gpu_vendor == "amd" and task.role == "server":
+        # Indices into the ROCr mask, so both name the same devices. Ray, which vLLM starts for an
+        # engine over several GPUs (ROCm builds ship it), refuses ROCR_VISIBLE_DEVICES without
+        # HIP_VISIBLE_DEVICES ("Please use HIP_VISIBLE_DEVICES instead"): every engine with
+        # tensor_parallel_size >= 2 died at start. vLLM copies it to CUDA_VISIBLE_DEVICES itself.
+        set_vars["HIP_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(len(ids)))
+    remove = tuple(v for v in _CONFLICTING[site.gpu_vendor] if v in environ and v not in set_vars)
+    return set_vars, remove
 
 
 def online_cores() -> set[int]:
