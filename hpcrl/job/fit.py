@@ -69,8 +69,8 @@ has inference.gpus / tensor_parallel_size engines, each generating for the train
                x dtype bytes, + max_num_seqs x vocabulary x 8 (fp32 logits and probabilities);
                vLLM's defaults: 16384 tokens and 1024 sequences on GPUs of 70 GiB or more,
                8192 and 256 below (inference.engine_args may set either)
-  overhead     1.5 GiB (context, NCCL, BLAS workspaces), + 0.5 GiB for CUDA graphs without
-               enforce_eager
+  overhead     1.5 GiB (context, NCCL, BLAS workspaces), + 0.5 GiB for CUDA graphs (the
+               default on GPUs; none with inference.enforce_eager)
   against      inference.gpu_memory_utilization x the GPU's memory (vLLM's budget), the whole GPU for
                the transformers engine (which keeps the KV cache and the sampling scores of the node's
                whole batch at once, and counts them)
@@ -687,7 +687,8 @@ def _server(spec: JobSpec, plan: Plan, shape: ModelShape) -> tuple[dict[str, int
     tp = inf.tensor_parallel_size
     parts = server_parts(shape, tp=tp, serve_dtype=dtype, max_model_len=engine_len(spec),
                          kv_dtype_bytes=kv_bytes, batched_tokens=tokens, max_seqs=seqs,
-                         cuda_graphs=not inf.enforce_eager and spec.site.device == "cuda")
+                         cuda_graphs=spec.site.device == "cuda" and inf.engine != "transformers"
+                         and not inf.eager(spec.site.device))
     capacity = task_capacity(spec, plan)
     batch = _sequences_per_step(spec, plan)
     per_seq = engine_len(spec) * kv_bytes_per_token(shape, tp, kv_bytes)

@@ -40,7 +40,7 @@ def vllm_options(model_dir: str, inference: InferenceConfig, model: ModelConfig,
         # log-probabilities close. (bfloat16 works too: see vllm_plugin.request_amx_permission.)
         dtype = "float32"
     options = dict(model=model_dir, tokenizer=model.tokenizer or model_dir, trust_remote_code=model.trust_remote_code,
-                   dtype=dtype, max_model_len=inference.max_model_len, enforce_eager=inference.enforce_eager,
+                   dtype=dtype, max_model_len=inference.max_model_len, enforce_eager=inference.eager(device),
                    seed=seed, tensor_parallel_size=inference.tensor_parallel_size, logprobs_mode="processed_logprobs",
                    shutdown_timeout=ENGINE_DRAIN_S)
     if device != "cpu":
