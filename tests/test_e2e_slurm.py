@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from hpcrl.job import rundir
 from conftest import _testbed_up, run_hpcrl
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -112,7 +113,8 @@ def vllm_requeue_job(request, tmp_path_factory):
         yield None
         return
     job_id, run_dir = _submit(hpcrl, *TWO_TASKS, "inference.engine=vllm", f"grpo.max_steps={VLLM_REQUEUE_STEPS}",
-                              "checkpoint.every=5", "-t", "15", env={"HPCRL_FAULT": "slow-steps:0"})
+                              "inference.overlap_generation=true", "checkpoint.every=5", "-t", "15",
+                              env={"HPCRL_FAULT": "slow-steps:0"})
     failed: list[BaseException] = []
 
     def drive():
@@ -129,32 +131,6 @@ def vllm_requeue_job(request, tmp_path_factory):
     driver.start()
     yield hpcrl, job_id, run_dir, driver, failed
     subprocess.run(["scancel", job_id], capture_output=True, timeout=10)
-
-
-def test_two_nodes_each_server_synced_by_its_own_sender(testbed, hpcrl, cancel_after):
-    """With overlap_generation: each node's next generation is in flight on its vLLM server while its
-    trainer trains, and is taken before that node's sender streams the new weights."""
-    job_id, run_dir = _submit(hpcrl, "-N", "2", *TWO_TASKS, "grpo.max_steps=3", "inference.overlap_generation=true",
-                              "-t", "15")
-    cancel_after(job_id)
-    info = _wait(hpcrl, job_id, lambda i: i["state"] in FINAL, 900)
-    assert info["state"] == "COMPLETED", info
-    metrics = _metrics(run_dir)
-    assert [m["step"] for m in metrics] == [1, 2, 3]
-    assert [m["off_policy_lag"] for m in metrics] == [0, 1, 1]      # sampled one version behind
-    # The job's gathers for each sync (counted in hpcrl.compute.sync.gather.GatherTraffic): none between nodes.
-    synced = [m for m in metrics if m.get("sync_s")]
-    assert len(synced) == 2 and all(m["sync_gathered_bytes_cross_node"] == 0 for m in synced), synced
-    health = {int(p.stem.split("-")[1]): json.loads(p.read_text()) for p in (run_dir / ".servers").glob("node-*.json")}
-    assert sorted(health) == [0, 1]
-    ranks = {r["rank"]: r for r in json.loads((run_dir / "ranks.json").read_text())}
-    for node, h in health.items():
-        assert h["engine"] == "vllm" and h["state"] == "finished"
-        # Synced after steps 1 and 2 (the last step needs no sync): each server is at version 2.
-        assert h["weight_version"] == 2, h
-        assert ranks[h["rank"]]["node"] == node and ranks[h["rank"]]["role"] == "server"
-    line = next(l for l in hpcrl("status").stdout.splitlines() if l.startswith(job_id + " "))
-    assert "COMPLETED" in line and " 3 " in line
 
 
 def test_two_nodes_of_two_engines_each_synced_inside_its_node(testbed, hpcrl, cancel_after):
@@ -226,10 +202,20 @@ def test_a_stop_before_any_step_is_not_requeued(testbed, hpcrl, cancel_after):
 
 
 def test_killed_server_fails_the_job_naming_its_node_and_keeps_the_checkpoint(testbed, hpcrl, cancel_after):
+    """2 nodes of one trainer and one vLLM server: each server is synced by its own node's sender
+    (no gather crosses nodes) until node 1's server is SIGKILLed; the job ends naming it."""
     job_id, run_dir = _submit(hpcrl, "-N", "2", *TWO_TASKS, "grpo.max_steps=100000", "checkpoint.every=2",
                               "-t", "15")
     cancel_after(job_id)
     killed_at, ckpt_step = _kill_when(hpcrl, job_id, run_dir, 3, "server", 1)
+    # The gathers of each sync, counted in hpcrl.compute.sync.gather.GatherTraffic: none between nodes.
+    synced = [m for m in _metrics(run_dir) if m.get("sync_s")]
+    assert len(synced) >= 2 and all(m["sync_gathered_bytes_cross_node"] == 0 for m in synced), synced
+    ranks = {r["rank"]: r for r in _ranks(run_dir)}
+    for node in (0, 1):
+        health = json.loads(rundir.server_health_file(run_dir, node, 0).read_text())
+        assert health["engine"] == "vllm" and ranks[health["rank"]]["node"] == node, health
+        assert ranks[health["rank"]]["role"] == "server", health
     info = _wait(hpcrl, job_id, lambda i: i["state"] in FINAL, 120)
     assert time.time() - killed_at < 60, "the job outlived its server by a minute"
     assert info["state"] == "FAILED", info
@@ -403,8 +389,10 @@ def test_vllm_job_checkpoints_at_the_signal_requeues_and_survives_a_killed_attem
     core, which died of it before the trainers checkpointed; and a killed attempt's MPICH segments
     in /dev/shm made the requeued one die in MPI_Init. Now: `scancel -b -s USR2` (what Slurm does
     before the time limit) checkpoints, requeues and resumes; `scontrol requeue` (a kill) resumes
-    from the last periodic checkpoint; every step is in the metrics once. The job was submitted, and
-    is signalled, by the vllm_requeue_job fixture while the module's other tests ran."""
+    from the last periodic checkpoint; every step is in the metrics once. The job also carries the
+    module's check of overlap_generation with vLLM (the generation asked for ahead, across resumes,
+    and the server at the last synced version at the end). It was submitted, and is signalled, by
+    the vllm_requeue_job fixture while the module's other tests ran."""
     hpcrl, job_id, run_dir, driver, failed = vllm_requeue_job
     driver.join(timeout=840)
     assert not driver.is_alive(), "the driver thread did not finish"
@@ -412,7 +400,15 @@ def test_vllm_job_checkpoints_at_the_signal_requeues_and_survives_a_killed_attem
         raise failed[0]
     info = _wait(hpcrl, job_id, lambda i: i["state"] in FINAL and i.get("step") == VLLM_REQUEUE_STEPS, 400)
     assert info["state"] == "COMPLETED" and info["restarts"] >= 2, info
-    assert [m["step"] for m in _metrics(run_dir)] == list(range(1, VLLM_REQUEUE_STEPS + 1))
+    metrics = _metrics(run_dir)
+    assert [m["step"] for m in metrics] == list(range(1, VLLM_REQUEUE_STEPS + 1))
+    # overlap_generation: the next generation is in flight on the vLLM server while the trainer trains
+    # (sampled one version behind), and a checkpoint keeps it, so across both resumes too.
+    assert [m["off_policy_lag"] for m in metrics] == [0] + [1] * (VLLM_REQUEUE_STEPS - 1)
+    health = json.loads(rundir.server_health_file(run_dir, 0, 0).read_text())
+    assert (health["engine"], health["state"], health["weight_version"]) == ("vllm", "finished", VLLM_REQUEUE_STEPS - 1)
+    line = _status_line(hpcrl, job_id)
+    assert "COMPLETED" in line and f" {VLLM_REQUEUE_STEPS} " in line, line
     log = Path(info["log"]).read_text()
     assert "stop requested (SIGUSR2)" in log and "hpcrl: requeueing job" in log, log[-3000:]
     assert "EngineDeadError" not in log and "MPI_Init" not in log, log[-3000:]
