@@ -312,3 +312,22 @@ def test_enforce_eager_is_off_on_gpus_and_on_for_the_cpu_build_unless_the_recipe
              for device in ("cuda", "cpu") for setting in (None, True, False)}
     assert eager == {("cuda", None): False, ("cuda", True): True, ("cuda", False): False,
                      ("cpu", None): True, ("cpu", True): True, ("cpu", False): False}
+
+
+def test_auto_on_a_gpu_site_without_vllm_is_refused_not_a_silent_transformers_engine(monkeypatch):
+    """Issue #27, item 4: `inference.engine: auto` fell back to the transformers engine wherever vLLM
+    was missing; on a GPU site that is a slow job nobody chose. The CPU keeps the fallback."""
+    from types import SimpleNamespace
+
+    from hpcrl.compute.inference import hf_engine, server, vllm_engine
+
+    monkeypatch.setattr(vllm_engine, "vllm_available", lambda: False)
+    monkeypatch.setattr(hf_engine, "TransformersEngine", lambda *a, **kw: "transformers engine")
+    recipe = Recipe(model=ModelConfig(path="/m"), inference=InferenceConfig(engine="auto"))
+    gpu = SimpleNamespace(spec=SimpleNamespace(recipe=recipe), device="cuda", task=SimpleNamespace(cores=()))
+    with pytest.raises(RuntimeError, match=r"^inference.engine: auto found no vLLM .* set inference.engine=transformers"):
+        server.make_engine(gpu, "/m")
+    assert server.make_engine(_ctx(recipe), "/m") == "transformers engine"        # the CPU build
+    chosen = Recipe(model=ModelConfig(path="/m"), inference=InferenceConfig(engine="transformers"))
+    assert server.make_engine(SimpleNamespace(**{**vars(gpu), "spec": SimpleNamespace(recipe=chosen)}), "/m") \
+        == "transformers engine"

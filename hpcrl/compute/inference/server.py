@@ -46,6 +46,12 @@ def make_engine(ctx: LaunchContext, model_dir: str, errors_log: Path | None = No
     if inf.engine == "vllm" and not vllm_available():
         raise RuntimeError("inference.engine: vllm is not installed in this environment; "
                            "install a vLLM build for this site or use inference.engine=transformers")
+    if inf.engine == "auto" and ctx.device == "cuda" and not vllm_available():
+        # Falling back here would be silent and slow: the transformers engine generates without
+        # paging or batching across requests and takes every sync's whole model over a socket.
+        raise RuntimeError("inference.engine: auto found no vLLM in this environment on a GPU site; install "
+                           "the site's vLLM build (on Frontier OLCF's ROCm vLLM container) or set "
+                           "inference.engine=transformers to generate with the transformers engine on purpose")
     if use_vllm:
         if model.use_peft:
             # The engine's workers (spawned processes) inherit it: only adapted layers move after
