@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
 from hpcrl.job.fit import (GIB, ModelShape, choose_mesh, estimate, layer_activation_bytes, model_shape,
-                           server_parts, trainer_parts)
+                           server_parts, sync_traffic, trainer_parts)
 from hpcrl.login.cli import main as cli_main
 from hpcrl.login.compose import compose
 
@@ -98,13 +99,13 @@ def test_a_mixture_of_experts_model_is_estimated_with_all_its_experts_stored_and
     assert layer_activation_bytes(shape, 2) == layer_activation_bytes(dense, 2) + 2 * 8 * h + 4 * 128
     # `hpcrl plan` says whether it fits: one engine of 2 GCDs serves it (57 GiB of bf16 weights do
     # not fit one); the training state (16 B a parameter: 455 GiB) does not fit one node's 6
-    # trainers, and fits 4 nodes' 24.
+    # trainers, and fits 2 nodes' 12: at 4 nodes, HSDP in groups of 2 nodes.
     path = _model(tmp_path, "moe", QWEN3_30B_A3B)
     tp2 = ["inference.gpus=2", "inference.tensor_parallel_size=2", "trainer.activation_checkpointing=true"]
     one = estimate(_spec("frontier", 1, f"model.path={path}", *BATCH, *tp2))
     assert one.trainer.fits is False and one.server.fits is True and "-N 2" in one.trainer.fix_text()
     four = estimate(_spec("frontier", 4, f"model.path={path}", *BATCH, *tp2))
-    assert four.trainer.fits is True and four.mesh.shard == 24
+    assert four.trainer.fits is True and (four.mesh.shape, four.mesh.nodes_per_shard) == ((2, 12), 2)
 
 
 # ------------------------------------------------------------------------- the parts, by hand
@@ -217,19 +218,38 @@ def test_14b_full_fine_tuning_on_one_frontier_node_does_not_fit(tmp_path):
     assert fit.server.fits is True
 
 
-def test_14b_at_64_frontier_nodes_fits_with_fsdp_over_448_trainers(tmp_path):
+def test_14b_at_64_frontier_nodes_shards_over_two_nodes_and_replicates_beyond(tmp_path):
+    """Issue #27, item 6: a model one node's trainers cannot hold was sharded over all 448 trainers
+    of the job (every all-gather, every sync's, spanning 64 nodes); now over the fewest nodes that
+    hold it, 2, replicated across 32 such groups, as the launch will build it."""
     path = _model(tmp_path, "q14", QWEN_14B)
     spec = _spec("frontier", 64, f"model.path={path}", "grpo.beta=0.04", "trainer.activation_checkpointing=true",
                  *BATCH, *BIGGER_BATCH)
     fit = estimate(spec)
-    # HSDP would keep one node's 78.1 GiB per GCD: auto picks FSDP over every trainer, as the launch will.
-    assert (fit.mesh.kind, fit.mesh.shape) == ("fsdp", (448,)) and choose_mesh(spec, spec.plan()) == fit.mesh
-    assert round(fit.trainer.parts["training_state"] / GIB, 2) == 0.49        # 14.8B x 16 B / 448
-    assert fit.trainer.est_gb == 43.3 and fit.fits is True
+    # One node's 7 trainers would keep 78.1 GiB per GCD; 2 nodes' 14 keep 60.5.
+    assert (fit.mesh.kind, fit.mesh.shape, fit.mesh.nodes_per_shard) == ("hsdp", (32, 14), 2)
+    assert choose_mesh(spec, spec.plan()) == fit.mesh
+    assert "78.1 GB per GCD with the state sharded over one node's 7 trainers" in fit.mesh.reason
+    assert "shard over each 2 nodes, replicate across the 32 groups" in fit.mesh.reason
+    assert round(fit.trainer.parts["training_state"] / GIB, 2) == 15.72       # 14.8B x 16 B / 14
+    assert fit.trainer.est_gb == 60.5 and fit.fits is True
+    assert fit.mesh.hpz_partition_size == 1         # DeepSpeed's hpZ copy is a node's: plain ZeRO-3 there
+    # A sync: each of a node's 7 trainers gathers the other node's half of the 27.5 GiB bf16 model,
+    # where sharding over all 448 brought 441/448 of it from other nodes.
+    model = 14_769_689_600 * 2
+    traffic = sync_traffic(spec, spec.plan(), fit.mesh)
+    assert (traffic.model_bytes, traffic.cross_node_bytes) == (model, 7 * model * 7 // 14)
+    before = sync_traffic(spec, spec.plan(), replace(fit.mesh, shape=(448,), nodes_per_shard=64))
+    assert before.cross_node_bytes == 7 * model * 441 // 448
+    # 3 nodes do not split into groups of 2: all 21 trainers shard it.
+    three = _spec("frontier", 3, f"model.path={path}", "grpo.beta=0.04", "trainer.activation_checkpointing=true",
+                  *BATCH, *BIGGER_BATCH)
+    assert choose_mesh(three, three.plan()).shape == (21,)
     # With the smaller micro-batch one node's trainers hold it all: HSDP, no weight bytes cross nodes.
     small = _spec("frontier", 64, f"model.path={path}", "grpo.beta=0.04", "trainer.activation_checkpointing=true",
                   *BATCH)
     assert choose_mesh(small, small.plan()).kind == "hsdp" and estimate(small).trainer.est_gb == 62.1
+    assert sync_traffic(small, small.plan(), choose_mesh(small, small.plan())).cross_node_bytes == 0
 
 
 def test_activations_do_not_shrink_with_nodes_on_cuda(tmp_path):
@@ -256,7 +276,7 @@ def test_70b_needs_many_cuda_nodes_and_a_tensor_parallel_server(tmp_path):
     # The trainers' fix is counted with the server's GPUs taken: 4 trainers per node.
     assert one.trainer.fits is False and one.trainer.fixes == ("-N 9 (with inference.gpus=4 inference.tensor_parallel_size=4)",)
     at64 = estimate(_spec("cuda", 64, *args, "inference.gpus=4", "inference.tensor_parallel_size=4"))
-    assert at64.mesh.shape == (256,) and at64.fits is True
+    assert (at64.mesh.shape, at64.mesh.nodes_per_shard) == ((4, 64), 16) and at64.fits is True
     # On Frontier the 70B server with TP 1 does not fit a 64 GB GCD either.
     assert estimate(_spec("frontier", 64, *args)).server.fits is False
 
@@ -296,7 +316,7 @@ def test_plan_json_carries_the_estimate_and_the_verdict(tmp_path, capsys, monkey
         "grpo.per_device_train_batch_size=8 grpo.gradient_accumulation_steps=2", "-N 2"]
     assert cli_main(["plan", str(recipe), *BATCH, *BIGGER_BATCH, "--site", "frontier", "-N", "64", "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
-    assert shown["fits"] is True and shown["memory"]["mesh"]["shape"] == [448]
+    assert shown["fits"] is True and shown["memory"]["mesh"]["shape"] == [32, 14]
     assert sorted(p.name for p in tmp_path.iterdir()) == before              # plan writes nothing
 
 
@@ -315,6 +335,23 @@ def test_plan_table_has_the_memory_column_and_the_verdicts(tmp_path, capsys):
                        "activations 11.4, logits 4.6, log-prob chunk 2.3, overhead 2)")
     assert out[-1].startswith("server: ~16.8 GB of 54.4 GB per GCD (gpu_memory_utilization 0.85 of 64 GB): fits "
                               "(weights 13.8, KV cache 0.2")
+    assert out[-3].startswith("global batch: 8 completions per trainer x 6 trainers = 48 completions (6 prompts x 8)")
+    assert not any(line.startswith("weight sync:") for line in out)        # one node: nothing crosses
+
+
+def test_plan_says_what_a_sync_moves_across_nodes_and_that_the_batch_grows_with_nodes(tmp_path, capsys):
+    path = _model(tmp_path, "q14", QWEN_14B)
+    args = ["plan", "--site", "frontier", f"model.path={path}", "grpo.beta=0.04", "trainer.activation_checkpointing=true",
+            *BATCH]
+    assert cli_main([*args, "-N", "64", *BIGGER_BATCH]) == 0
+    out = capsys.readouterr().out
+    assert ("weight sync: each node takes in ~96.3 GB from other nodes per sync (its trainers' gathers from their "
+            "shard group's other nodes; the model is 27.5 GB in bfloat16)") in out
+    assert "global batch: 16 completions per trainer x 448 trainers = 7168 completions (448 prompts x 16)" in out
+    assert cli_main([*args, "-N", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "weight sync: no weight bytes cross nodes (each shard group is one node; the model is 27.5 GB" in out
+    assert "= 112 completions (14 prompts x 8) per optimizer step" in out and "so it grows with -N" in out
 
 
 def test_plan_needs_a_site(capsys):

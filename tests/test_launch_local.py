@@ -293,6 +293,31 @@ def test_probe_on_rocm_gives_a_tensor_parallel_server_a_hip_mask_inside_its_rocr
 
 
 @needs_mpi
+def test_probe_builds_a_shard_group_over_two_nodes_where_one_node_cannot_hold_the_state(tmp_path):
+    """Issue #27, item 6, through the real launch: 4 nodes, a model whose state one node's trainer
+    cannot hold but two nodes' can (the memory estimate, from its config.json): each shard group
+    spans nodes 0-1 or 2-3, and the replicas are across them."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 896, "num_hidden_layers": 24,
+        "vocab_size": 151936, "intermediate_size": 4864, "num_attention_heads": 14, "num_key_value_heads": 2,
+        "tie_word_embeddings": True, "torch_dtype": "bfloat16"}))         # Qwen2-0.5B's shape, no weights
+    (model / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+    (model / "tokenizer.json").write_text("{}")
+    proc, _, run_dir = _hpcrl_run(tmp_path, f"model.path={model}", "site.node.memory_gb=14", "site.node.gpus=2",
+                                  "grpo.per_device_train_batch_size=4", "grpo.num_generations=4",
+                                  "grpo.max_completion_length=16", "inference.max_model_len=128", nodes=4)
+    assert proc.returncode == 0, proc.stderr
+    assert "mesh hsdp (replicate=2 x shard=2)" in proc.stderr and "shard over each 2 nodes" in proc.stderr
+    rows = probe_rows(proc.stdout)
+    check_rows_against_plan(rows, JobSpec.load(run_dir))
+    groups = {r["observed"]["node"]: r["checks"]["all_reduce"] for r in rows if r["plan"]["role"] == "trainer"}
+    assert {n: g["mesh_shard_nodes"] for n, g in groups.items()} == {0: [0, 1], 1: [0, 1], 2: [2, 3], 3: [2, 3]}
+    assert {n: g["mesh_replicate_nodes"] for n, g in groups.items()} == {0: [0, 2], 1: [1, 3], 2: [0, 2], 3: [1, 3]}
+
+
+@needs_mpi
 def test_probe_three_trainers_and_a_server_match_the_plan(tmp_path):
     proc, seconds, run_dir = _hpcrl_run(tmp_path, "site.node.gpus=4", "site.gpu_vendor=nvidia")
     assert proc.returncode == 0, proc.stderr

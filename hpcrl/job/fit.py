@@ -26,7 +26,8 @@ Trainer, per GPU (FSDP2 with the mixed precision of hpcrl.compute.train.fsdp):
                    logsumexp, and its gradient)
   overhead         2 GiB on a GPU (CUDA/HIP context, NCCL/RCCL buffers, allocator fragmentation),
                    0.5 GiB for a CPU task
-Shard: every trainer of the job for FSDP, one node's trainers for HSDP (choose_mesh).
+Shard: every trainer of the job for FSDP, the trainers of the fewest nodes that hold the step for
+HSDP, one node's where they can (choose_mesh).
 
 With trainer.engine=deepspeed (ZeRO-3; hpcrl.job.deepspeed) the same parts, for the same mesh: ZeRO-3
 keeps the same 16 B a parameter (bf16: the parameter 2, its gradient 2, the fp32 master 4, two fp32
@@ -471,6 +472,7 @@ class MeshChoice:
     dim_names: tuple[str, ...]
     reason: str
     params: int | None = None
+    nodes_per_shard: int = 1           # HSDP: the nodes one shard group (one copy of the state) spans
 
     def describe(self) -> str:
         dims = " x ".join(f"{n}={s}" for n, s in zip(self.dim_names, self.shape))
@@ -484,18 +486,22 @@ class MeshChoice:
     @property
     def hpz_partition_size(self) -> int:
         """trainer.engine=deepspeed: ZeRO++'s secondary partition (zero_hpz_partition_size), the
-        HSDP of DeepSpeed: each node's trainers for HSDP over several nodes, else 1 (plain ZeRO-3)."""
-        return self.shard if self.kind == "hsdp" and self.shape[0] > 1 else 1
+        HSDP of DeepSpeed: each node's trainers for HSDP over several nodes, else 1 (plain ZeRO-3,
+        also where a shard group spans nodes: hpZ's secondary copy is a node's)."""
+        return self.shard if self.kind == "hsdp" and self.shape[0] > 1 and self.nodes_per_shard == 1 else 1
 
 
 def choose_mesh(spec: JobSpec, plan: Plan) -> MeshChoice:
-    """FSDP over every trainer, or HSDP (shard inside a node, replicate across nodes).
+    """FSDP over every trainer, or HSDP (shard inside a group of nodes, replicate across groups).
 
-    HSDP keeps the all-gathers of a weight sync inside the node, where the node's sender hands the
-    weights to its server: no weight bytes cross the interconnect for a sync. `auto` picks it only
-    where one node's trainers hold the whole training step (the estimate below, when the model's
-    config.json and the GPU's memory are known; else the training state alone within 60% of the
-    node's memory); otherwise the model is sharded over every trainer of the job."""
+    HSDP inside one node keeps the all-gathers of a weight sync inside the node, where the node's
+    sender hands the weights to its server: no weight bytes cross the interconnect for a sync.
+    `auto` picks it where one node's trainers hold the whole training step (the estimate below,
+    when the model's config.json and the GPU's memory are known; else the training state alone
+    within 60% of the node's memory). Where they do not, the state is sharded over the fewest nodes
+    that hold it (a number of nodes that divides the job's), replicated beyond: every all-gather,
+    a sync's included, then spans those nodes only, not the whole job; FSDP over every trainer is
+    left for a model no smaller group holds."""
     shape, _ = model_shape(spec.recipe.model.path)
     params = shape.params if shape else count_parameters(spec.recipe.model.path)
     return _choose_mesh(spec, plan, shape, params)
@@ -518,29 +524,94 @@ def _choose_mesh(spec: JobSpec, plan: Plan, shape: ModelShape | None, params: in
     if nodes == 1:
         return fsdp("one node: sharding over its trainers is HSDP already")
     capacity = task_capacity(spec, plan)
+
+    def over(k: int) -> str:
+        return f"one node's {per_node} trainers" if k == 1 else f"{k} nodes' {k * per_node} trainers"
+
     if shape is not None and capacity:
-        need = sum(_trainer_parts(spec, shape, per_node).values())
-        facts = (f"~{_fmt(need)} GB per {device_word(spec)} with the state sharded over one node's "
-                 f"{per_node} trainers, of {_fmt(capacity)} GB")
-        if need <= capacity:
-            return hsdp(f"{facts}: shard inside each node, replicate across nodes")
-        return fsdp(f"{facts}: too much, shard over all {plan.num_trainers} trainers")
-    if params is None:
+        def holds(k: int) -> bool:
+            return sum(_trainer_parts(spec, shape, k * per_node).values()) <= capacity
+
+        def facts(k: int) -> str:
+            need = sum(_trainer_parts(spec, shape, k * per_node).values())
+            return f"~{_fmt(need)} GB per {device_word(spec)} with the state sharded over {over(k)}, of {_fmt(capacity)} GB"
+    elif params is None:
         return fsdp(f"the size of {spec.recipe.model.path} is unknown: shard over all trainers to be safe")
-    if not capacity:
+    elif not capacity:
         return hsdp("the site gives no memory size; assuming the model fits one node")
-    if spec.recipe.model.use_peft:
-        # frozen weights only (the adapters, unknown without the shape, are a small fraction)
-        per_param = DTYPE_BYTES[_frozen_dtype(spec)]
     else:
-        per_param = TRAIN_BYTES_PER_PARAM + (REFERENCE_BYTES_PER_PARAM if spec.recipe.grpo.beta > 0 else 0)
-    need_gb = params * per_param / 1e9
-    have_gb = per_node * capacity / GIB * STATE_MEMORY_SHARE
-    facts = (f"{params / 1e9:.2f}B parameters need ~{need_gb:.0f} GB of training state; one node's "
-             f"{per_node} trainers have ~{have_gb:.0f} GB for it")
-    if need_gb <= have_gb:
-        return hsdp(f"{facts}: shard inside each node, replicate across nodes")
-    return fsdp(f"{facts}: too little, shard over all {plan.num_trainers} trainers")
+        if spec.recipe.model.use_peft:
+            # frozen weights only (the adapters, unknown without the shape, are a small fraction)
+            per_param = DTYPE_BYTES[_frozen_dtype(spec)]
+        else:
+            per_param = TRAIN_BYTES_PER_PARAM + (REFERENCE_BYTES_PER_PARAM if spec.recipe.grpo.beta > 0 else 0)
+        need_gb = params * per_param / 1e9
+
+        def have_gb(k: int) -> float:
+            return k * per_node * capacity / GIB * STATE_MEMORY_SHARE
+
+        def holds(k: int) -> bool:
+            return need_gb <= have_gb(k)
+
+        def facts(k: int) -> str:
+            return f"{params / 1e9:.2f}B parameters need ~{need_gb:.0f} GB of training state; {over(k)} have ~{have_gb(k):.0f} GB for it"
+
+    fewest = next((k for k in range(1, nodes + 1) if nodes % k == 0 and holds(k)), None)
+    if fewest == 1:
+        return hsdp(f"{facts(1)}: shard inside each node, replicate across nodes")
+    if fewest is not None and fewest < nodes:
+        groups = nodes // fewest
+        return MeshChoice("hsdp", (groups, fewest * per_node), ("replicate", "shard"),
+                          f"{facts(1)}: too much; {facts(fewest)}: shard over each {fewest} nodes, replicate "
+                          f"across the {groups} groups (a sync gathers inside its group)", params,
+                          nodes_per_shard=fewest)
+    if fewest == nodes:
+        return fsdp(f"{facts(1)}: too much, and no group of fewer nodes holds it: shard over all "
+                    f"{plan.num_trainers} trainers")
+    return fsdp(f"{facts(1)}: too much, shard over all {plan.num_trainers} trainers")
+
+
+@dataclass(frozen=True)
+class SyncTraffic:
+    """What one weight sync gathers, per node: every trainer of a shard group all-gathers each
+    weight in the engine's dtype (FSDP2's gathers deliver the whole tensor to every member), and
+    what its group's members on other nodes hold crosses the network."""
+    model_bytes: int                   # the whole model in the engine's dtype
+    dtype: str
+    in_node_bytes: int                 # per node, per sync
+    cross_node_bytes: int
+
+    def describe(self) -> str:
+        gathered = f"the model is {_fmt(self.model_bytes)} GB in {self.dtype}"
+        if not self.cross_node_bytes:
+            return f"weight sync: no weight bytes cross nodes (each shard group is one node; {gathered})"
+        return (f"weight sync: each node takes in ~{_fmt(self.cross_node_bytes)} GB from other nodes per sync "
+                f"(its trainers' gathers from their shard group's other nodes; {gathered})")
+
+
+def sync_traffic(spec: JobSpec, plan: Plan, mesh: MeshChoice) -> SyncTraffic | None:
+    """None where the model's shape is unknown on this machine."""
+    shape, _ = model_shape(spec.recipe.model.path)
+    if shape is None:
+        return None
+    dtype = serve_dtype(spec, shape)
+    full = shape.params * DTYPE_BYTES[dtype]
+    per_node, group = plan.trainers_per_node, mesh.shard
+    # Each trainer receives (group - 1) / group of every weight; the part held on other nodes is
+    # (group - per_node) / group, a shard group being whole nodes.
+    return SyncTraffic(full, dtype, per_node * full * (min(per_node, group) - 1) // group,
+                       per_node * full * max(group - per_node, 0) // group)
+
+
+def global_batch(spec: JobSpec, plan: Plan) -> str:
+    """One optimizer step's completions, which TRL's per-device batch makes grow with the job."""
+    g = spec.recipe.grpo
+    total = g.per_device_train_batch_size * g.gradient_accumulation_steps * plan.num_trainers
+    accumulation = f" x {g.gradient_accumulation_steps} accumulation steps" if g.gradient_accumulation_steps > 1 else ""
+    return (f"global batch: {g.per_device_train_batch_size} completions per trainer{accumulation} x "
+            f"{plan.num_trainers} trainers = {total} completions ({total // g.num_generations} prompts x "
+            f"{g.num_generations}) per optimizer step; per_device_train_batch_size is per trainer, as in TRL, "
+            f"so it grows with -N")
 
 
 # ------------------------------------------------------------------------------- a job's fit

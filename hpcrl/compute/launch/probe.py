@@ -179,6 +179,11 @@ def _all_reduce(ctx: LaunchContext) -> dict:
         dist.all_reduce(one, group=ctx.mesh.get_group(dim))
         result[f"mesh_{dim}"] = one.item()
         result["ok"] = result["ok"] and one.item() == size
+        # Which nodes the group spans: a shard group is one node, or the nodes choose_mesh named.
+        nodes = torch.zeros(ctx.plan.nodes, device=device)
+        nodes[ctx.task.node] = 1
+        dist.all_reduce(nodes, group=ctx.mesh.get_group(dim))
+        result[f"mesh_{dim}_nodes"] = [i for i, n in enumerate(nodes.tolist()) if n > 0]
     return result
 
 

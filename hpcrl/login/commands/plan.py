@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from hpcrl.job.fit import estimate
+from hpcrl.job.fit import estimate, global_batch, sync_traffic
 from hpcrl.job.placement import format_cores
 from hpcrl.login import compose
 from hpcrl.login.table import print_table
@@ -20,6 +20,7 @@ def main(args) -> int:
     plan = spec.plan()
     fit = estimate(spec, plan)
     est = {"trainer": fit.trainer.est_gb, "server": fit.server.est_gb}
+    traffic = sync_traffic(spec, plan, fit.mesh)
     if args.json:
         print(json.dumps({"site": spec.site.name, "nodes": plan.nodes, "tasks_per_node": plan.tasks_per_node,
                           "tasks": [{**t.to_dict(), "est_memory_gb": est[t.role]} for t in plan.tasks],
@@ -27,7 +28,12 @@ def main(args) -> int:
                           "tensor_parallel_size": plan.tensor_parallel_size,
                           "senders": {str(s): r for s, r in plan.senders().items()},
                           "model": spec.recipe.model.path, "fits": fit.fits, "memory": fit.to_dict(),
-                          "trainer_engine": _engine(spec, fit)}, indent=2))
+                          "trainer_engine": _engine(spec, fit),
+                          "sync_bytes_per_node": None if traffic is None else
+                          {"in_node": traffic.in_node_bytes, "cross_node": traffic.cross_node_bytes,
+                           "model": traffic.model_bytes, "dtype": traffic.dtype},
+                          "global_batch": spec.recipe.grpo.per_device_train_batch_size
+                          * spec.recipe.grpo.gradient_accumulation_steps * plan.num_trainers}, indent=2))
         return 0
     rows = [(str(t.rank), str(t.node), str(t.local_rank), _role(t, plan), ",".join(map(str, t.gpus)),
              format_cores(t.cores), _weights(t), "-" if est[t.role] is None else f"{est[t.role]:.1f}")
@@ -48,6 +54,9 @@ def main(args) -> int:
         print(f"model {spec.recipe.model.path}: {deepspeed.describe(fit.mesh)}")
     else:
         print(f"model {spec.recipe.model.path}: {fit.mesh.describe()}")
+    if traffic is not None and plan.nodes > 1:
+        print(traffic.describe())
+    print(global_batch(spec, plan))
     print(fit.trainer.verdict())
     print(fit.server.verdict())
     return 0
