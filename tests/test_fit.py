@@ -348,6 +348,11 @@ def test_plan_says_what_a_sync_moves_across_nodes_and_that_the_batch_grows_with_
     assert ("weight sync: each node takes in ~96.3 GB from other nodes per sync (its trainers' gathers from their "
             "shard group's other nodes; the model is 27.5 GB in bfloat16)") in out
     assert "global batch: 16 completions per trainer x 448 trainers = 7168 completions (448 prompts x 16)" in out
+    # Issue #27, item 5: the engine's KV cache against the sequences a step asks of it, and the fix.
+    assert "room for ~63 of the node's 112 sequences at once (generation runs in waves; inference.gpus=2 would " \
+           "hold them all)" in out
+    assert cli_main([*args, "-N", "64", *BIGGER_BATCH, "inference.gpus=2"]) == 0
+    assert "KV cache room for all 48 of the node's sequences at once" in capsys.readouterr().out    # 6 x 16 over 2
     assert cli_main([*args, "-N", "2"]) == 0
     out = capsys.readouterr().out
     assert "weight sync: no weight bytes cross nodes (each shard group is one node; the model is 27.5 GB" in out

@@ -778,7 +778,12 @@ def _server(spec: JobSpec, plan: Plan, shape: ModelShape) -> tuple[dict[str, int
         facts["budget"] = f"gpu_memory_utilization {inf.gpu_memory_utilization:g}"
     if capacity and inf.engine != "transformers":
         room = capacity - sum(parts.values()) + parts["kv_cache"]
-        facts["kv_sequences_at_once"] = max(0, min(seqs, room // per_seq)) if per_seq else None
+        at_once = facts["kv_sequences_at_once"] = max(0, min(seqs, room // per_seq)) if per_seq else None
+        if at_once and at_once < batch:
+            # More engines split the node's sequences: enough of them hold all at once.
+            gpus = math.ceil(plan.engines_per_node * batch / at_once) * tp
+            if gpus < spec.site.node.gpus:
+                facts["kv_all_at_once_with"] = f"inference.gpus={gpus}"
     return parts, capacity, facts
 
 
@@ -841,7 +846,9 @@ class RoleFit:
             return ""
         if at_once >= batch:
             return f"; KV cache room for all {batch} of the node's sequences at once"
-        return f"; KV cache room for ~{at_once} of the node's {batch} sequences at once (generation runs in waves)"
+        more = self.facts.get("kv_all_at_once_with")
+        return (f"; KV cache room for ~{at_once} of the node's {batch} sequences at once (generation runs in waves"
+                + (f"; {more} would hold them all)" if more else ")"))
 
     def _host_text(self) -> str:
         """DeepSpeed's offload: the host memory it takes, against the node's where the site says."""
