@@ -255,7 +255,6 @@ def test_vllm_gets_the_tokenizer_trust_remote_code_and_dtype(monkeypatch):
     opts = vllm_options("/m", InferenceConfig(), ModelConfig(path="/m"), device="cuda", seed=3, backend="ipc")
     assert opts["dtype"] == "auto"
 
-
     made = []
     monkeypatch.setattr(vllm_engine, "vllm_available", lambda: True)
     monkeypatch.setattr(vllm_engine, "VLLMEngine", lambda *a, **kw: made.append((a, kw)))
@@ -300,6 +299,7 @@ def test_a_qos_without_job_chaining_refuses_a_dependency():
         spec("resources.qos=debug", 'resources.sbatch_options=["--dependency=afterok:1"]')
     assert spec("resources.qos=debug", 'resources.sbatch_options=["--exclusive"]')
     assert spec('resources.sbatch_options=["--dependency=afterok:1"]')
+
 
 def test_enforce_eager_is_off_on_gpus_and_on_for_the_cpu_build_unless_the_recipe_says():
     """Issue #27, item 5: enforce_eager was on everywhere, so a GPU engine never captured CUDA/HIP

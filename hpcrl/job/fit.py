@@ -603,10 +603,14 @@ def sync_traffic(spec: JobSpec, plan: Plan, mesh: MeshChoice) -> SyncTraffic | N
                        per_node * full * max(group - per_node, 0) // group)
 
 
-def global_batch(spec: JobSpec, plan: Plan) -> str:
+def global_batch(spec: JobSpec, plan: Plan) -> int:
     """One optimizer step's completions, which TRL's per-device batch makes grow with the job."""
     g = spec.recipe.grpo
-    total = g.per_device_train_batch_size * g.gradient_accumulation_steps * plan.num_trainers
+    return g.per_device_train_batch_size * g.gradient_accumulation_steps * plan.num_trainers
+
+
+def describe_global_batch(spec: JobSpec, plan: Plan) -> str:
+    g, total = spec.recipe.grpo, global_batch(spec, plan)
     accumulation = f" x {g.gradient_accumulation_steps} accumulation steps" if g.gradient_accumulation_steps > 1 else ""
     return (f"global batch: {g.per_device_train_batch_size} completions per trainer{accumulation} x "
             f"{plan.num_trainers} trainers = {total} completions ({total // g.num_generations} prompts x "

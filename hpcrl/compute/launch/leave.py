@@ -1,14 +1,16 @@
-"""How a process that ran torch.distributed collectives leaves once its work is done.
+"""How a launch task leaves: having failed, at once; having finished its collectives, not through
+the interpreter's finalization.
 
-Not through the interpreter's finalization. A gloo group's worker thread may still be dropping
-its last collective's work after the caller saw it complete (a barrier keeps the collectives
-before it, and their tensors, until its worker lets go); freeing a tensor that has a Python
-object needs the GIL, and a thread that asks for the GIL once Python is finalizing is ended by
-pthread_exit, whose unwinding through a noexcept C++ destructor aborts the whole process:
-"terminate called without an active exception", SIGABRT, after the model had been written. Two
-FSDP2 gloo ranks that train a step, barrier, destroy their group and return aborted in 12 of 60
-runs here; ending through `exit_finished` instead, 0 of 40 (see tests/test_launch_exit.py for
-the parts that a test can check every time).
+A failed task skips MPI_Finalize, which may wait on peers that are gone. A finished one skips
+Python's finalization: a gloo group's worker thread may still be dropping its last collective's
+work after the caller saw it complete (a barrier keeps the collectives before it, and their
+tensors, until its worker lets go); freeing a tensor that has a Python object needs the GIL, and a
+thread that asks for the GIL once Python is finalizing is ended by pthread_exit, whose unwinding
+through a noexcept C++ destructor aborts the whole process: "terminate called without an active
+exception", SIGABRT, after the model had been written. Two FSDP2 gloo ranks that train a step,
+barrier, destroy their group and return aborted in 12 of 60 runs here; ending through
+`exit_finished` instead, 0 of 40 (see tests/test_launch_exit.py for the parts that a test can
+check every time).
 """
 
 from __future__ import annotations
@@ -41,3 +43,12 @@ def exit_finished(code: int = 0) -> NoReturn:
             MPI.Finalize()
     ctypes.PyDLL(None).exit(code)   # PyDLL: holding the GIL, which C++ static destructors of torch need
     os._exit(code)                  # not reached
+
+
+def exit_failed(code: int) -> int:
+    """A failed task skips MPI_Finalize, which may wait on peers that are gone."""
+    if "mpi4py.MPI" in sys.modules:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code

@@ -67,11 +67,11 @@ def main(argv: list[str] | None = None) -> int:
         ctx = setup(spec, run_dir, supervisor, book)
     except (LaunchError, pinning.PinningError, TimeoutError, ConnectionError) as e:
         outcome.fatal(f"hpcrl: {who}: {e}; exiting")
-        return _exit_failed(1)
+        return leave.exit_failed(1)
     code = run_role(ctx)
     code = teardown(ctx, code)
     if code != 0:
-        return _exit_failed(code)
+        return leave.exit_failed(code)
     if ctx.trainer_group is not None:
         leave.exit_finished(0)          # never through finalization: leave.py says why
     return 0
@@ -86,15 +86,6 @@ def _who(plan) -> str:
         return f"rank {rank} (beyond the plan's {plan.world_size} tasks)"
     task = plan.task(rank)
     return f"rank {rank} (node {task.node}, {plan.role_of(task)})"
-
-
-def _exit_failed(code: int) -> int:
-    """A failed task skips MPI_Finalize, which may wait on peers that are gone."""
-    if "mpi4py.MPI" in sys.modules:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    return code
 
 
 # ---------------------------------------------------------------------------- setup

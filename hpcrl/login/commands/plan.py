@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from hpcrl.job.fit import estimate, global_batch, sync_traffic
+from hpcrl.job.fit import describe_global_batch, estimate, global_batch, sync_traffic
 from hpcrl.job.placement import format_cores
 from hpcrl.login import compose
 from hpcrl.login.table import print_table
@@ -32,8 +32,7 @@ def main(args) -> int:
                           "sync_bytes_per_node": None if traffic is None else
                           {"in_node": traffic.in_node_bytes, "cross_node": traffic.cross_node_bytes,
                            "model": traffic.model_bytes, "dtype": traffic.dtype},
-                          "global_batch": spec.recipe.grpo.per_device_train_batch_size
-                          * spec.recipe.grpo.gradient_accumulation_steps * plan.num_trainers}, indent=2))
+                          "global_batch": global_batch(spec, plan)}, indent=2))
         return 0
     rows = [(str(t.rank), str(t.node), str(t.local_rank), _role(t, plan), ",".join(map(str, t.gpus)),
              format_cores(t.cores), _weights(t), "-" if est[t.role] is None else f"{est[t.role]:.1f}")
@@ -56,7 +55,7 @@ def main(args) -> int:
         print(f"model {spec.recipe.model.path}: {fit.mesh.describe()}")
     if traffic is not None and plan.nodes > 1:
         print(traffic.describe())
-    print(global_batch(spec, plan))
+    print(describe_global_batch(spec, plan))
     print(fit.trainer.verdict())
     print(fit.server.verdict())
     return 0
