@@ -6,13 +6,13 @@ The setting is one training micro-batch of a 152k-vocabulary model: 4,096 comple
 [hidden x vocabulary] projection (hidden 256: the LM head of a small model; the projection only has
 to be real, so that backward is) whose weight and input require gradients, in the compute dtype. One
 measured step is: the projection, the completion log-probabilities, the dapo loss with a KL term
-(hpcrl.compute.train.grpo.grpo_loss, beta 0.04), and the backward to the weight and the input.
+(hpcrl.compute.train.loss.grpo_loss, beta 0.04), and the backward to the weight and the input.
 
 Variants, each in a fresh interpreter so that peaks cannot mix:
-  unchunked  grpo.token_logprobs_unchunked, the computation before issue 14 (TRL's form): one
+  unchunked  logprobs.token_logprobs_unchunked, the computation before issue 14 (TRL's form): one
              autograd expression over all tokens, the fp32 upcast and logsumexp of the whole
              [tokens x vocabulary] kept for backward
-  chunked    grpo.completion_logprobs with chunk_tokens = N (trainer.logprob_chunk_tokens; 512 is the
+  chunked    logprobs.completion_logprobs with chunk_tokens = N (trainer.logprob_chunk_tokens; 512 is the
              recipe's default): fp32 work for N tokens at a time, forward and backward
 As in the trainer, the logits are made inside the scoring function and only the log-probabilities
 leave it, so each variant keeps exactly what its own autograd graph keeps.
@@ -93,7 +93,8 @@ def logprob_step(cfg: dict) -> dict:
 
     import torch
 
-    from hpcrl.compute.train import grpo
+    from hpcrl.compute.train import logprobs
+    from hpcrl.compute.train.loss import LossConfig, grpo_loss
 
     torch.set_num_threads(cfg["threads"])
     dtype = getattr(torch, cfg["dtype"])
@@ -112,12 +113,12 @@ def logprob_step(cfg: dict) -> dict:
     def score(h, w, ids):
         logits = h @ w          # local: freed when it returns unless the log-probs' graph keeps it
         if variant == "unchunked":
-            return grpo.token_logprobs_unchunked(logits[:, :-1], ids, temperature)
-        return grpo.completion_logprobs(logits, ids, temperature, chunk_tokens=chunk)
+            return logprobs.token_logprobs_unchunked(logits[:, :-1], ids, temperature)
+        return logprobs.completion_logprobs(logits, ids, temperature, chunk_tokens=chunk)
 
     def step(h, w, ids, mask, adv, ref, between=None):
         logps = score(h, w, ids)
-        loss, _ = grpo.grpo_loss(logps, None, ref, adv, mask, loss_type="dapo", beta=0.04)
+        loss, _ = grpo_loss(logps, None, ref, adv, mask, LossConfig(loss_type="dapo", beta=0.04))
         if between:
             between()
         loss.backward()
@@ -214,12 +215,13 @@ def logprob_section(args) -> tuple[str, list[str], list[list[str]], list[str], d
 
 
 def fit_section(args) -> tuple[str, list[str], list[list[str]], list[str], dict[str, str]]:
-    """hpcrl.job.fit's trainer estimate (what `hpcrl plan` and render use) against the peak of a real
+    """hpcrl.job.memory's trainer estimate (what `hpcrl plan` and render use) against the peak of a real
     training step, measured by scripts/bench_train.py's ranks in its own setting (FSDP2 on gloo at
     world sizes 1 and 2, reference off and on). CPU: fp32 compute, no framework overhead counted."""
     import bench_train                                   # scripts/bench_train.py: the measured step
     from hpcrl.compute.models.tiny import make_tiny_model
-    from hpcrl.job import fit
+    from hpcrl.job.memory import ModelStorage, TrainingStep, trainer_parts
+    from hpcrl.job.model_shape import ModelShape, count_parameters
 
     work = Path(tempfile.gettempdir()) / "hpcrl-bench-train"      # bench_train's: the model is kept
     work.mkdir(parents=True, exist_ok=True)
@@ -228,18 +230,18 @@ def fit_section(args) -> tuple[str, list[str], list[list[str]], list[str], dict[
                cores=sorted(os.sched_getaffinity(0)), model_dir=str(model_dir), modes=["full"])
     if args.smoke:          # bench_train --smoke's setting
         cfg.update(batch=4, micro=4, prompt_len=8, completion_len=8, steps=1, warmup=0, threads=1)
-    params = fit.count_parameters(str(model_dir))
-    shape = fit.ModelShape.from_config(json.loads((model_dir / "config.json").read_text()), params=params)
+    params = count_parameters(str(model_dir))
+    shape = ModelShape.from_config(json.loads((model_dir / "config.json").read_text()), params=params)
     headers = ["world", "reference", "measured MiB", "estimate MiB", "error", "state est/meas", "activ.+logits est/meas"]
     rows, errors = [], []
     for world in (1, 2):
         ranks = bench_train.run_world(world, cfg, work, args.timeout)
         for ref in ("ref_off", "ref_on"):
             measured = bench_train.summarize(ranks, "full", ref)
-            parts = fit.trainer_parts(shape, micro_batch=cfg["micro"], seq_len=cfg["prompt_len"] + cfg["completion_len"],
-                                      completion_len=cfg["completion_len"], shard=world, compute_dtype="float32",
-                                      reference=ref == "ref_on", logprob_chunk_tokens=TrainerConfig.logprob_chunk_tokens,
-                                      params=params, overhead_bytes=0)
+            step = TrainingStep(micro_batch=cfg["micro"], seq_len=cfg["prompt_len"] + cfg["completion_len"],
+                                completion_len=cfg["completion_len"], compute_dtype="float32",
+                                logprob_chunk_tokens=TrainerConfig.logprob_chunk_tokens, overhead_bytes=0)
+            parts = trainer_parts(shape, step, ModelStorage(shard=world, params=params, reference=ref == "ref_on"))
             est = sum(parts.values())
             error = abs(est - measured["peak"]) / measured["peak"]
             errors.append(error)
@@ -248,7 +250,7 @@ def fit_section(args) -> tuple[str, list[str], list[list[str]], list[str], dict[
                          f"{est / MIB:,.0f}", f"{error:.3f}",
                          f"{(parts['training_state'] + parts['reference']) / (measured['state'] + measured['ref_params']):.2f}",
                          f"{step_est / measured['activations']:.2f}" if measured["activations"] else "-"])
-    title = (f"Fit estimate (hpcrl.job.fit.trainer_parts) against a measured training step: {args.fit_size} model "
+    title = (f"Fit estimate (hpcrl.job.memory.trainer_parts) against a measured training step: {args.fit_size} model "
              f"({params / 1e6:.1f}M parameters, fp32), {cfg['micro']} completions of <= {cfg['prompt_len']} + "
              f"{cfg['completion_len']} tokens per rank")
     notes = ["measured: params + ref + grads + AdamW state (bytes of this rank's shards) + the fwd/bwd's peak RSS "

@@ -96,7 +96,7 @@ from hpcrl.compute.launch.watchdog import Hub, Peer, heartbeat_interval
 from hpcrl.job import rundir
 from hpcrl.job.spec import JobSpec
 from hpcrl.login.compose import compose
-from hpcrl.login.local import find_mpiexec, launch_command, mpi_flavor
+from hpcrl.login.local.mpiexec import find_mpiexec, launch_command, mpi_flavor
 
 TASKS_PER_NODE = 8
 EXTRAPOLATE_TO = (2048, 8192)

@@ -103,6 +103,7 @@ def trainer_rank(rank: int, world: int, init_file: str, model_dir: str, conn, cf
 
     from hpcrl.compute.sync.checkpoint_route import save_checkpoint
     from hpcrl.compute.sync.gather import LiveBytes, iter_buckets, param_specs, sync_named_params
+    from hpcrl.compute.sync.api import ShmOptions
     from hpcrl.compute.sync.trainer import TrainerWeightSync
 
     torch.set_num_threads(cfg["threads"])
@@ -146,7 +147,7 @@ def trainer_rank(rank: int, world: int, init_file: str, model_dir: str, conn, cf
     # The trainer's real sync (all ranks). The first one touches the shared pages: warm-up.
     tracker = LiveBytes()
     sync = TrainerWeightSync(model, notify if sender else None, is_sender=sender, bucket_bytes=bucket, tracker=tracker,
-                             shm_mode=cfg["shm_mode"], node_of_rank={r: 0 for r in range(world)})
+                             transport=ShmOptions(mode=cfg["shm_mode"]), node_of_rank={r: 0 for r in range(world)})
     assert sync.cast_to == wire, (sync.cast_to, wire)   # learnt from the engine, agreed by every rank
     e2e, peaks, rss = [], [], []
     for i in range(reps + 1):
@@ -218,6 +219,7 @@ def _lora_syncs(model_dir: str, world: int, notify, cfg: dict, barrier) -> dict:
     from transformers import AutoModelForCausalLM
 
     from hpcrl.compute.sync.gather import param_specs
+    from hpcrl.compute.sync.api import ShmOptions
     from hpcrl.compute.sync.trainer import TrainerWeightSync
     from hpcrl.compute.train.lora import add_adapters, adapter_tensors
     from hpcrl.job.recipe import ModelConfig
@@ -234,7 +236,7 @@ def _lora_syncs(model_dir: str, world: int, notify, cfg: dict, barrier) -> dict:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
     sync = TrainerWeightSync(model, notify, is_sender=notify is not None, bucket_bytes=cfg["bucket_bytes"],
-                             shm_mode=cfg["shm_mode"], node_of_rank={r: 0 for r in range(world)})
+                             transport=ShmOptions(mode=cfg["shm_mode"]), node_of_rank={r: 0 for r in range(world)})
     full_bytes = sum(s.nbytes for s in param_specs(sync.params, sync.cast_to))
     times = []
     for i in range(cfg["repeats"] + 1):
@@ -266,11 +268,12 @@ def run_one(size: str, args) -> dict:
     from vllm import LLM
 
     from hpcrl.compute.sync.checkpoint_route import reload_checkpoint
-    from hpcrl.compute.sync.receiver import WeightReceiver, engine_kwargs
+    from hpcrl.compute.inference.vllm_engine import weight_transfer_kwargs
+    from hpcrl.compute.sync.receiver import WeightReceiver
 
     t = time.perf_counter()
     llm = LLM(model=str(model_dir), dtype="bfloat16", enforce_eager=True, max_model_len=256, seed=0,
-              **engine_kwargs("hpcrl_shm"))
+              **weight_transfer_kwargs("hpcrl_shm"))
     receiver = WeightReceiver(llm)
     print(f"[{size}] engine ready in {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
 

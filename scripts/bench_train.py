@@ -6,7 +6,7 @@ completion tokens of random lengths and random advantages, seeded by the rank, s
 the same at both world sizes), packed by the trainer's own `pack_batch`. The policy (and with the reference on, the reference model) is loaded and sharded by
 hpcrl's FSDP2 code exactly as the trainer does it (hpcrl.compute.train.fsdp: `fully_shard` per decoder layer
 and root, rank 0 streams the checkpoint); the step is the trainer's: per micro-batch
-`completion_logps` -> `hpcrl.compute.train.grpo.grpo_loss` (dapo, TRL's numerics) -> backward, then
+`completion_logps` -> `hpcrl.compute.train.loss.grpo_loss` (dapo, TRL's numerics) -> backward, then
 gradient clipping and AdamW (hpcrl.compute.train.optim). Each rank keeps its own batch of
 `--batch` completions (per_device_train_batch_size: at world size 2 the global batch is twice as big).
 
@@ -62,6 +62,7 @@ deepspeed_ws2_over_ws1_memory: Y for the deepspeed rows (the goal is <= 0.6 too)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import importlib.util
 import json
@@ -289,8 +290,8 @@ def _measure(trainer, load_s: float, rank: int, world: int, cfg: dict) -> dict:
     import torch
     import torch.distributed as dist
 
-    from hpcrl.compute.train import grpo
     from hpcrl.compute.train.batch import completion_logps
+    from hpcrl.compute.train.loss import LossConfig, grpo_loss
 
     batch, advantages = fixed_batch(cfg, seed=1000 + rank)
     rows, micro = batch["input_ids"].shape[0], cfg["micro"]
@@ -300,6 +301,8 @@ def _measure(trainer, load_s: float, rank: int, world: int, cfg: dict) -> dict:
     tokens_global = float(tokens_global)
     peak_ok = reset_peak_rss()
     model = trainer.model
+    loss_config = LossConfig(loss_type="dapo", max_completion_length=cfg["completion_len"], num_processes=world,
+                             gradient_accumulation_steps=rows // micro)
 
     def step(reference):
         dist.barrier()
@@ -315,11 +318,9 @@ def _measure(trainer, load_s: float, rank: int, world: int, cfg: dict) -> dict:
         for start in range(0, rows, micro):
             sl = slice(start, start + micro)
             logps = completion_logps(model, batch, 1.0, sl)
-            loss, _ = grpo.grpo_loss(
-                logps, None, None if ref_logps is None else ref_logps[sl], advantages[sl],
-                batch["completion_mask"][sl], loss_type="dapo", beta=BETA if reference is not None else 0.0,
-                max_completion_length=cfg["completion_len"], num_items_in_batch=tokens_global,
-                num_processes=world, gradient_accumulation_steps=rows // micro)
+            config = dataclasses.replace(loss_config, beta=BETA if reference is not None else 0.0)
+            loss, _ = grpo_loss(logps, None, None if ref_logps is None else ref_logps[sl], advantages[sl],
+                                batch["completion_mask"][sl], config, num_items_in_batch=tokens_global)
             trainer.backward(loss)
         t_fb = time.perf_counter()
         fb_peak = peak_rss_bytes() - base

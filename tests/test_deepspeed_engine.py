@@ -29,7 +29,8 @@ from conftest import run_to_the_end
 from dist_harness import spawn
 from test_grpo_fields import _Fixed      # fixed completions: the test is the trainer's, not an engine's
 
-from hpcrl.job.recipe import DEMO_GRPO, GRPOConfig, ModelConfig, Recipe, TrainerConfig
+from hpcrl.job.grpo_config import DEMO_GRPO
+from hpcrl.job.recipe import GRPOConfig, ModelConfig, Recipe, TrainerConfig
 
 PY = sys.executable
 MPIEXEC = str(Path(PY).parent / "mpiexec") if (Path(PY).parent / "mpiexec").exists() else shutil.which("mpiexec")

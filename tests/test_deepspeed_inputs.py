@@ -14,7 +14,8 @@ import pytest
 from hpcrl.job import deepspeed
 from hpcrl.job.deepspeed import OWNED_KEYS, build_config, read_accelerate_config
 from hpcrl.job.errors import UserError
-from hpcrl.job.fit import GIB, estimate
+from hpcrl.job.estimate import estimate
+from hpcrl.job.memory import GIB
 from hpcrl.job.recipe import GRPOConfig, Recipe, TrainerConfig
 from hpcrl.job.spec import JobSpec
 from hpcrl.login import compose

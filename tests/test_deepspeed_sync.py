@@ -152,13 +152,14 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------- sender memory
 def _w_sender_memory(rank, world, model_dir, out_dir):
-    from hpcrl.compute.sync.gather import GatherTraffic, LiveBytes, PartitionedParam, param_specs, sync_named_params
+    from hpcrl.compute.sync.gather import GatherTraffic, LiveBytes, param_specs, sync_named_params
+    from hpcrl.compute.train.deepspeed_params import Zero3Param
 
     policy, engine = _engine(world, model_dir)
     engine.configure(_recipe().grpo)
     _train_step(engine, rank, 0)            # trained weights, not just the loaded ones
     named = sync_named_params(policy)
-    assert named and all(isinstance(p, PartitionedParam) for _, p in named)
+    assert named and all(isinstance(p, Zero3Param) for _, p in named)
     reference = _gathered_by_deepspeed(named)
     wire = _Wire({0: 0, 1: 0})
     report = {}

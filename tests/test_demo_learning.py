@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from conftest import run_to_the_end
 
-from hpcrl.job.recipe import DEMO_GRPO
+from hpcrl.job.grpo_config import DEMO_GRPO
 
 PY = sys.executable
 MPIEXEC = str(Path(PY).parent / "mpiexec") if (Path(PY).parent / "mpiexec").exists() else shutil.which("mpiexec")

@@ -17,6 +17,7 @@ import torch
 
 from hpcrl.compute.sync.gather import LiveBytes
 from hpcrl.compute.train import export
+from hpcrl.compute.train.export_checkpoint import export_checkpoint
 from hpcrl.job import rundir
 
 from conftest import run_to_the_end
@@ -73,11 +74,10 @@ def greedy(model, tokenizer, prompts: list[str], n: int = 8) -> list[str]:
 def _save(model, final, src, **kw):
     from transformers import AutoTokenizer
 
-    kw.setdefault("dtype", torch.float32)
-    kw.setdefault("max_shard_bytes", 10**9)
-    kw.setdefault("bucket_bytes", 2**20)
-    return export.save_from_trainers(model, final, model_dir=src, tokenizer=AutoTokenizer.from_pretrained(src),
-                                     writer=True, **kw)
+    how = export.ModelWriting(model_dir=src, tokenizer=AutoTokenizer.from_pretrained(src),
+                              dtype=kw.pop("dtype", torch.float32), max_shard_bytes=kw.pop("max_shard_bytes", 10**9),
+                              bucket_bytes=kw.pop("bucket_bytes", 2**20))
+    return export.save_from_trainers(model, final, how, writer=True, **kw)
 
 
 # ------------------------------------------------------------------ one process: files, shards, index
@@ -190,8 +190,9 @@ def on_file(path):
     opened.append(path)
     if len(opened) == 3:
         os.kill(os.getpid(), signal.SIGKILL)
-export.save_from_trainers(model, final, model_dir=src, tokenizer=AutoTokenizer.from_pretrained(src),
-                          dtype=torch.float32, max_shard_bytes=60_000, bucket_bytes=2**20, writer=True, on_file=on_file)
+how = export.ModelWriting(model_dir=src, tokenizer=AutoTokenizer.from_pretrained(src), dtype=torch.float32,
+                          max_shard_bytes=60_000, bucket_bytes=2**20)
+export.save_from_trainers(model, final, how, writer=True, on_file=on_file)
 """
 
 
@@ -231,9 +232,9 @@ def _two_ranks(rank: int, world: int, src: str, out: str, hsdp: bool) -> None:
     apply_fsdp(model, mesh)
     tracker = LiveBytes()
     largest = max(v.numel() * v.element_size() for v in reference.values())
-    result = export.save_from_trainers(
-        model, Path(out), model_dir=src, tokenizer=AutoTokenizer.from_pretrained(src), dtype=torch.float32,
-        max_shard_bytes=100_000, bucket_bytes=BUCKET, writer=rank == 0, tracker=tracker)
+    how = export.ModelWriting(model_dir=src, tokenizer=AutoTokenizer.from_pretrained(src), dtype=torch.float32,
+                              max_shard_bytes=100_000, bucket_bytes=BUCKET)
+    result = export.save_from_trainers(model, Path(out), how, writer=rank == 0, tracker=tracker)
     if rank == 0:
         assert result == Path(out)
         # What the writer holds beyond its shard: the bucket being written and the tensor being
@@ -272,9 +273,9 @@ def test_export_checkpoint_is_bounded_and_equal(tmp_path):
     path = ckpt.save(tmp_path / "checkpoints", 7, model, torch.optim.AdamW(model.parameters()), None)
     tracker = LiveBytes()
     bucket = 40_000
-    out = export.export_checkpoint(path, src, tmp_path / "out", dtype=torch.bfloat16,
-                                   tokenizer=AutoTokenizer.from_pretrained(src), max_shard_bytes=100_000,
-                                   bucket_bytes=bucket, tracker=tracker)
+    how = export.ModelWriting(model_dir=src, tokenizer=AutoTokenizer.from_pretrained(src), dtype=torch.bfloat16,
+                              max_shard_bytes=100_000, bucket_bytes=bucket)
+    out = export_checkpoint(path, tmp_path / "out", how, tracker=tracker)
     largest = max(p.numel() * 4 for p in model.parameters())
     # A bucket of fp32 tensors as loaded plus their bf16 casts: never the model (~1 MB in fp32).
     assert 0 < tracker.peak <= 1.5 * (bucket + largest), (tracker.peak, bucket, largest)

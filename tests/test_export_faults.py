@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpcrl.compute.train import export
+from hpcrl.compute.train import export, export_checkpoint
+from hpcrl.compute.train.dcp_reader import DamagedCheckpoint
 from hpcrl.job import rundir
 
 from test_export import tiny_model_dir
@@ -84,7 +85,7 @@ def _files(directory: Path) -> dict[str, bytes]:
 # ------------------------------------------------------------------ through the command line
 def test_truncated_shard_is_named_and_the_earlier_model_stays(run_dir, tmp_path):
     earlier = tmp_path / "exported"
-    assert export.main([str(run_dir), "--step", "2", "-o", str(earlier)]) == 0
+    assert export_checkpoint.main([str(run_dir), "--step", "2", "-o", str(earlier)]) == 0
     before = _files(earlier)
     shard = _shard(run_dir)
     with open(shard, "r+b") as f:      # through the model's tensors (the optimizer's come after them)
@@ -125,11 +126,11 @@ def test_missing_metadata_is_named_not_passed_over(run_dir):
 def test_missing_shard_and_garbled_metadata(run_dir, capsys):
     shard = _shard(run_dir)
     shard.rename(shard.with_suffix(".moved"))
-    assert export.main([str(run_dir)]) == 2
+    assert export_checkpoint.main([str(run_dir)]) == 2
     assert f"{_step3(run_dir)}: {shard.name} is missing" in capsys.readouterr().err
     shard.with_suffix(".moved").rename(shard)
     (_step3(run_dir) / ".metadata").write_bytes(b"\x80\x05garbage" * 10)
-    assert export.main([str(run_dir)]) == 2
+    assert export_checkpoint.main([str(run_dir)]) == 2
     err = capsys.readouterr().err
     assert f"{_step3(run_dir)}: .metadata is corrupt" in err and "--step 2" in err, err
     assert not (run_dir / rundir.MODEL_DIR).exists()
@@ -144,7 +145,7 @@ def test_failure_after_files_were_written_leaves_the_earlier_model(run_dir, tmp_
     from hpcrl.job.spec import JobSpec
 
     final = tmp_path / "exported"
-    assert export.main([str(run_dir), "--step", "2", "-o", str(final)]) == 0
+    assert export_checkpoint.main([str(run_dir), "--step", "2", "-o", str(final)]) == 0
     before = _files(final)
     meta = dcp.FileSystemReader(str(_step3(run_dir))).read_metadata()
     (info,) = [v for k, v in meta.storage_data.items() if k.fqn == "model.lm_head.weight"]
@@ -155,10 +156,10 @@ def test_failure_after_files_were_written_leaves_the_earlier_model(run_dir, tmp_
     real_open = export.ShardWriter._open
     monkeypatch.setattr(export.ShardWriter, "_open", lambda self, shard: (opened.append(shard), real_open(self, shard)))
     src = JobSpec.load(run_dir).recipe.model.path
-    with pytest.raises(export.DamagedCheckpoint, match=f"{info.relative_path} is corrupt"):
-        export.export_checkpoint(_step3(run_dir), src, final, dtype=torch.float32,
-                                 tokenizer=AutoTokenizer.from_pretrained(src), max_shard_bytes=100_000,
-                                 bucket_bytes=40_000)
+    how = export.ModelWriting(model_dir=src, tokenizer=AutoTokenizer.from_pretrained(src), dtype=torch.float32,
+                              max_shard_bytes=100_000, bucket_bytes=40_000)
+    with pytest.raises(DamagedCheckpoint, match=f"{info.relative_path} is corrupt"):
+        export_checkpoint.export_checkpoint(_step3(run_dir), final, how)
     assert len(opened) > 2, "the failure came after shard files were written"
     assert _files(final) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exported", "run"], "no temporary left beside it"

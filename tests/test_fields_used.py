@@ -1,5 +1,5 @@
 """No field accepted and ignored (issue 12): every field of every dataclass of the recipe
-(hpcrl/job/recipe.py) and the site profile (hpcrl/job/site.py) is read somewhere in hpcrl.
+(hpcrl/job/recipe.py, its grpo section hpcrl/job/grpo_config.py) and the site profile (hpcrl/job/site.py) is read somewhere in hpcrl.
 
 A field counts as read where hpcrl's code, outside its own class's validate(), loads it as an
 attribute (`x.name`; a method call `x.name(...)` is something else), names it as a string to
@@ -16,11 +16,12 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
+import hpcrl.job.grpo_config
 import hpcrl.job.recipe
 import hpcrl.job.site
 
 ROOT = Path(__file__).resolve().parent.parent
-MODULES = (hpcrl.job.recipe, hpcrl.job.site)
+MODULES = (hpcrl.job.recipe, hpcrl.job.grpo_config, hpcrl.job.site)
 
 # Fields read only indirectly, each with where. Keep it short: a field read by its name belongs
 # nowhere here.

@@ -48,8 +48,8 @@ def split_model(model_dir, tmp_path_factory) -> tuple[str, str]:
 def _truncated_batch(model_dir: str, mask: bool):
     from transformers import AutoModelForCausalLM
 
-    from hpcrl.compute.train import grpo
     from hpcrl.compute.train.batch import completion_logps, pack_batch
+    from hpcrl.compute.train.loss import LossConfig, grpo_loss
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -57,8 +57,8 @@ def _truncated_batch(model_dir: str, mask: bool):
     completions = [Completion(i, (11 + i, 12, 13, 14), (), "", True, 0) for i in range(4)]
     batch = pack_batch(prompts, completions, 0, "cpu", mask_truncated=mask)
     logps = completion_logps(model, batch, 1.0)
-    loss, _ = grpo.grpo_loss(logps, None, None, torch.tensor([1.0, -1.0, 0.5, -0.5]), batch["completion_mask"],
-                             loss_type="dapo")
+    loss, _ = grpo_loss(logps, None, None, torch.tensor([1.0, -1.0, 0.5, -0.5]), batch["completion_mask"],
+                        LossConfig(loss_type="dapo"))
     loss.backward()
     return batch, sum(p.grad.abs().sum().item() for p in model.parameters() if p.grad is not None)
 
@@ -168,19 +168,19 @@ def test_a_negative_log_completions_is_refused():
 
 
 def test_log_completions_rows_on_one_trainer():
-    from hpcrl.compute.train.trainer import Trainer
+    from hpcrl.compute.train.scoring import Scorer
 
     fake = SimpleNamespace(recipe=Recipe(), setup=None)      # off: setup None, any use of it would fail
-    Trainer._log_completions(fake, ["p"], ["c"], torch.zeros(1, 2), torch.zeros(1))
+    Scorer.log_completions(fake, ["p"], ["c"], torch.zeros(1, 2), torch.zeros(1), step=0)
 
     rows, lines = [], []
-    fake = SimpleNamespace(recipe=Recipe(logging=LoggingConfig(log_completions=1)), step=4,
+    fake = SimpleNamespace(recipe=Recipe(logging=LoggingConfig(log_completions=1)),
                            rewards=[SimpleNamespace(name="a"), SimpleNamespace(name="b")],
                            completion_extra={"judge": ["yes", "no"]},
                            setup=SimpleNamespace(num_trainers=1, trainer_rank=0, on_completions=rows.extend,
                                                  log=lines.append))
-    Trainer._log_completions(fake, ["p0", "p1"], ["c0", "c1"], torch.tensor([[1.0, float("nan")], [0.0, 2.0]]),
-                             torch.tensor([0.5, -0.5]))
+    Scorer.log_completions(fake, ["p0", "p1"], ["c0", "c1"], torch.tensor([[1.0, float("nan")], [0.0, 2.0]]),
+                           torch.tensor([0.5, -0.5]), step=4)
     assert [(r["step"], r["prompt"], r["completion"], r["advantage"], r["extra"]) for r in rows] == \
         [(5, "p0", "c0", 0.5, {"judge": "yes"}), (5, "p1", "c1", -0.5, {"judge": "no"})]
     assert rows[1]["rewards"] == {"a": 0.0, "b": 2.0}
@@ -257,7 +257,7 @@ def test_vllm_gets_the_tokenizer_trust_remote_code_and_dtype(monkeypatch):
 
     made = []
     monkeypatch.setattr(vllm_engine, "vllm_available", lambda: True)
-    monkeypatch.setattr(vllm_engine, "VLLMEngine", lambda *a, **kw: made.append((a, kw)))
+    monkeypatch.setattr(vllm_engine.VLLMEngine, "__init__", lambda self, *a, **kw: made.append((a, kw)))
     recipe = Recipe(model=model, inference=InferenceConfig(engine="vllm"))
     server.make_engine(_ctx(recipe), "/m")
     assert made[0][0] == ("/m", recipe.inference, model)
@@ -265,7 +265,7 @@ def test_vllm_gets_the_tokenizer_trust_remote_code_and_dtype(monkeypatch):
 
 # ------------------------------------------------------------------ model.dtype in the memory estimate
 def test_model_dtype_in_the_memory_estimate(tmp_path):
-    from hpcrl.job.fit import estimate
+    from hpcrl.job.estimate import estimate
     from hpcrl.login.compose import compose
 
     path = tmp_path / "m"
@@ -322,7 +322,7 @@ def test_auto_on_a_gpu_site_without_vllm_is_refused_not_a_silent_transformers_en
     from hpcrl.compute.inference import hf_engine, server, vllm_engine
 
     monkeypatch.setattr(vllm_engine, "vllm_available", lambda: False)
-    monkeypatch.setattr(hf_engine, "TransformersEngine", lambda *a, **kw: "transformers engine")
+    monkeypatch.setattr(hf_engine.TransformersEngine, "for_server", staticmethod(lambda *a: "transformers engine"))
     recipe = Recipe(model=ModelConfig(path="/m"), inference=InferenceConfig(engine="auto"))
     gpu = SimpleNamespace(spec=SimpleNamespace(recipe=recipe), device="cuda", task=SimpleNamespace(cores=()))
     with pytest.raises(RuntimeError, match=r"^inference.engine: auto found no vLLM .* set inference.engine=transformers"):

@@ -1,4 +1,4 @@
-"""Will it fit? The memory estimate (hpcrl.job.fit) part by part against numbers worked out here by
+"""Will it fit? The memory estimate (hpcrl.job.estimate) part by part against numbers worked out here by
 hand from Qwen2.5's published config.json values, the verdicts for frontier and cuda at 1 and 64
 nodes, `hpcrl plan`'s memory column and verdict, and the refusals of `hpcrl render`/`submit`:
 exit 2, one line with the role, the GPU, the estimate, the memory and the fix, nothing written.
@@ -12,8 +12,10 @@ from dataclasses import replace
 
 import pytest
 
-from hpcrl.job.fit import (GIB, ModelShape, choose_mesh, estimate, layer_activation_bytes, model_shape,
-                           server_parts, sync_traffic, trainer_parts)
+from hpcrl.job.estimate import estimate
+from hpcrl.job.memory import GIB, TrainingStep, layer_activation_bytes, server_parts, trainer_parts
+from hpcrl.job.mesh_choice import choose_mesh, sync_traffic
+from hpcrl.job.model_shape import ModelShape, model_shape
 from hpcrl.login.cli import main as cli_main
 from hpcrl.login.compose import compose
 
@@ -146,8 +148,8 @@ def test_trainer_parts_is_the_benchmarks_formula(tmp_path):
     """What a benchmark calls for one trainer in its own setting (torch's counters see no
     context or fragmentation: overhead 0); fp32 on CPU, no reference, one rank."""
     shape = ModelShape.from_config(QWEN_1_5B)
-    parts = trainer_parts(shape, micro_batch=2, seq_len=256, completion_len=128, shard=1, compute_dtype="float32",
-                          checkpointing=False, logprob_chunk_tokens=64, overhead_bytes=0)
+    parts = trainer_parts(shape, TrainingStep(micro_batch=2, seq_len=256, completion_len=128, compute_dtype="float32",
+                                              checkpointing=False, logprob_chunk_tokens=64, overhead_bytes=0))
     h, v, p = 1536, 151936, 1_543_656_960
     per_layer = 2 * 8 * h + 5 * 12 * 128 * 4 + 12 * 4 + 4 * 8960 * 4
     assert parts == {"training_state": p * 16, "reference": 0, "reward_models": 0,
@@ -412,7 +414,7 @@ def test_unknown_sizes_never_refuse(hpcrl):
 def test_a_reward_model_counts_like_the_reference(tmp_path):
     """rewards[i].model is sharded and stored as the reference model: its parameters in the
     reference's dtype over the shard."""
-    from hpcrl.job.fit import count_parameters
+    from hpcrl.job.model_shape import count_parameters
 
     path, rm = _model(tmp_path, "q14", QWEN_14B), _model(tmp_path, "rm", QWEN_1_5B)
     base = _spec("frontier", 1, f"model.path={path}", *BATCH)
@@ -430,7 +432,7 @@ LORA = ["model.use_peft=true"]
 def test_lora_adapters_count_r_times_in_plus_out(tmp_path):
     """r x (in_features + out_features) per adapted linear layer, from config.json's shape; the
     targets as peft matches them against model.layers.N.<self_attn|mlp>.<name>."""
-    from hpcrl.job.fit import LoraTargets
+    from hpcrl.job.lora import LoraTargets
 
     shape = ModelShape.from_config(QWEN_14B)
     h, q, kv, inter, layers = 5120, 40 * 128, 8 * 128, 13824, 48

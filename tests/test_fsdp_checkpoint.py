@@ -511,12 +511,12 @@ def _w_read_per_node(rank, world, node_dirs):
     from safetensors.torch import load_file
     from torch.distributed.tensor import DTensor
 
-    from hpcrl.compute.train.fsdp import load_sharded_model
+    from hpcrl.compute.train.fsdp import LoadOptions, load_sharded_model
 
     node = rank // 2                                         # 2 fake nodes x 2 trainers
     mesh = _mesh((world,))                                   # FSDP across both nodes
-    model = load_sharded_model(node_dirs[node], mesh, torch.device("cpu"), read_groups=[[0, 1], [2, 3]],
-                               load_timeout_s=60)
+    model = load_sharded_model(node_dirs[node], mesh, torch.device("cpu"),
+                               LoadOptions(read_groups=[[0, 1], [2, 3]], load_timeout_s=60))
     # Node 1's copy differs from node 0's: the shards node 1 holds can only have come from its own copy.
     mine = load_file(str(Path(node_dirs[node]) / "model.safetensors"))
     for name, p in model.named_parameters():

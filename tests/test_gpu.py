@@ -189,7 +189,8 @@ def _w_grpo_step(rank, world, device, model_dir, out):
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
-    from hpcrl.compute.train import fsdp, grpo
+    from hpcrl.compute.train import fsdp
+    from hpcrl.compute.train.loss import LossConfig, grpo_loss
     from hpcrl.compute.train.optim import build_optimizer, clip_grad_norm
     from hpcrl.compute.train.batch import completion_logps
 
@@ -224,8 +225,9 @@ def _w_grpo_step(rank, world, device, model_dir, out):
     optimizer = build_optimizer(policy, recipe.grpo)
     policy.train()
     logps = completion_logps(policy, batch, 1.0)
-    loss, _ = grpo.grpo_loss(logps, None, ref_logps, advantages, mask, loss_type="dapo", beta=beta,
-                                   max_completion_length=8, num_items_in_batch=tokens.item(), num_processes=world)
+    loss, _ = grpo_loss(logps, None, ref_logps, advantages, mask,
+                        LossConfig(loss_type="dapo", beta=beta, max_completion_length=8, num_processes=world),
+                        num_items_in_batch=tokens.item())
     assert math.isfinite(loss.item()), f"loss {loss.item()}"
     loss.backward()
     for name, p in policy.named_parameters():
@@ -274,7 +276,8 @@ def _w_deepspeed_step(rank, world, device, model_dir, out):
     import torch
     from transformers import AutoConfig
 
-    from hpcrl.compute.train import deepspeed_engine, grpo
+    from hpcrl.compute.train import deepspeed_engine
+    from hpcrl.compute.train.loss import LossConfig, grpo_loss
     from hpcrl.compute.train.batch import completion_logps
     from hpcrl.job.deepspeed import build_config
     from hpcrl.job.recipe import TrainerConfig
@@ -310,8 +313,9 @@ def _w_deepspeed_step(rank, world, device, model_dir, out):
 
     engine.model.train()
     logps = completion_logps(engine.model, batch, 1.0)
-    loss, _ = grpo.grpo_loss(logps, None, ref_logps, advantages, mask, loss_type="dapo", beta=beta,
-                             max_completion_length=8, num_items_in_batch=tokens.item(), num_processes=world)
+    loss, _ = grpo_loss(logps, None, ref_logps, advantages, mask,
+                        LossConfig(loss_type="dapo", beta=beta, max_completion_length=8, num_processes=world),
+                        num_items_in_batch=tokens.item())
     assert math.isfinite(loss.item()), f"loss {loss.item()}"
     engine.backward(loss)
     grad_norm = engine.step(1.0)
@@ -448,7 +452,7 @@ def _w_resume_run(rank, world, device, model_dir, run_dir, metrics_path, every, 
     from transformers import AutoTokenizer
 
     from hpcrl.compute.inference.hf_engine import TransformersEngine
-    from hpcrl.compute.inference.local import InProcessGenerator
+    from in_process_generator import InProcessGenerator
     from hpcrl.compute.train import checkpoint as ckpt
     from hpcrl.compute.train.fsdp import load_policy_and_reference
     from hpcrl.compute.train.sources import load_dataset
@@ -539,7 +543,7 @@ def test_hpcrl_run_shares_one_gpu_with_the_transformers_engine(tmp_path, gpu_dev
     pytest.importorskip("datasets", reason=NO_DATASETS)
     from hpcrl.job.errors import UserError
     from hpcrl.job.rundir import CHECKPOINTS_DIR, FINISHED_MARKER, LOCAL_LOG_FILE, read_metrics
-    from hpcrl.login.local import find_mpiexec
+    from hpcrl.login.local.mpiexec import find_mpiexec
 
     try:
         find_mpiexec()
@@ -579,6 +583,6 @@ def test_hpcrl_run_shares_one_gpu_with_the_transformers_engine(tmp_path, gpu_dev
 
 
 # ----------------------------------------------------------------------------------------------
-# Memory on the device (issue 14): chunked log-probs (hpcrl/compute/train/grpo.py) and the fit
-# estimate (hpcrl/job/fit.py), each against torch.cuda.max_memory_allocated. Written with those two
+# Memory on the device (issue 14): chunked log-probs (hpcrl/compute/train/logprobs.py) and the fit
+# estimate (hpcrl/job/memory.py), each against torch.cuda.max_memory_allocated. Written with those two
 # changes, in this section, with the gpu_device fixture.

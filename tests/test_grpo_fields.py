@@ -176,6 +176,7 @@ def _w_trainer(rank, world, model_dir, run_dir):
     from hpcrl.compute.train import data as data_mod
     from hpcrl.compute.train.fsdp import load_policy_and_reference
     from hpcrl.compute.train.sources import load_dataset, load_tokenizer
+    from hpcrl.compute.train.loss import LossConfig
     from hpcrl.compute.train.trainer import Trainer, TrainerSetup
 
     ckpt.control_group(60)
@@ -226,9 +227,10 @@ def _w_trainer(rank, world, model_dir, run_dir):
     t, gen = trainer()
     requested = t._request(0)
     batch, completions = requested.batch.repeat(base.num_generations), requested.take()
-    summed, _ = t._score(batch, completions)
-    t.grpo = dataclasses.replace(base, multi_objective_aggregation="normalize_then_sum")
-    normalized, _ = t._score(batch, completions)
+    summed, _ = t.scorer.score(batch, completions, t.step)
+    t.scorer.recipe = dataclasses.replace(t.recipe, grpo=dataclasses.replace(
+        base, multi_objective_aggregation="normalize_then_sum"))
+    normalized, _ = t.scorer.score(batch, completions, t.step)
     assert not torch.allclose(summed, normalized)
 
     # The loss fields: one optimizer step's loss on one generation, off-policy (old, sampling and
@@ -249,6 +251,7 @@ def _w_trainer(rank, world, model_dir, run_dir):
         t.grpo = dataclasses.replace(t.grpo, **{**{f.name: getattr(base, f.name) for f in
                                                    dataclasses.fields(GRPOConfig)}, "max_steps": t.grpo.max_steps,
                                                 **fields})
+        t.loss_config = LossConfig.from_grpo(t.grpo, world)       # built once for a run: here for each setting
         return t._optimizer_step(generation)["loss"]
 
     plain = loss()
@@ -293,7 +296,7 @@ def test_top_entropy_quantile_masks_as_trl():
     only the masked tokens carry policy gradient."""
     from trl import GRPOTrainer
 
-    from hpcrl.compute.train import grpo
+    from hpcrl.compute.train.loss import LossConfig, grpo_loss, high_entropy_mask
 
     torch.manual_seed(0)
     entropies = torch.rand(4, 6)
@@ -302,10 +305,10 @@ def test_top_entropy_quantile_masks_as_trl():
     accelerator = SimpleNamespace(pad_across_processes=lambda t, dim, pad_index: t, gather=lambda t: t)
     for q in (0.2, 0.5, 0.9):
         theirs = GRPOTrainer.get_high_entropy_mask(SimpleNamespace(accelerator=accelerator), entropies, mask, 1 - q)
-        ours = grpo.high_entropy_mask(entropies, mask, 1 - q)
+        ours = high_entropy_mask(entropies, mask, 1 - q)
         assert torch.equal(ours, theirs), q
-    keep = grpo.high_entropy_mask(entropies, mask, 0.5)
+    keep = high_entropy_mask(entropies, mask, 0.5)
     logps = torch.full((4, 6), -1.0, requires_grad=True)
-    loss, _ = grpo.grpo_loss(logps, None, None, torch.tensor([1.0, -1.0, 0.5, 2.0]), mask, entropy_mask=keep)
+    loss, _ = grpo_loss(logps, None, None, torch.tensor([1.0, -1.0, 0.5, 2.0]), mask, LossConfig(), entropy_mask=keep)
     loss.backward()
     assert torch.equal(logps.grad != 0, keep)

@@ -1,4 +1,5 @@
-"""hpcrl.compute.train.grpo against TRL's own GRPOTrainer code, on identical random inputs.
+"""The GRPO math of hpcrl.compute.train (logprobs, advantages, loss, and the reward statistics training
+logs) against TRL's own GRPOTrainer code, on identical random inputs.
 
 A real (tiny) GRPOTrainer is built once; each test sets the attributes its branch reads and calls
 TRL's methods themselves (``_generate_and_score_completions``, ``_compute_loss``), stubbing only the
@@ -8,6 +9,7 @@ of TRL's math, or of ours, fails here.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from unittest import mock
@@ -18,8 +20,16 @@ import torch
 pytest.importorskip("trl")
 transformers = pytest.importorskip("transformers")
 
-from hpcrl.compute.train import grpo  # noqa: E402
-from hpcrl.compute.train.rewards import load_reward_functions, score_completions  # noqa: E402
+from hpcrl.compute.train import logprobs  # noqa: E402
+from hpcrl.compute.train.advantages import combine_rewards, compute_advantages, group_advantages, nanstd  # noqa: E402
+from hpcrl.compute.train.batch import truncated_mask  # noqa: E402
+from hpcrl.compute.train.loss import (LOSS_TYPES, LossConfig, SamplerCorrection, grpo_loss,  # noqa: E402
+                                      sampling_importance_ratio)
+from hpcrl.compute.train.rank_metrics import Metric, reduce_metrics  # noqa: E402
+from hpcrl.compute.train.rewards import (load_reward_functions, reward_statistics, reward_sums,  # noqa: E402
+                                         score_completions)
+from hpcrl.job import metric_keys as mk  # noqa: E402
+from hpcrl.job.grpo_config import GRPOConfig  # noqa: E402
 
 ATOL = 1e-6
 TEMPERATURE = 0.7  # not 1, so that the temperature handling of the log-probs is exercised
@@ -122,31 +132,36 @@ def test_advantages_match_trl(trainer, monkeypatch, scale_rewards, aggregation):
         funcs, [x["prompt"] for x in inputs], completions, completion_ids,
         {"r0": [x["r0"] for x in inputs], "r1": [x["r1"] for x in inputs]},
     )  # fmt: skip
-    advantages, stats = grpo.compute_advantages(
+    advantages, stats = compute_advantages(
         per_func, G, [f.weight for f in funcs], scale_rewards=scale_rewards, aggregation=aggregation
     )
     torch.testing.assert_close(advantages, out["advantages"], atol=ATOL, rtol=0)
     assert advantages[8] == 0  # the unscorable row
-    ours = stats | grpo.reward_func_stats(per_func, [f.name for f in funcs])
+    # What training logs (hpcrl.compute.train.scoring, one trainer): the reward statistics from the
+    # reward sums, and the share of zero-std groups from the advantages.
+    logged = reward_statistics(reward_sums(per_func, weights), [f.name for f in funcs])
+    logged[mk.FRAC_REWARD_ZERO_STD] = stats[mk.FRAC_REWARD_ZERO_STD]
     trl_metrics = _last_metrics(tr)
-    assert {"reward", "reward_std", "frac_reward_zero_std", "rewards/r0/mean"} <= trl_metrics.keys()
-    _assert_metrics({k: v for k, v in trl_metrics.items() if k.startswith(("reward", "frac"))}, ours)
+    assert {"reward", "reward_std", "frac_reward_zero_std", "rewards/r0/mean", "rewards/r1/std"} <= trl_metrics.keys()
+    trl_rewards = {k: v for k, v in trl_metrics.items() if k.startswith(("reward", "frac"))}
+    assert trl_rewards.keys() == logged.keys()
+    _assert_metrics(trl_rewards, logged)
 
     if aggregation == "sum_then_normalize":  # the two-step API gives the same
-        adv2, stats2 = grpo.group_advantages(grpo.combine_rewards(per_func, weights), G, scale_rewards)
+        adv2, stats2 = group_advantages(combine_rewards(per_func, weights), G, scale_rewards)
         torch.testing.assert_close(adv2, advantages, atol=0, rtol=0)
         assert stats2 == stats
 
 
 def test_nanstd_matches_trl():
-    from trl.trainer.utils import nanstd
+    from trl.trainer.utils import nanstd as trl_nanstd
 
     x = torch.randn(5, 7)
     x[0, :6] = math.nan
     x[1, 2] = math.nan
     for dim in (None, 0, 1):
-        torch.testing.assert_close(grpo.nanstd(x, dim=dim), nanstd(x, dim=dim), equal_nan=True)
-    torch.testing.assert_close(grpo.nanstd(x, 1, keepdim=True), nanstd(x, 1, keepdim=True), equal_nan=True)
+        torch.testing.assert_close(nanstd(x, dim=dim), trl_nanstd(x, dim=dim), equal_nan=True)
+    torch.testing.assert_close(nanstd(x, 1, keepdim=True), trl_nanstd(x, 1, keepdim=True), equal_nan=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -181,7 +196,7 @@ def test_logprobs_truncation_and_importance_sampling_match_trl(
     # Without the vLLM correction first: masks, token count, and TRL's padded tensors for our forward
     _stub_generate(tr, monkeypatch, prompt_ids, completion_ids)
     out = tr._generate_and_score_completions(inputs)
-    truncated = grpo.truncated_mask(completion_ids, [*tr.eos_token_ids, pad])
+    truncated = truncated_mask(completion_ids, [*tr.eos_token_ids, pad])
     assert truncated.tolist() == [len(c) > 0 and c[-1] not in (eos, pad) for c in completion_ids]
     lengths = torch.tensor([len(c) for c in completion_ids])
     mask = (torch.arange(MAX_COMPLETION)[None, : out["completion_ids"].size(1)] < lengths[:, None]).long()
@@ -193,7 +208,7 @@ def test_logprobs_truncation_and_importance_sampling_match_trl(
     attention = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
     with torch.no_grad():
         logits = tr.model(input_ids=input_ids, attention_mask=attention).logits
-    logps = grpo.completion_logprobs(logits, out["completion_ids"], TEMPERATURE)
+    logps = logprobs.completion_logprobs(logits, out["completion_ids"], TEMPERATURE)
 
     # vLLM's sampling log-probs: the trainer's plus noise, so that ratios straddle the clip bounds;
     # one token unavailable (None)
@@ -216,13 +231,13 @@ def test_logprobs_truncation_and_importance_sampling_match_trl(
     # Importance ratio and its metrics, from the same old log-probs
     T = out["completion_ids"].size(1)
     sampling_t = torch.tensor([[math.nan if x is None else x for x in s] + [0.0] * (T - len(s)) for s in sampling])
-    ratio, metrics = grpo.sampling_importance_ratio(
+    ratio, metrics = sampling_importance_ratio(
         out["old_per_token_logps"], sampling_t, out["completion_mask"], mode=mode, clip_min=clip_min, clip_max=clip_max
     )
     torch.testing.assert_close(ratio, out["importance_sampling_ratio"], atol=ATOL, rtol=0)
     assert 0 < ratio[m if ratio.shape == m.shape else m.any(1, keepdim=True)].std()  # not all clipped/masked
     _assert_metrics(
-        {k: v for k, v in _last_metrics(tr).items() if k.startswith("sampling/")}, grpo.reduce_metrics(metrics)
+        {k: v for k, v in _last_metrics(tr).items() if k.startswith("sampling/")}, reduce_metrics(metrics)
     )
 
 
@@ -231,8 +246,8 @@ def test_selective_log_softmax_and_entropy_match_trl():
 
     logits = torch.randn(3, 5, 50) * 3
     ids = torch.randint(0, 50, (3, 5))
-    torch.testing.assert_close(grpo.selective_log_softmax(logits, ids), selective_log_softmax(logits, ids), atol=ATOL, rtol=0)
-    logps, ent = grpo.token_logprobs(logits, ids, 0.6, return_entropy=True)
+    torch.testing.assert_close(logprobs.selective_log_softmax(logits, ids), selective_log_softmax(logits, ids), atol=ATOL, rtol=0)
+    logps, ent = logprobs.token_logprobs(logits, ids, 0.6, return_entropy=True)
     torch.testing.assert_close(logps, selective_log_softmax(logits / 0.6, ids), atol=ATOL, rtol=0)
     torch.testing.assert_close(ent, entropy_from_logits(logits / 0.6), atol=ATOL, rtol=0)
 
@@ -256,8 +271,8 @@ def test_chunked_logprobs_and_gradients_equal_unchunked_and_trl(dtype, chunk):
         (sum(w * x for w, x in zip(weights, (lp, ent)) if w is not None)).sum().backward()
         return lp.detach(), ent.detach(), logits.grad
 
-    chunked = lambda x: grpo.completion_logprobs(x, ids, temperature, return_entropy=True, chunk_tokens=chunk)
-    unchunked = lambda x: grpo.token_logprobs_unchunked(x[:, :-1], ids, temperature, return_entropy=True)
+    chunked = lambda x: logprobs.completion_logprobs(x, ids, temperature, return_entropy=True, chunk_tokens=chunk)
+    unchunked = lambda x: logprobs.token_logprobs_unchunked(x[:, :-1], ids, temperature, return_entropy=True)
     trl = lambda x: (selective_log_softmax(x[:, :-1].float() / temperature, ids),
                      entropy_from_logits(x[:, :-1].float() / temperature))
     # fp32: rounding of the fp32 sums; bf16: one bf16 step (2**-8 relative) of a gradient element
@@ -283,9 +298,9 @@ def test_chunked_logprobs_and_gradients_equal_unchunked_and_trl(dtype, chunk):
 
     # 2-D and 3-D logits through token_logprobs, no gradient: the same values
     flat = base[:, :-1].reshape(-1, V)
-    torch.testing.assert_close(grpo.token_logprobs(flat, ids.reshape(-1), temperature, chunk_tokens=chunk),
+    torch.testing.assert_close(logprobs.token_logprobs(flat, ids.reshape(-1), temperature, chunk_tokens=chunk),
                                lp_u.reshape(-1), atol=0, rtol=0)
-    torch.testing.assert_close(grpo.token_logprobs(base[:, :-1], ids, temperature, chunk_tokens=chunk), lp_u,
+    torch.testing.assert_close(logprobs.token_logprobs(base[:, :-1], ids, temperature, chunk_tokens=chunk), lp_u,
                                atol=0, rtol=0)
 
 
@@ -300,7 +315,7 @@ def test_chunked_logprobs_keep_no_fp32_copy_for_backward():
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        lp = grpo.completion_logprobs(logits, ids, 0.7, chunk_tokens=3)
+        lp = logprobs.completion_logprobs(logits, ids, 0.7, chunk_tokens=3)
     big = [t for t in saved if t.numel() >= logits.numel() // 5]
     assert len(big) == 1 and big[0].data_ptr() == logits.data_ptr() and big[0].dtype == torch.bfloat16
     assert sum(t.numel() for t in saved if t.data_ptr() != logits.data_ptr()) <= 3 * ids.numel()
@@ -311,13 +326,13 @@ def test_chunked_logprobs_keep_no_fp32_copy_for_backward():
 def test_bad_logprob_arguments():
     logits, ids = torch.zeros(2, 4, 10), torch.zeros(2, 3, dtype=torch.long)
     with pytest.raises(ValueError, match="chunk_tokens"):
-        grpo.completion_logprobs(logits, ids, 1.0, chunk_tokens=0)
+        logprobs.completion_logprobs(logits, ids, 1.0, chunk_tokens=0)
     with pytest.raises(ValueError, match="temperature"):
-        grpo.completion_logprobs(logits, ids, 0.0)
+        logprobs.completion_logprobs(logits, ids, 0.0)
     with pytest.raises(ValueError, match="T \\+ 1"):
-        grpo.completion_logprobs(logits[:, :3], ids)
+        logprobs.completion_logprobs(logits[:, :3], ids)
     with pytest.raises(ValueError, match="ids of shape"):
-        grpo.token_logprobs(logits, ids)
+        logprobs.token_logprobs(logits, ids)
 
 
 def test_no_grad_passes_run_in_micro_batches(trainer, monkeypatch):
@@ -327,24 +342,25 @@ def test_no_grad_passes_run_in_micro_batches(trainer, monkeypatch):
 
     from hpcrl.compute.inference.types import Completion
     from hpcrl.compute.train import trainer as trainer_mod
+    from hpcrl.compute.train.batch import completion_logps, pack_batch
 
     rng = random.Random(4)
     n, micro = 8, 3  # a last micro-batch of 2 rows
     prompts = _random_ids(rng, n, 2, 5)
     completions = [Completion(i, tuple(ids), (), "", False, 0)
                    for i, ids in enumerate(_random_ids(rng, n, 1, MAX_COMPLETION))]
-    batch = trainer_mod.pack_batch(prompts, completions, trainer.processing_class.pad_token_id, "cpu")
+    batch = pack_batch(prompts, completions, trainer.processing_class.pad_token_id, "cpu")
     model = trainer.model.eval()
     with torch.no_grad():
-        whole = trainer_mod.completion_logps(model, batch, TEMPERATURE)
+        whole = completion_logps(model, batch, TEMPERATURE)
     seen = []
-    real = grpo.completion_logprobs
+    real = logprobs.completion_logprobs
 
     def spy(logits, ids, temperature, **kw):
         seen.append((logits.shape[0], kw["chunk_tokens"]))
         return real(logits, ids, temperature, **kw)
 
-    monkeypatch.setattr(grpo, "completion_logprobs", spy)
+    monkeypatch.setattr(logprobs, "completion_logprobs", spy)
     fake = SimpleNamespace(grpo=SimpleNamespace(per_device_train_batch_size=micro, temperature=TEMPERATURE),
                            logprob_chunk_tokens=5)
     with torch.no_grad():
@@ -376,7 +392,7 @@ def _cases():
         {"on_policy": True},
         {"beta": 0.1, "delta": 1.3, "importance_weights": "token", "epsilon_high": 0.28, "entropy_coef": 0.02},
     ]
-    for loss_type in grpo.LOSS_TYPES:
+    for loss_type in LOSS_TYPES:
         for v in variants:
             if "delta" in v and loss_type not in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
                 continue
@@ -407,7 +423,7 @@ def _loss_inputs(seed: int):
 def test_loss_matches_trl(trainer, monkeypatch, loss_type, variant):
     tr = trainer
     v = dict(variant)
-    x = _loss_inputs(seed=grpo.LOSS_TYPES.index(loss_type))
+    x = _loss_inputs(seed=LOSS_TYPES.index(loss_type))
     B, T = x["mask"].shape
     beta = v.get("beta", 0.0)
     eps_low, eps_high = 0.2, v.get("epsilon_high", 0.2)
@@ -465,16 +481,17 @@ def test_loss_matches_trl(trainer, monkeypatch, loss_type, variant):
     # Ours on the same tensors
     logps = x["logps"].clone().requires_grad_()
     ent = x["entropies"].clone().requires_grad_()
-    loss, metrics = grpo.grpo_loss(
-        logps, None if on_policy else x["old"], x["ref"] if beta else None, x["advantages"], x["mask"],
+    config = LossConfig(
         loss_type=loss_type, beta=beta, epsilon_low=eps_low, epsilon_high=eps_high, delta=v.get("delta"),
         importance_sampling_level=v.get("importance_sampling_level", "token"),
-        max_completion_length=MAX_COMPLETION, num_items_in_batch=x["num_items"], num_processes=nproc,
+        max_completion_length=MAX_COMPLETION, num_processes=nproc,
         gradient_accumulation_steps=ga, steps_per_generation=spg, training=training,
-        importance_weights=is_weights, sampling_per_token_logps=x["sampling"],
         off_policy_mask_threshold=v.get("off_policy_mask_threshold"),
-        use_bias_correction_kl=v.get("use_bias_correction_kl", True),
-        entropies=ent, entropy_coef=v.get("entropy_coef", 0.0),
+        use_bias_correction_kl=v.get("use_bias_correction_kl", True), entropy_coef=v.get("entropy_coef", 0.0),
+    )  # fmt: skip
+    loss, metrics = grpo_loss(
+        logps, None if on_policy else x["old"], x["ref"] if beta else None, x["advantages"], x["mask"], config,
+        num_items_in_batch=x["num_items"], sampler=SamplerCorrection(x["sampling"], is_weights), entropies=ent,
     )  # fmt: skip
     loss.backward()
 
@@ -485,7 +502,7 @@ def test_loss_matches_trl(trainer, monkeypatch, loss_type, variant):
         torch.testing.assert_close(ent.grad, trl_ent.grad, atol=ATOL, rtol=0)
     trl_metrics = _last_metrics(tr, mode)
     assert "entropy" in trl_metrics
-    _assert_metrics(trl_metrics, grpo.reduce_metrics(metrics), skip={"entropy_coef"})
+    _assert_metrics(trl_metrics, reduce_metrics(metrics), skip={"entropy_coef"})
 
 
 @pytest.mark.parametrize("loss_type,beta", [("dapo", 0.04), ("grpo", 0.0), ("dr_grpo", 0.0)])
@@ -501,7 +518,7 @@ def test_loss_and_gradients_through_the_model_match_trl(trainer, monkeypatch, lo
     mask = (torch.arange(T)[None] < torch.tensor([6, 1, 3, 6, 2, 2, 5, 4])[:, None]).long()
     with torch.no_grad():
         ids, att = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, mask], 1)
-        base = grpo.completion_logprobs(tr.model(input_ids=ids, attention_mask=att).logits, completion_ids, TEMPERATURE)
+        base = logprobs.completion_logprobs(tr.model(input_ids=ids, attention_mask=att).logits, completion_ids, TEMPERATURE)
     old = base + 0.2 * torch.randn(B, T, generator=g)
     ref = base + 0.3 * torch.randn(B, T, generator=g)
     adv = torch.randn(B, generator=g)
@@ -524,36 +541,62 @@ def test_loss_and_gradients_through_the_model_match_trl(trainer, monkeypatch, lo
     trl_grads = torch.autograd.grad(trl_loss, params)
 
     logits = tr.model(input_ids=ids, attention_mask=att).logits
-    logps, ent = grpo.completion_logprobs(logits, completion_ids, TEMPERATURE, return_entropy=True)
-    loss, metrics = grpo.grpo_loss(
-        logps, old, ref if beta else None, adv, mask, loss_type=loss_type, beta=beta,
-        epsilon_low=0.2, epsilon_high=0.28, max_completion_length=MAX_COMPLETION,
-        num_items_in_batch=mask.sum() * 2, gradient_accumulation_steps=2, steps_per_generation=2, entropies=ent,
+    logps, ent = logprobs.completion_logprobs(logits, completion_ids, TEMPERATURE, return_entropy=True)
+    config = LossConfig(
+        loss_type=loss_type, beta=beta, epsilon_low=0.2, epsilon_high=0.28, max_completion_length=MAX_COMPLETION,
+        gradient_accumulation_steps=2, steps_per_generation=2,
     )  # fmt: skip
+    loss, metrics = grpo_loss(
+        logps, old, ref if beta else None, adv, mask, config, num_items_in_batch=mask.sum() * 2, entropies=ent
+    )
     grads = torch.autograd.grad(loss, params)
 
     torch.testing.assert_close(loss, trl_loss, atol=ATOL, rtol=0)
     for p, a, b in zip(params, grads, trl_grads):
         torch.testing.assert_close(a, b, atol=ATOL, rtol=1e-4)
     assert any(a.abs().max() > 1e-4 for a in grads)  # the comparison is not between zeros
-    _assert_metrics(_last_metrics(tr), grpo.reduce_metrics(metrics))
+    _assert_metrics(_last_metrics(tr), reduce_metrics(metrics))
 
 
 def test_reduce_metrics_local():
     m = {
-        "a": grpo.Metric(torch.tensor(6.0), torch.tensor(3.0)),
-        "lo": grpo.Metric(torch.tensor(math.nan), op="min"),
-        "hi": grpo.Metric(torch.tensor(2.5), op="max"),
+        "a": Metric(torch.tensor(6.0), torch.tensor(3.0)),
+        "lo": Metric(torch.tensor(math.nan), op="min"),
+        "hi": Metric(torch.tensor(2.5), op="max"),
     }
-    out = grpo.reduce_metrics(m)
+    out = reduce_metrics(m)
     assert out["a"] == 2.0 and math.isnan(out["lo"]) and out["hi"] == 2.5
 
 
 def test_bad_arguments():
     z = torch.zeros(2, 3)
     with pytest.raises(ValueError, match="Unknown loss type"):
-        grpo.grpo_loss(z, None, None, torch.zeros(2), z, loss_type="ppo")
+        LossConfig(loss_type="ppo")
+    with pytest.raises(ValueError, match="Unknown importance sampling level"):
+        LossConfig(importance_sampling_level="per-token")
+    with pytest.raises(ValueError, match="max_completion_length"):
+        LossConfig(loss_type="dr_grpo")
     with pytest.raises(ValueError, match="scale_rewards"):
-        grpo.group_advantages(torch.zeros(4), 2, "per-token")
+        group_advantages(torch.zeros(4), 2, "per-token")
     with pytest.raises(ValueError, match="ref_per_token_logps"):
-        grpo.grpo_loss(z, None, None, torch.zeros(2), z, beta=0.1)
+        grpo_loss(z, None, None, torch.zeros(2), z, LossConfig(beta=0.1))
+
+
+def test_loss_config_from_the_recipe():
+    """LossConfig.from_grpo carries every loss field of the recipe's grpo section (epsilon as
+    epsilon_low), and the micro-batches of a generation's whole optimizer steps."""
+    changed = dict(loss_type="cispo", beta=0.04, epsilon=0.3, epsilon_high=5.0, delta=1.5,
+                   importance_sampling_level="sequence", max_completion_length=64, off_policy_mask_threshold=0.1,
+                   use_bias_correction_kl=False, sapo_temperature_pos=0.9, sapo_temperature_neg=1.1,
+                   vespo_k_pos=2.5, vespo_lambda_pos=3.5, vespo_k_neg=3.5, vespo_lambda_neg=2.5, entropy_coef=0.01,
+                   gradient_accumulation_steps=2, steps_per_generation=6)
+    config = LossConfig.from_grpo(GRPOConfig(**changed), num_trainers=4)
+    assert config.epsilon_low == 0.3 and config.num_processes == 4 and config.training
+    assert config.steps_per_generation == 6
+    for name, value in changed.items():
+        if name not in ("epsilon", "steps_per_generation"):
+            assert getattr(config, name) == value, name
+    defaults = LossConfig.from_grpo(GRPOConfig())
+    assert defaults.epsilon_high == defaults.epsilon_low and defaults.steps_per_generation == 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        defaults.beta = 1.0

@@ -23,7 +23,8 @@ import pytest
 from hpcrl.job import rundir
 from hpcrl.compute.launch import wire
 from hpcrl.compute.launch.channel import NodeChannel, NodeServerChannel, PeerClosed, socket_name
-from hpcrl.job.fit import choose_mesh, count_parameters
+from hpcrl.job.mesh_choice import choose_mesh
+from hpcrl.job.model_shape import count_parameters
 from hpcrl.compute.launch.watchdog import Hub, Peer, Watchdog
 from hpcrl.job.spec import JobSpec
 from hpcrl.login.compose import compose
@@ -437,7 +438,7 @@ def test_run_refuses_a_slurm_site(tmp_path):
 
 
 def test_console_leaves_tracebacks_and_the_mpich_banner_to_the_log():
-    from hpcrl.login.local import ConsoleFilter
+    from hpcrl.login.local.console import ConsoleFilter
 
     out = ["Traceback (most recent call last):\n", '  File "x.py", line 1, in f\n', "    f()\n",
            "ValueError: inner\n", "\n", "The above exception was the direct cause of the following exception:\n", "\n",

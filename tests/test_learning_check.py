@@ -97,7 +97,7 @@ def test_weights_that_never_changed():
 
 
 def test_the_summary_ends_with_the_line(tmp_path):
-    from hpcrl.login.local import print_summary
+    from hpcrl.login.local.progress import print_summary
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()

@@ -114,9 +114,9 @@ def _w_lora(rank, world, model_dir, out_dir):
 
     # The model directory: a peft adapter directory, and the merged model in merged/.
     out = Path(out_dir) / "model"
-    export.save_lora_from_trainers(
-        policy, out, recipe_model=recipe.model, model_dir=model_dir, tokenizer=AutoTokenizer.from_pretrained(model_dir),
-        dtype=torch.float32, max_shard_bytes=10**9, bucket_bytes=2**20, writer=rank == 0, merged=True)
+    how = export.ModelWriting(model_dir=model_dir, tokenizer=AutoTokenizer.from_pretrained(model_dir),
+                              dtype=torch.float32, max_shard_bytes=10**9, bucket_bytes=2**20)
+    export.save_lora_from_trainers(policy, out, how, recipe_model=recipe.model, writer=rank == 0, merged=True)
     if rank != 0:
         return
     assert {p.name for p in out.iterdir()} >= {"adapter_config.json", "adapter_model.safetensors", "merged"}

@@ -360,8 +360,8 @@ def test_trl_reward_functions_work_unchanged():
 
 def test_recipe_knows_every_loss_type_of_the_trainer():
     """The login side validates loss_type without torch: its list must be the trainer's."""
-    from hpcrl.job.recipe import LOSS_TYPES
-    from hpcrl.compute.train.grpo import LOSS_TYPES as TRAINER_LOSS_TYPES
+    from hpcrl.job.grpo_config import LOSS_TYPES
+    from hpcrl.compute.train.loss import LOSS_TYPES as TRAINER_LOSS_TYPES
 
     assert set(LOSS_TYPES) == set(TRAINER_LOSS_TYPES)
 

@@ -150,7 +150,8 @@ def test_export_loads_as_the_trainers_weights(arch, square, model_dirs, tmp_path
     import torch.distributed.checkpoint as dcp
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hpcrl.compute.train.export import export_checkpoint, save_from_trainers
+    from hpcrl.compute.train.export import ModelWriting, save_from_trainers
+    from hpcrl.compute.train.export_checkpoint import export_checkpoint
 
     src = model_dirs[arch, square]
     tokenizer = AutoTokenizer.from_pretrained(src)
@@ -163,10 +164,10 @@ def test_export_loads_as_the_trainers_weights(arch, square, model_dirs, tmp_path
     with warnings.catch_warnings():     # one process, no process group, on purpose
         warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
         dcp.save({"model": model.state_dict()}, checkpoint_id=str(ckpt), no_dist=True)
-    outs = [save_from_trainers(model, tmp_path / "from-trainers", model_dir=src, tokenizer=tokenizer,
-                               dtype=torch.float32, max_shard_bytes=200_000, bucket_bytes=BUCKET, writer=True),
-            export_checkpoint(ckpt, src, tmp_path / "from-checkpoint", dtype=torch.float32, tokenizer=tokenizer,
-                              max_shard_bytes=200_000, bucket_bytes=BUCKET)]
+    how = ModelWriting(model_dir=src, tokenizer=tokenizer, dtype=torch.float32, max_shard_bytes=200_000,
+                       bucket_bytes=BUCKET)
+    outs = [save_from_trainers(model, tmp_path / "from-trainers", how, writer=True),
+            export_checkpoint(ckpt, tmp_path / "from-checkpoint", how)]
     for out in outs:
         assert set(safetensors_tensors(out)) == want
         index = json.loads((out / "model.safetensors.index.json").read_text())       # several shards
@@ -187,7 +188,7 @@ def _w_fsdp_moe_step(rank: int, world: int, model_dir: str, out: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hpcrl.compute.sync.gather import iter_full_tensors, sync_named_params
-    from hpcrl.compute.train.export import save_from_trainers
+    from hpcrl.compute.train.export import ModelWriting, save_from_trainers
     from hpcrl.compute.train.fsdp import load_sharded_model
 
     mesh = init_device_mesh("cpu", (world,))
@@ -205,8 +206,9 @@ def _w_fsdp_moe_step(rank: int, world: int, model_dir: str, out: str) -> None:
     opt.step()
     opt.zero_grad()
     full = dict(iter_full_tensors(sync_named_params(model)))
-    path = save_from_trainers(model, Path(out), model_dir=model_dir, tokenizer=AutoTokenizer.from_pretrained(model_dir),
-                              dtype=torch.float32, max_shard_bytes=10**9, bucket_bytes=BUCKET, writer=rank == 0)
+    how = ModelWriting(model_dir=model_dir, tokenizer=AutoTokenizer.from_pretrained(model_dir), dtype=torch.float32,
+                       max_shard_bytes=10**9, bucket_bytes=BUCKET)
+    path = save_from_trainers(model, Path(out), how, writer=rank == 0)
     if rank == 0:
         loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
         base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
@@ -266,15 +268,16 @@ def test_sync_makes_the_engine_serve_the_trainers_moe(arch, square, model_dirs):
     from vllm import LLM
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
+    from hpcrl.compute.inference.vllm_engine import weight_transfer_kwargs
     from hpcrl.compute.sync.notify import NotifyClient
-    from hpcrl.compute.sync.receiver import WeightReceiver, engine_kwargs
+    from hpcrl.compute.sync.receiver import WeightReceiver
     from hpcrl.compute.sync.shm_vllm import HpcrlShmTrainerInitInfo
     from hpcrl.compute.sync.trainer import TrainerWeightSync
     from hpcrl.compute.sync.vllm_engines import HFWeightSource
 
     src = model_dirs[arch, square]
     llm = LLM(model=str(src), dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
-              **engine_kwargs("hpcrl_shm"))
+              **weight_transfer_kwargs("hpcrl_shm"))
     try:
         receiver = WeightReceiver(llm)
         model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)

@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 from conftest import run_to_the_end
 
-from hpcrl.login import local as local_run, plot
+from hpcrl.login import plot
 from hpcrl.login.cli import main
+from hpcrl.login.local import progress as local_run
 from hpcrl.login.registry import Registry
 
 pytest.importorskip("matplotlib")

@@ -69,15 +69,17 @@ def test_an_engine_gone_after_a_signal_it_ends_on_is_the_signals_doing():
     core, as vLLM does by design, and its server reported an EngineDeadError traceback. The server
     now says the job was stopped by SIGTERM; after SIGUSR2 alone (which the engine ignores) an engine
     gone is still the engine's failure, named by the watcher."""
+    from hpcrl.compute.inference.engine import engine_class
     from hpcrl.compute.inference.server import signal_that_ends_the_engine
 
+    vllm, transformers = engine_class("vllm"), engine_class("transformers")
     flag = StopFlag()
-    assert signal_that_ends_the_engine("vllm", flag) is None
+    assert signal_that_ends_the_engine(vllm, flag) is None
     flag._set(signal.SIGUSR2)
-    assert signal_that_ends_the_engine("vllm", flag) is None
+    assert signal_that_ends_the_engine(vllm, flag) is None
     flag._set(signal.SIGTERM)
-    assert signal_that_ends_the_engine("vllm", flag) == "SIGTERM"
-    assert signal_that_ends_the_engine("transformers", flag) is None     # in the server's process
+    assert signal_that_ends_the_engine(vllm, flag) == "SIGTERM"
+    assert signal_that_ends_the_engine(transformers, flag) is None     # in the server's process
 
 
 def test_engine_processes_started_shielded_outlive_the_stop_signal():

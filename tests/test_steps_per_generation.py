@@ -45,7 +45,6 @@ def _w_slices(rank, world, model_dir, run_dir):
     from torch.distributed.device_mesh import init_device_mesh
 
     from hpcrl.compute.train import checkpoint as ckpt
-    from hpcrl.compute.train import grpo as grpo_mod
     from hpcrl.compute.train import trainer as trainer_mod
     from hpcrl.compute.train.fsdp import load_policy_and_reference
     from hpcrl.compute.train.sources import load_dataset, load_tokenizer
@@ -59,7 +58,7 @@ def _w_slices(rank, world, model_dir, run_dir):
     recipe = Recipe(grpo=grpo)
     policy, reference = load_policy_and_reference(model_dir, mesh, torch.device("cpu"), recipe)
     seen_rows, normalizers = [], []
-    real_logps, real_loss = trainer_mod.policy_forward, grpo_mod.grpo_loss
+    real_logps, real_loss = trainer_mod.policy_forward, trainer_mod.grpo_loss
 
     def logps_spy(model, batch, temperature, rows=slice(None), *args, **kwargs):
         if model.training:
@@ -67,10 +66,10 @@ def _w_slices(rank, world, model_dir, run_dir):
         return real_logps(model, batch, temperature, rows, *args, **kwargs)
 
     def loss_spy(*args, **kwargs):
-        normalizers.append((kwargs["num_items_in_batch"], kwargs["steps_per_generation"]))
+        normalizers.append((kwargs["num_items_in_batch"], args[5].steps_per_generation))     # args[5]: the LossConfig
         return real_loss(*args, **kwargs)
 
-    trainer_mod.policy_forward, grpo_mod.grpo_loss = logps_spy, loss_spy
+    trainer_mod.policy_forward, trainer_mod.grpo_loss = logps_spy, loss_spy
     generator = _Counting()
     setup = trainer_mod.TrainerSetup(
         recipe=recipe, run_dir=Path(run_dir), device=torch.device("cpu"), policy=policy, reference=reference,

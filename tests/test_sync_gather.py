@@ -392,7 +392,7 @@ def _agree_rank(rank, world, out_dir):
 
     from torch.distributed.device_mesh import init_device_mesh
 
-    from hpcrl.compute.sync.api import SyncError
+    from hpcrl.compute.sync.api import ShmOptions, SyncError
     from hpcrl.compute.sync.trainer import TrainerWeightSync
     from hpcrl.compute.train.fsdp import apply_fsdp
 
@@ -403,7 +403,7 @@ def _agree_rank(rank, world, out_dir):
     # Only the sender learns the engine's dtype (bf16, in the shm handshake); the other rank has
     # "auto" and nothing to go by: without the agreement it would gather fp32 against bf16.
     sync = TrainerWeightSync(model, _fake_notify(server) if rank == 0 else None, is_sender=rank == 0,
-                             bucket_bytes=BUCKET, shm_dir=str(out_dir), node_of_rank={0: 0, 1: 0})
+                             bucket_bytes=BUCKET, transport=ShmOptions(shm_dir=str(out_dir)), node_of_rank={0: 0, 1: 0})
     assert sync.cast_to == torch.bfloat16 and sync.transport.cast_to == torch.bfloat16
     sync.sync("v1")
     if rank == 0:

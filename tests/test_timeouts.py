@@ -82,7 +82,7 @@ def _load_rank(rank: int, world: int, init_file: str, model_dir: str, out_dir: s
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM
 
-    from hpcrl.compute.train.fsdp import load_sharded_model
+    from hpcrl.compute.train.fsdp import LoadOptions, load_sharded_model
 
     torch.set_num_threads(1)
     result: dict = {}
@@ -93,7 +93,7 @@ def _load_rank(rank: int, world: int, init_file: str, model_dir: str, out_dir: s
             read = AutoModelForCausalLM.from_pretrained
             AutoModelForCausalLM.from_pretrained = lambda *a, **k: (time.sleep(read_delay_s), read(*a, **k))[1]
         model = load_sharded_model(model_dir, init_device_mesh("cpu", (world,)), torch.device("cpu"),
-                                   load_timeout_s=load_s)
+                                   LoadOptions(load_timeout_s=load_s))
         result["loaded"] = sum(float(p.full_tensor().double().sum()) for p in model.parameters())
     except Exception as exc:
         result["error"] = f"{type(exc).__name__}: {exc}"

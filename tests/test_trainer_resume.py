@@ -2,7 +2,7 @@
 steps k+1..n, the same metrics as an uninterrupted run (issue 4).
 
 Three runs of the real `Trainer` loop (hpcrl.compute.train.trainer) on 2 gloo ranks (tests/dist_harness.py),
-each rank with its own in-process transformers generator (hpcrl.compute.inference.local), a tiny random
+each rank with its own in-process transformers generator (tests/in_process_generator.py), a tiny random
 model, the demo dataset and the demo rewards, a reference model (beta > 0, so KL is in the
 metrics), a cosine schedule with warmup (so the scheduler state matters) and gradient accumulation:
 
@@ -108,7 +108,7 @@ def _w_run(rank, world, model_dir, run_dir, metrics_path, every, mu, overlap, di
     from transformers import AutoTokenizer
 
     from hpcrl.compute.inference.hf_engine import TransformersEngine
-    from hpcrl.compute.inference.local import InProcessGenerator
+    from in_process_generator import InProcessGenerator
     from hpcrl.compute.train import checkpoint as ckpt
     from hpcrl.compute.train.fsdp import load_policy_and_reference
     from hpcrl.compute.train.sources import load_dataset

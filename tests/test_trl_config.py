@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from hpcrl.job.errors import UserError
-from hpcrl.job.recipe import DEMO_GRPO, GRPOConfig
+from hpcrl.job.grpo_config import DEMO_GRPO
+from hpcrl.job.recipe import GRPOConfig
 from hpcrl.login import compose, trl_config
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -13,7 +13,7 @@ import pytest
 
 from hpcrl.job import context
 from hpcrl.job.errors import UserError
-from hpcrl.job.recipe import SCHEDULER_KWARGS, SCHEDULER_REQUIRED, SCHEDULERS_ON_METRICS
+from hpcrl.job.grpo_config import SCHEDULER_KWARGS, SCHEDULER_REQUIRED, SCHEDULERS_ON_METRICS
 from hpcrl.login import compose
 
 
@@ -191,15 +191,15 @@ def test_max_model_len_unset_is_the_models_context_and_set_is_checked_against_it
 
 
 def test_the_estimate_sizes_the_engine_for_the_models_context_and_trainers_for_the_completions(tmp_path):
-    from hpcrl.job import fit
+    from hpcrl.job import job_memory
 
     model = _model(tmp_path, 32768)
     spec = type("S", (), {})()
     spec.recipe = compose.build_recipe(None, [f"model.path={model}", "grpo.max_completion_length=512"]).recipe
-    assert fit.engine_len(spec) == 32768
-    assert fit.train_seq_len(spec) == 512 + fit.ASSUMED_PROMPT_TOKENS
+    assert job_memory.engine_len(spec) == 32768
+    assert job_memory.train_seq_len(spec) == 512 + job_memory.ASSUMED_PROMPT_TOKENS
     spec.recipe = compose.build_recipe(None, [f"model.path={model}", "inference.max_model_len=4096"]).recipe
-    assert fit.engine_len(spec) == fit.train_seq_len(spec) == 4096
+    assert job_memory.engine_len(spec) == job_memory.train_seq_len(spec) == 4096
 
 
 # ---------------------------------------------------------------------------- run names

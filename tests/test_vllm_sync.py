@@ -142,12 +142,13 @@ class Side:
         from vllm import LLM
 
         from hpcrl.compute.sync.notify import NotifyClient
-        from hpcrl.compute.sync.receiver import WeightReceiver, engine_kwargs
+        from hpcrl.compute.inference.vllm_engine import weight_transfer_kwargs
+        from hpcrl.compute.sync.receiver import WeightReceiver
 
         self.tied = tied
         self.root = root
         self.model_dir = make_model_dir(root / "model", tied)
-        self.llm = LLM(model=str(self.model_dir), **ENGINE_KW, **engine_kwargs("hpcrl_shm"))
+        self.llm = LLM(model=str(self.model_dir), **ENGINE_KW, **weight_transfer_kwargs("hpcrl_shm"))
         self.receiver = WeightReceiver(self.llm)
         self.client = NotifyClient(self.receiver.handle)
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
@@ -487,22 +488,25 @@ def test_nccl_transport_is_wired_for_a_gpu_node():
     itself needs GPUs and is not run here."""
     import socket
 
-    from hpcrl.compute.inference.client import transport_options
+    from hpcrl.compute.inference.vllm_engine import transport_options
+    from hpcrl.compute.sync.api import IpcOptions, NcclOptions, ShmOptions
     from hpcrl.compute.sync.trainer import TrainerWeightSync
 
-    assert transport_options("hpcrl_shm", True, 1) == {}
+    assert transport_options("hpcrl_shm", True, 1, job_token="t", stall_timeout_s=9) == {
+        "transport": ShmOptions(job_token="t", stall_timeout_s=9)}
     sender = transport_options("nccl", True, 2, "bfloat16")
-    host, port = sender["nccl_master"]
-    assert host == "127.0.0.1" and sender["server_world_size"] == 2
+    assert sender["transport"].server_world_size == 2
+    host, port = sender["transport"].master
+    assert host == "127.0.0.1"
     assert sender["cast_to"] is torch.bfloat16      # the engine's dtype, not the fp32 masters
     assert transport_options("nccl", True, 1, None)["cast_to"] == "auto"
-    assert transport_options("ipc", True, 1, "bfloat16") == {"cast_to": torch.bfloat16}
+    assert transport_options("ipc", True, 1, "bfloat16") == {"transport": IpcOptions(), "cast_to": torch.bfloat16}
     with socket.socket() as s:
         s.bind((host, port))            # free when chosen
     other = transport_options("nccl", False, 2, "bfloat16")
-    assert other["nccl_master"] is None
+    assert other["transport"].master is None
     model = torch.nn.Linear(4, 4)
-    sync = TrainerWeightSync(model, None, is_sender=False, backend="nccl", node_of_rank={0: 0}, **other)
+    sync = TrainerWeightSync(model, None, is_sender=False, node_of_rank={0: 0}, **other)
     assert sync.engine is not None and not sync.engine.is_sender and sync.engine.model_update_group is None
     assert sync.cast_to is torch.bfloat16 and sync.source.cast_to is torch.bfloat16
     # A send that failed on the sender before or during its gathers: the sender runs the ones it
@@ -536,8 +540,8 @@ def test_nccl_transport_is_wired_for_a_gpu_node():
         assert sync.last_traffic == {"gathered_bytes_in_node": 0, "gathered_bytes_cross_node": 0}  # no DTensor here
     finally:
         engines.iter_full_tensors = engines_iter
-    with pytest.raises(ValueError, match="nccl_master"):
-        TrainerWeightSync(torch.nn.Linear(4, 4), lambda msg: {"ok": True}, is_sender=True, backend="nccl")
+    with pytest.raises(ValueError, match=r"NcclOptions\(master="):
+        TrainerWeightSync(torch.nn.Linear(4, 4), lambda msg: {"ok": True}, is_sender=True, transport=NcclOptions())
 
 
 def _nccl_traffic_rank(rank, world, out_dir):
@@ -547,6 +551,7 @@ def _nccl_traffic_rank(rank, world, out_dir):
 
     from torch.distributed.device_mesh import init_device_mesh
 
+    from hpcrl.compute.sync.api import NcclOptions, ShmOptions
     from hpcrl.compute.sync.trainer import TrainerWeightSync
     from hpcrl.compute.train.fsdp import apply_fsdp
     from test_sync_gather import tiny_qwen2
@@ -554,8 +559,8 @@ def _nccl_traffic_rank(rank, world, out_dir):
     model = apply_fsdp(tiny_qwen2(tie=True), init_device_mesh("cpu", (world,)))
     nodes = {0: 0, 1: 0}
     got = {}
-    for backend in ("nccl", "hpcrl_shm"):
-        sync = TrainerWeightSync(model, None, is_sender=False, backend=backend, cast_to=torch.bfloat16,
+    for backend, options in (("nccl", NcclOptions()), ("hpcrl_shm", ShmOptions())):
+        sync = TrainerWeightSync(model, None, is_sender=False, transport=options, cast_to=torch.bfloat16,
                                  node_of_rank=nodes)
         for version in ("1", "2"):           # counted per sync, not accumulated over syncs
             sync.sync(version)
@@ -584,8 +589,7 @@ def test_ipc_engine_runs_with_insecure_serialization(tmp_path, monkeypatch):
     for ipc only."""
     import vllm
 
-    from hpcrl.compute.inference.vllm_engine import VLLMEngine
-    from hpcrl.compute.sync.receiver import engine_env
+    from hpcrl.compute.inference.vllm_engine import VLLMEngine, weight_transfer_env
     from hpcrl.job.recipe import InferenceConfig
 
     seen = []
@@ -607,15 +611,16 @@ def test_ipc_engine_runs_with_insecure_serialization(tmp_path, monkeypatch):
         os.environ.clear()
         os.environ.update(saved)
     assert seen == [(None, {"backend": "hpcrl_shm"}), (None, {"backend": "nccl"}), ("1", {"backend": "ipc"})]
-    assert engine_env("ipc") == {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"} and engine_env("nccl") == {}
+    assert weight_transfer_env("ipc") == {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+    assert weight_transfer_env("nccl") == {}
     with pytest.raises(ValueError, match="unknown weight-sync backend"):
-        engine_env("ipcc")
+        weight_transfer_env("ipcc")
 
 
 def test_ipc_buffer_holds_the_largest_tensor():
     """vLLM's packed_ipc_producer raises on a tensor larger than its buffer: the buffer is the
     bucket, or the largest tensor in the wire dtype when that is larger, and the sender says so."""
-    from hpcrl.compute.sync.api import SenderSetup
+    from hpcrl.compute.sync.api import IpcOptions, SenderSetup
     from hpcrl.compute.sync.gather import sync_named_params
     from hpcrl.compute.sync.vllm_engines import HFWeightSource, IpcTransport, ipc_buffer_bytes
 
@@ -633,7 +638,7 @@ def test_ipc_buffer_holds_the_largest_tensor():
     transport.is_sender, transport.log = True, logs.append
     transport.source = HFWeightSource(model, torch.bfloat16)
     setup = SenderSetup(model=model, params=params, client=None, is_sender=True, bucket_bytes=50_000,
-                        cast_to=torch.bfloat16)
+                        cast_to=torch.bfloat16, options=IpcOptions())
     info = transport._init_info(setup, 0)
     assert info.packed and info.packed_buffer_size_bytes == 2 * embedding and info.is_sender
     assert len(logs) == 1 and "grows" in logs[0] and "0.weight" in logs[0]

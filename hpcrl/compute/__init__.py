@@ -8,4 +8,6 @@ inference/  the per-node server (vLLM or transformers engine) and its client
 sync/       trainer -> server weights after each step: the ordered bucketed gather, one module per transport
 models/     tiny models made locally (the demo; tests)
 metrics.py  the metrics and heartbeat writer (trainer rank 0)
+partitioned.py  the seam to a trainer engine's own parameter partitioning (ZeRO-3): gather, load, shape
+stage.py    copies the job's model to each node's local storage before the launch (site.stage)
 """

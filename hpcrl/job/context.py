@@ -15,6 +15,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpcrl.job.demo import is_demo
+
 # vLLM's keys, in its order (transformers_utils/model_arch_config_convertor.py).
 LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
                "max_target_positions", "max_sequence_length", "max_seq_length", "seq_len")
@@ -78,7 +80,7 @@ def _read(path: Path) -> dict | None:
 def model_context(model_path: str, tokenizer_path: str = "") -> Context | None:
     """The context vLLM will serve the local model at ``model_path`` with (None: no readable
     config.json here, as for the demo:* models or a path only compute nodes see)."""
-    if model_path.startswith("demo:"):
+    if is_demo(model_path):
         return None
     cfg = _read(Path(model_path) / "config.json")
     if cfg is None:

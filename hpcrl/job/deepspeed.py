@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcrl.job.errors import UserError
-from hpcrl.job.fit import MeshChoice, choose_mesh
+from hpcrl.job.mesh_choice import MeshChoice, choose_mesh
 from hpcrl.job.recipe import Recipe
 from hpcrl.job.spec import JobSpec
 
@@ -144,7 +144,7 @@ def bf16_enabled(bf16: bool | None, device_type: str) -> bool:
 
 def config_for_job(spec: JobSpec, device_type: str, hidden_size: int | None = None) -> dict:
     """The configuration a job's trainers pass to deepspeed.initialize: build_config for the job's
-    recipe, trainers, mesh choice (hpcrl.job.fit.choose_mesh) and the user's settings as compose read
+    recipe, trainers, mesh choice (hpcrl.job.mesh_choice.choose_mesh) and the user's settings as compose read
     them (spec.deepspeed_user). `hidden_size`: the model config's, for Hugging Face's "auto" buckets."""
     plan = spec.plan()
     mesh = choose_mesh(spec, plan)

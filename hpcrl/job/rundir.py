@@ -36,9 +36,11 @@ MODEL_CHECKPOINT_PREFIX = "checkpoint-"
 # <checkpoints>/step-<N>/ is complete once it holds both files.
 TRAINING_CHECKPOINT_PREFIX = "step-"
 TRAINING_CHECKPOINT_META = "meta.json"        # written last, once every rank has written its part
-# What holds the model and optimizer: DCP's index file (trainer.engine fsdp2), or DeepSpeed's own
-# directory (trainer.engine deepspeed).
-TRAINING_CHECKPOINT_STATE = (".metadata", "deepspeed")
+# Each trainer engine's model and optimizer state in a checkpoint: DCP's index (fsdp2), DeepSpeed's
+# own directory (deepspeed).
+DCP_INDEX = ".metadata"
+DEEPSPEED_STATE_DIR = "deepspeed"
+TRAINING_CHECKPOINT_STATE = (DCP_INDEX, DEEPSPEED_STATE_DIR)
 # One health file per engine (node-<n>-engine-<e>.json), read by the trainers into the heartbeat.
 SERVERS_DIR = ".servers"
 # Copies of the recipe's own reward modules (JobSpec.reward_modules): first on the trainers' sys.path.

@@ -6,6 +6,12 @@ starts the compute side, as a separate mpiexec process.
 
 cli.py         argparse, and the one place where errors become exit codes
 compose.py     recipe file + key=value + flags + site -> JobSpec (every check a login node can make)
+trl_config.py  a `trl grpo --config` YAML as a recipe: TRL's flat keys -> hpcrl's sections
+strict_yaml.py YAML as a recipe's author means it (a key given twice is an error, no YAML 1.1 slips)
+inputs.py      the recipe's model, tokenizer and dataset checked before a job waits in a queue
+data_rows.py   every row's prompt checked (an empty one fails here, not on the compute nodes)
+deepspeed_inputs.py  trainer.engine=deepspeed: a user's DeepSpeed or accelerate config read and checked
+write_dirs.py  the run, checkpoint and output directories: writable from compute nodes, not another run's
 profiles.py    finding site profiles: shipped, $HPCRL_SITES_PATH, ~/.config/hpcrl/sites, `extends`
 commands/      one module per subcommand (run, render, submit, plan, sites, status, logs, cancel,
                plot), each a main(args); cli.py imports only the one given
@@ -16,5 +22,6 @@ status.py      registry + Slurm + run directory -> what a person sees (shared by
 table.py       the one table printer
 api.py         the same submit path for notebooks (a submitit job handle)
 plot.py        metrics.jsonl -> one PNG
-local.py       `hpcrl run`: the mpiexec supervisor on this machine
+local/         `hpcrl run`: the mpiexec supervisor on this machine (a module per job: mpiexec, supervision,
+               console, progress and summary)
 """

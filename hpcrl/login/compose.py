@@ -1,33 +1,33 @@
 """recipe file + key=value + flags + site -> a validated JobSpec. Nothing is written here.
 
 Every check a login node can make happens here, before a job waits in a queue; a mistake is a
-UserError naming the field. That includes memory: a job whose estimate (hpcrl.job.fit) does not fit
+UserError naming the field. That includes memory: a job whose estimate (hpcrl.job.estimate) does not fit
 its GPUs is refused with the fix.
 """
 
 from __future__ import annotations
 
-import json
 import re
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
 from hpcrl import __version__
-from hpcrl.job import context, rundir
-from hpcrl.job.config import build, closest, deep_merge, problems_error, set_dotted, to_dict, unknown_fields
+from hpcrl.job import context
+from hpcrl.job.config import build, closest, deep_merge, problems_error, set_dotted, unknown_fields
+from hpcrl.job.demo import is_demo
 from hpcrl.job.errors import UserError
 from hpcrl.job.hfcache import is_glob
 from hpcrl.job.placement import Plan, make_plan
-from hpcrl.job.recipe import DATASET_BUILDERS, DEMO_GRPO, DataConfig, Recipe
+from hpcrl.job.grpo_config import DEMO_GRPO
+from hpcrl.job.recipe import DATASET_BUILDERS, DataConfig, Recipe
 from hpcrl.job.recipe import TRL_REWARDS_MATH_VERIFY, expand_shorthands, reward_import_path
 from hpcrl.job.site import Site
 from hpcrl.job.slurm_time import parse_walltime
 from hpcrl.job.spec import SPEC_VERSION, JobSpec
-from hpcrl.login import deepspeed_inputs, profiles, trl_config
+from hpcrl.login import deepspeed_inputs, profiles, trl_config, write_dirs
 from hpcrl.login.trl_config import Translation
 
 # Job names, accounts, partitions and QOS land on #SBATCH lines: one plain token only.
@@ -161,7 +161,7 @@ def _validate_router_aux(recipe: Recipe) -> None:
     the job waits in a queue (where the login node can read the model's config.json)."""
     if not recipe.grpo.router_aux_loss_coef:
         return
-    from hpcrl.job.fit import model_shape
+    from hpcrl.job.model_shape import model_shape
 
     shape, _ = model_shape(recipe.model.path)
     if shape is not None and not shape.experts:
@@ -291,18 +291,21 @@ def _compose(recipe: Recipe, recipe_path: str | None, site_name: str, run_dir: s
         deepspeed_inputs.check(spec, plan, deepspeed_sources)
         _print_notes(notes)
         return spec
-    run_path = Path(run_dir) if run_dir else default_run_dir(site, recipe.name)
+    run_path = Path(run_dir) if run_dir else write_dirs.default_run_dir(site, recipe.name)
     run_path = run_path.expanduser().absolute()
     _check_text(str(run_path), "--run-dir")
     if re.search(r"[\"%\\]", str(run_path)):
         raise UserError(f"--run-dir: {str(run_path)!r}: quotes, backslashes and % cannot appear in a run directory")
     if run_path.exists():
         raise UserError(f"--run-dir: {run_path} already exists")
-    _check_writable_on_compute(site, run_path, "--run-dir")
+    write_dirs.check_writable_on_compute(site, run_path, "--run-dir")
     if recipe.checkpoint.dir:
-        _check_writable_on_compute(site, Path(recipe.checkpoint.dir).expanduser().absolute(), "checkpoint.dir")
+        checkpoint_dir = Path(recipe.checkpoint.dir).expanduser().absolute()
+        write_dirs.check_writable_on_compute(site, checkpoint_dir, "checkpoint.dir")
     if recipe.checkpoint.output_dir:
-        _check_output_dir(site, Path(recipe.checkpoint.output_dir), recipe.model.path)
+        output_dir = Path(recipe.checkpoint.output_dir)
+        _check_text(str(output_dir), write_dirs.OUTPUT_DIR_FIELD)
+        write_dirs.check_output_dir(site, output_dir, recipe.model.path)
     from hpcrl.login.inputs import model_to_stage
 
     model_source = model_to_stage(recipe, site) if recipe.mode == "train" else ""
@@ -310,7 +313,7 @@ def _compose(recipe: Recipe, recipe_path: str | None, site_name: str, run_dir: s
         _check_text(model_source, "model.path")
     spec = JobSpec(SPEC_VERSION, __version__, time.time(), str(run_path), site, recipe, time_s, python,
                    reward_modules, model_source, deepspeed_user)
-    _check_dirs_are_this_runs(spec)
+    write_dirs.check_dirs_are_this_runs(spec)
     deepspeed_inputs.check(spec, plan, deepspeed_sources)
     if check_fit:
         _check_fit(spec, plan)
@@ -382,7 +385,7 @@ def _local_paths(data: dict) -> None:
     for section, key, must_exist in (("model", "path", True), ("model", "tokenizer", True), ("data", "path", True),
                                      ("checkpoint", "dir", False), ("checkpoint", "output_dir", False)):
         value = (data.get(section) or {}).get(key)
-        if not isinstance(value, str) or not value or value == "demo" or value.startswith("demo:") or Path(value).is_absolute():
+        if not isinstance(value, str) or not value or value == "demo" or is_demo(value) or Path(value).is_absolute():
             continue
         path = Path(value).expanduser()
         if not must_exist or path.exists() or (section, key) == ("data", "path") and is_glob(value):
@@ -444,107 +447,11 @@ def _check_fit(spec: JobSpec, plan: Plan) -> None:
     job), a model directory this machine cannot read and a site without memory sizes never do."""
     if spec.recipe.mode != "train":
         return              # a probe loads no model
-    from hpcrl.job.fit import estimate      # here: `hpcrl status` and `--help` never load it
+    from hpcrl.job.estimate import estimate      # here: `hpcrl status` and `--help` never load it
 
     refusal = estimate(spec, plan).refusal(spec.site.name)
     if refusal:
         raise UserError(refusal)
-
-
-def _check_writable_on_compute(site: Site, path: Path, where: str) -> None:
-    """The job writes its run and checkpoint directories from the compute nodes. Symlinks are
-    followed: ~/runs linked to a scratch file system is fine."""
-    real = path.resolve()
-    for readonly in site.readonly_on_compute:
-        top = Path(readonly)
-        if real == top or top in real.parents:
-            raise UserError(f"{where}: {path} is under {readonly}, which {site.name}'s compute nodes cannot write; "
-                            f"put it on a scratch file system (--run-dir DIR, or runs_dir in your site file "
-                            f"~/.config/hpcrl/sites/{site.name}.toml)")
-    # From the login node's view too: its nearest existing directory must take new files (found
-    # here, not after all the training, when the model is written).
-    existing = next((p for p in (real, *real.parents) if p.exists()), None)
-    if existing is not None and existing.is_dir():
-        try:    # a file made and gone at once: permissions, read-only mounts and immutable bits alike
-            with tempfile.TemporaryFile(dir=existing):
-                pass
-        except OSError as e:
-            raise UserError(f"{where}: {path} cannot be written: {existing}: {e.strerror}") from None
-
-
-def _check_output_dir(site: Site, path: Path, model_path: str = "") -> None:
-    """TRL's output_dir: the final model replaces a model directory there, as TRL overwrites it;
-    anything else there is the user's and is never replaced, nor is the base model."""
-    where = "checkpoint.output_dir (TRL's output_dir)"
-    _check_text(str(path), where)
-    base = Path(model_path).expanduser() if model_path and not model_path.startswith("demo:") else None
-    if base is not None and base.is_dir():
-        out, base = path.expanduser().resolve(), base.resolve()
-        if out == base or base in out.parents or out in base.parents:
-            raise UserError(f"{where}: {path} is {'the base model' if out == base else 'in or around the base model'}"
-                            f" ({model_path}), which the run's model would overwrite: name another directory")
-    if path.exists() and not path.is_dir():
-        raise UserError(f"{where}: {path} is a file, not a directory")
-    if path.is_dir() and any(p.name != rundir.RUN_IDENTITY_FILE for p in path.iterdir()) and not _holds_model(path):
-        raise UserError(f"{where}: {path} holds files that are not a model; the final model would replace "
-                        f"them: name a new or empty directory")
-    _check_writable_on_compute(site, path, where)
-
-
-def _holds_model(path: Path) -> bool:
-    return rundir.is_model_dir(path) or any(p.name.startswith(rundir.MODEL_CHECKPOINT_PREFIX) for p in path.iterdir())
-
-
-def _check_dirs_are_this_runs(spec: JobSpec) -> None:
-    """checkpoint.dir and checkpoint.output_dir belong to one run (rundir.RUN_IDENTITY_FILE): in
-    another run's, this one would resume from that run's weights and optimizer (another recipe's)
-    and move its `latest`, or replace its model. A new run is never the owner: a run continues
-    from its own run directory (`hpcrl submit --resume`), which is not composed again. A claim
-    whose run directory is gone and that holds nothing (a render whose submission failed) is free."""
-    # The recipe as job.json will hold it (JSON's keys), without job.json's indented dump: an indent
-    # makes json use its pure-Python encoder, a few ms of every render.
-    ours = rundir.run_identity({"run_dir": spec.run_dir, "recipe": json.loads(json.dumps(to_dict(spec.recipe)))})
-    checkpoint = spec.recipe.checkpoint
-    if checkpoint.dir:
-        path = Path(checkpoint.dir).expanduser().absolute()
-        owner = _other_owner(path, ours, rundir.CHECKPOINTS_DIR)
-        if owner is not None and rundir.is_run_dir(owner):
-            raise UserError(f"checkpoint.dir: {path} is the checkpoint directory of run {owner}; this run would "
-                            f"resume from its checkpoints and write over them: {_continue_hint(owner)}name another "
-                            f"directory")
-        if rundir.read_identity(path) != ours and rundir.training_checkpoint_steps(path):
-            if owner is not None:
-                raise UserError(f"checkpoint.dir: {path} holds the training checkpoints of run {owner}, whose run "
-                                f"directory is gone; this run would resume from them: remove them or name another "
-                                f"directory")
-            raise UserError(f"checkpoint.dir: {path} holds training checkpoints that no run claims (written before "
-                            f"hpcrl recorded whose); this run would resume from them: to continue the run that wrote "
-                            f"them, `hpcrl submit --resume RUN_DIR` with its run directory; otherwise remove them or "
-                            f"name another directory")
-    if checkpoint.output_dir:
-        where = "checkpoint.output_dir (TRL's output_dir)"
-        path = Path(checkpoint.output_dir).expanduser().absolute()
-        owner = _other_owner(path, ours, rundir.MODEL_DIR)
-        if owner is not None and rundir.is_run_dir(owner):
-            raise UserError(f"{where}: {path} is the output directory of run {owner}, whose model this run's would "
-                            f"replace: {_continue_hint(owner)}name another directory")
-        if rundir.read_identity(path) != ours and path.is_dir() and _holds_model(path):
-            whose = f"of run {owner}, whose run directory is gone" if owner else "that this run did not write"
-            raise UserError(f"{where}: {path} holds a model {whose}; the final model would replace it: name a new "
-                            f"or empty directory")
-
-
-def _continue_hint(run_dir: str) -> str:
-    if (Path(run_dir) / rundir.FINISHED_MARKER).exists():
-        return "that run has finished; "
-    return f"to continue that run, `{rundir.resume_command(run_dir)}`; otherwise "
-
-
-def _other_owner(path: Path, ours: dict, own_name: str) -> str | None:
-    """The run directory of the run other than ours that ``path`` belongs to, None where none does.
-    Ours only where a deleted run directory's run is rendered again as it was: the same path and
-    the same recipe."""
-    return None if rundir.read_identity(path) == ours else rundir.owner(path, own_name)
 
 
 def _reward_modules(recipe, recipe_path: str | None, check_installed: bool) -> tuple[str, ...]:
@@ -607,14 +514,3 @@ def _own_module(top: str, dirs: list[str]) -> str | None:
     if top in importlib.metadata.packages_distributions():
         return None
     return str(Path(found.origin).parent) if found.submodule_search_locations else found.origin
-
-
-def default_run_dir(site: Site, name: str) -> Path:
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    base = Path(site.runs_dir).expanduser()
-    path = base / f"{name}-{stamp}"
-    n = 1
-    while path.exists():
-        n += 1
-        path = base / f"{name}-{stamp}-{n}"
-    return path

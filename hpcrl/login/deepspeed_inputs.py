@@ -124,7 +124,7 @@ def check(spec: JobSpec, plan: Plan, sources: list[tuple[str, dict]]) -> None:
     if spec.recipe.trainer.engine != "deepspeed":
         return
     from hpcrl.job.deepspeed import build_config, config_for_job
-    from hpcrl.job.fit import choose_mesh
+    from hpcrl.job.mesh_choice import choose_mesh
 
     device_type = "cuda" if spec.site.device == "cuda" else "cpu"
     hpz = choose_mesh(spec, plan).hpz_partition_size

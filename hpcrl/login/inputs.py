@@ -27,15 +27,15 @@ from pathlib import Path
 
 from hpcrl.job import hfcache
 from hpcrl.job.config import closest
+from hpcrl.job.demo import DEMO_MODEL_PREFIX, is_demo
 from hpcrl.job.errors import UserError
-from hpcrl.job.fit import (ALL_LINEAR, DECODER_LINEARS, decoder_linear_path, lora_target_matches,
-                           read_safetensors_header)
+from hpcrl.job.lora import ALL_LINEAR, DECODER_LINEARS, decoder_linear_path, lora_target_matches
+from hpcrl.job.model_shape import read_safetensors_header
 from hpcrl.job.recipe import DATASET_BUILDERS, DataSource, ModelConfig, Recipe
 from hpcrl.job.site import Site
 from hpcrl.login import data_rows
 
 DEMO_DATA = "demo"
-DEMO_MODEL_PREFIX = "demo:"
 # Split names datasets infers from file names, beyond the split's own name.
 SPLIT_WORDS = {"train": ("training",), "validation": ("valid", "val", "dev"), "test": ("testing", "eval", "evaluation")}
 # Decoder layers of the "demo:<size>" models (Qwen2, built in the job by hpcrl.compute.models.tiny,
@@ -57,7 +57,7 @@ def model_to_stage(recipe: Recipe, site: Site) -> str:
     hub id's snapshot in THIS machine's Hugging Face cache (the batch host reads it from the shared
     file system; the nodes' own caches may be empty). "" for the demo model, built on the nodes."""
     path = recipe.model.path
-    if not site.stage.model_dest or path.startswith(DEMO_MODEL_PREFIX):
+    if not site.stage.model_dest or is_demo(path):
         return ""
     local = Path(path).expanduser()
     if local.is_dir() or not hfcache.is_hub_id(path):
@@ -97,7 +97,7 @@ def _caches(env: dict[str, str | None]) -> tuple[Path | None, Path | None]:
 # ---------------------------------------------------------------------------- model and tokenizer
 def _check_model(recipe: Recipe, env) -> None:
     model = recipe.model
-    if model.path.startswith(DEMO_MODEL_PREFIX):
+    if is_demo(model.path):
         if model.tokenizer:
             _tokenizer_dir(model.tokenizer, "model.tokenizer", env)
         _check_lora_targets(model, demo_module_paths(model.path))

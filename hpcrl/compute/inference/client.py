@@ -1,19 +1,18 @@
 """The trainers' side of the node's engines: generation requests over the node channels, and the
-weight sync (every trainer gathers; each engine's sender streams to it). The sync's
-transports are in hpcrl.compute.sync: ``TrainerWeightSync`` for a vLLM server, ``ChannelWeightSync``
-for a transformers one."""
+weight sync (every trainer gathers; each engine's sender streams to it). Which sync feeds an engine
+is the engine's to say (``InferenceEngine.trainer_sync``, its class found by the name the engine
+gives in its health reply); the transports are in hpcrl.compute.sync."""
 
 from __future__ import annotations
 
-import os
-import socket
 import time
 from dataclasses import replace
 from typing import Sequence
 
+from hpcrl.compute.inference.engine import SyncPeer, engine_class
 from hpcrl.compute.inference.types import Completion, Sampling
 from hpcrl.compute.launch.context import LaunchContext
-from hpcrl.compute.sync.api import TrainerSync, default_backend
+from hpcrl.compute.sync.api import TrainerSync
 
 
 class ServerUnavailable(RuntimeError):
@@ -27,34 +26,6 @@ def generation_timeout_s(inference, prompts: int, sampling: Sampling, trainers: 
     whose requests the server generates as one batch, so each waits for all of theirs."""
     ktokens = trainers * prompts * sampling.n * sampling.max_tokens / 1000
     return inference.request_timeout_s + inference.generation_s_per_ktoken * ktokens
-
-
-def transport_options(backend: str, is_sender: bool, server_gpus: int, engine_dtype: str | None = None) -> dict:
-    """What TrainerWeightSync needs for `backend` beyond the model and the channel.
-
-    nccl (RCCL on ROCm): the sender hosts the group's rendezvous (a TCPStore) and the server's
-    workers join it. Both are on this node, so it listens on loopback, on a port free now (the
-    store binds it moments later). The group is the sender plus the server's tensor-parallel
-    workers; the node's other trainers only take part in the gathers. Weights travel in the
-    engine's dtype (the trainer keeps fp32 masters: half the bytes for a bf16 engine); every
-    trainer knows it from the server's health reply, and casts its shards before the gathers.
-    ipc: the same dtype; it has no rendezvous. (hpcrl_shm learns the engine's dtype in its own
-    handshake, and TrainerWeightSync hands it to the other trainers.)"""
-    if backend not in ("nccl", "ipc"):
-        return {}
-    import torch
-
-    cast_to = getattr(torch, engine_dtype, None) if engine_dtype else None
-    options = {"cast_to": cast_to if isinstance(cast_to, torch.dtype) else "auto"}
-    if backend == "nccl":
-        options.update(nccl_master=("127.0.0.1", _free_port()) if is_sender else None, server_world_size=server_gpus)
-    return options
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Engine:
@@ -115,29 +86,10 @@ class ServerGenerator:
             self.syncs.append(self._make_sync(target, round_))
 
     def _make_sync(self, target: _Engine | None, round_: int) -> TrainerSync:
-        bucket = self.inf.sync_bucket_mb << 20
-        sender = target is not None
         node_of_rank = {t.trainer_rank: t.node for t in self.ctx.plan.tasks if t.trainer_rank is not None}
-        if self.engine == "vllm":
-            from hpcrl.compute.sync.trainer import TrainerWeightSync
-
-            token = f"{os.environ.get('SLURM_JOB_ID', 'local')}-n{self.ctx.task.node}-{os.getpid()}-{round_}"
-            backend = default_backend(self.ctx.device)
-            notify = (lambda msg: target.request(msg, self.inf.request_timeout_s)) if sender else None
-            return TrainerWeightSync(self.model, notify, is_sender=sender, backend=backend, bucket_bytes=bucket,
-                                     job_token=token, node_of_rank=node_of_rank,
-                                     stall_timeout_s=self.inf.request_timeout_s, log=self.ctx.log,
-                                     **transport_options(backend, sender, self.inf.tensor_parallel_size,
-                                                         self.engine_dtype))
-        import torch
-
-        from hpcrl.compute.sync.channel import ChannelWeightSync
-
-        cast_to = getattr(torch, self.engine_dtype or "", None)
-        return ChannelWeightSync(self.model, target.request if sender else _no_request, is_sender=sender,
-                                 bucket_bytes=bucket, timeout_s=self.inf.request_timeout_s,
-                                 cast_to=cast_to if isinstance(cast_to, torch.dtype) else None,
-                                 node_of_rank=node_of_rank)
+        peer = SyncPeer(self.ctx, round_, target.request if target is not None else None, self.engine_dtype,
+                        node_of_rank)
+        return engine_class(self.engine).trainer_sync(self.model, peer)
 
     def submit(self, prompts: Sequence[Sequence[int]], sampling: Sampling) -> "_ServerGeneration":
         """Ask the engine(s) for completions and return at once; `result()` takes them."""
@@ -172,10 +124,6 @@ class ServerGenerator:
                 pass
         for sync in self.syncs:
             sync.close()
-
-
-def _no_request(msg: dict, timeout: float) -> dict:
-    raise AssertionError(f"{msg.get('op')!r}: a trainer that feeds no engine in this sync round sends nothing")
 
 
 class _ServerGeneration:

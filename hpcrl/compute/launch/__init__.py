@@ -7,7 +7,15 @@ watchdog.py    bounded waits after the rendezvous: the hub every rank heartbeats
 channel.py     node-local messages between a node's trainers and its server
 mesh.py        the trainers' FSDP / HSDP device mesh
 context.py     LaunchContext, what role functions receive
-main.py        the sequence; probe.py the "probe" mode
+main.py        the sequence of a task: rendezvous, role, the end
+probe.py       the "probe" mode: each task's plan row against what it really got, the links checked
+wire.py        framed, authenticated messages over sockets: the channel's and the watchdog's format
+stop.py        the stop request (Slurm's warning signal, scancel's SIGTERM): checkpoint and end
+outcome.py     why a job ended: the first fatal line of any task, kept in failure.txt
+reason.py      a failed task's reason in one line (the exception's real cause, not its wrapper)
+leave.py       how a task leaves: at once when failed, past Python's finalization when finished
+shm_sweep.py   /dev/shm leftovers of a killed attempt, removed before the next one starts
+faults.py      fault injection for the failure tests (HPCRL_FAULT)
 
 Nothing in this package imports mpi4py or torch at module level.
 """

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcrl.compute.launch.channel import NodeChannel, NodeServerChannel
-from hpcrl.job.fit import MeshChoice
+from hpcrl.job.mesh_choice import MeshChoice
 from hpcrl.compute.launch.pinning import Pinning
 from hpcrl.compute.launch.rendezvous import Identity
 from hpcrl.compute.launch.watchdog import Hub, Watchdog

@@ -27,7 +27,7 @@ from hpcrl.compute.launch.channel import NodeChannel, NodeServerChannel
 from hpcrl.compute.launch.context import LaunchContext, write_line
 from hpcrl.compute.launch.mesh import build_mesh
 from hpcrl.compute.launch.reason import explain
-from hpcrl.job.fit import choose_mesh
+from hpcrl.job.mesh_choice import choose_mesh
 from hpcrl.compute.launch.rendezvous import ArrivalBook, LaunchError
 from hpcrl.compute.launch.stop import STOP
 from hpcrl.compute.launch.supervisor import Supervisor

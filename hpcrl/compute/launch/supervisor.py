@@ -32,6 +32,7 @@ import time
 from typing import Callable
 
 from hpcrl.compute.launch import outcome
+from hpcrl.job.process_group import kill_group
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2, signal.SIGQUIT, signal.SIGCONT)
 # After one of these the task gets this long to exit before SIGKILL, so a stopped or stuck task
@@ -183,14 +184,6 @@ class Supervisor:
             os.waitpid(self._task, 0)
         except (ProcessLookupError, ChildProcessError):
             pass
-
-
-def kill_group(pgid: int) -> None:
-    """SIGKILL a whole process group (a task and whatever it started); one already gone is fine."""
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _say(line: str) -> None:

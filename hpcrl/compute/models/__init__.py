@@ -1,1 +1,4 @@
-"""Locally built models (no hub downloads): see :mod:`hpcrl.compute.models.tiny`."""
+"""Locally built models (no hub downloads).
+
+tiny.py   tiny Qwen2-architecture causal LMs and a byte-level BPE tokenizer (the demo, tests, benchmarks)
+"""

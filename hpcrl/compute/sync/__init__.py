@@ -22,8 +22,8 @@ such as api.py, costs neither torch nor vLLM):
                       traffic), with the backend's transport picked by name.
 - ``notify.py``       ``NotifyClient``: the sender's messages to the server (vLLM's client protocol
                       over the node channel).
-- ``receiver.py``     ``WeightReceiver``: the server side of the vLLM backends; ``engine_kwargs``,
-                      ``engine_env`` and ``llm_dtype`` for the server's ``vllm.LLM``.
+- ``receiver.py``     ``WeightReceiver``: the server side of the vLLM backends, and ``llm_dtype``
+                      (vLLM's construction arguments for a sync: hpcrl.compute.inference.vllm_engine).
 - ``shm.py``          the ``hpcrl_shm`` transport (CPU, one node, tested): a double-buffered
                       /dev/shm region, its sender, and ``ShmTransport`` for ``TrainerWeightSync``.
 - ``shm_vllm.py``     ``hpcrl_shm`` inside vLLM's weight-transfer API: the worker engine that applies
@@ -31,7 +31,7 @@ such as api.py, costs neither torch nor vLLM):
 - ``vllm_engines.py`` vLLM's own ``nccl`` (CUDA, and ROCm through RCCL) and ``ipc`` (CUDA IPC,
                       only when the server shares the sender's GPU) engines on the trainer side,
                       their gathers counted like hpcrl_shm's; ipc's buffer holds the largest
-                      tensor, and its engine runs with ``receiver.engine_env("ipc")``. Written
+                      tensor, and its engine runs with ``vllm_engine.weight_transfer_env("ipc")``. Written
                       against vLLM 0.32's API; the data path is UNTESTED without a GPU.
 - ``reload.py``       around vLLM's layerwise reload: abort without meta-device leftovers, the
                       re-pack of a tied lm_head.

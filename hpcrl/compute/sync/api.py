@@ -14,7 +14,7 @@ module may import it, and it imports none of them back. The transports are loade
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, ClassVar, Protocol, Union
 
 __all__ = [
     "SHM_BACKEND",
@@ -27,6 +27,10 @@ __all__ = [
     "TrainerSync",
     "ServerSync",
     "SyncClient",
+    "ShmOptions",
+    "NcclOptions",
+    "IpcOptions",
+    "TransportOptions",
     "SenderSetup",
     "SenderTransport",
     "default_backend",
@@ -106,10 +110,43 @@ class SyncClient(Protocol):
     def finish_weight_update(self, weight_version: str | None = None) -> Any: ...
 
 
+# One options type per transport, each with its own fields, built once by whoever picks the
+# transport (the inference engine's trainer_sync); its ``backend`` names the transport in TRANSPORTS.
+@dataclass(frozen=True)
+class ShmOptions:
+    """hpcrl_shm: a double-buffered /dev/shm region between the sender and its engine."""
+
+    backend: ClassVar[str] = SHM_BACKEND
+    job_token: str | None = None    # names the region (unique per job, node, sender and round)
+    shm_dir: str = "/dev/shm"
+    mode: str = "stream"            # "stream" or "rpc"
+    stall_timeout_s: float = 300.0  # how long either side waits for the other
+
+
+@dataclass(frozen=True)
+class NcclOptions:
+    """nccl (RCCL on ROCm): vLLM's NCCL weight-transfer engine; a group of the sender and the
+    server's tensor-parallel workers."""
+
+    backend: ClassVar[str] = "nccl"
+    master: tuple[str, int] | None = None   # the group's rendezvous, hosted by the sender (None elsewhere)
+    server_world_size: int = 1              # the server's tensor-parallel size
+
+
+@dataclass(frozen=True)
+class IpcOptions:
+    """ipc: vLLM's CUDA-IPC engine, when the server shares the sender's GPU; no fields of its own."""
+
+    backend: ClassVar[str] = "ipc"
+
+
+TransportOptions = Union[ShmOptions, NcclOptions, IpcOptions]
+
+
 @dataclass(frozen=True)
 class SenderSetup:
     """What ``TrainerWeightSync`` builds its backend's transport from: its own arguments, with the
-    parameter list and the channel client made. Each transport reads the fields it needs."""
+    parameter list and the channel client made; ``options`` are the transport's own."""
 
     model: Any                      # the trainer's (sharded) torch module
     # gather.sync_named_params(model): what a sync sends, in order. The same list object all along:
@@ -119,14 +156,9 @@ class SenderSetup:
     is_sender: bool
     bucket_bytes: int
     cast_to: Any                    # "auto", None or a torch dtype: see TrainerWeightSync
+    options: TransportOptions
     tracker: Any = None             # gather.LiveBytes, or None
     traffic: Any = None             # gather.GatherTraffic, or None
-    job_token: str | None = None    # hpcrl_shm: names the region
-    shm_dir: str = "/dev/shm"
-    shm_mode: str = "stream"
-    nccl_master: tuple[str, int] | None = None  # nccl: the group's rendezvous, on the sender
-    server_world_size: int = 1
-    stall_timeout_s: float = 300.0  # hpcrl_shm: how long either side waits for the other
     log: Any = None                 # callable(str) for what an operator should see; None: logging
 
 

@@ -47,8 +47,8 @@ def save_checkpoint(buckets: Iterable[list[tuple[str, torch.Tensor]]], out_dir: 
 def reload_checkpoint(llm, path: str | Path, version: str | None = None, receiver=None) -> float:
     """Reload the engine's weights from ``path`` in place; reset the prefix cache. Returns seconds.
 
-    Needs the engine built with ``hpcrl.compute.sync.receiver.engine_kwargs`` (the worker
-    extension). With a ``WeightReceiver``, the sync is bracketed like an in-memory one: unservable
+    Needs the engine built with ``hpcrl.compute.inference.vllm_engine.weight_transfer_kwargs`` (the
+    worker extension). With a ``WeightReceiver``, the sync is bracketed like an in-memory one: unservable
     until the reload succeeded, then its version recorded.
     """
     t = time.perf_counter()

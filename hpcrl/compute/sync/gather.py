@@ -19,11 +19,10 @@ torn weights, a sender out of memory):
 Names are mapped to Hugging Face checkpoint names, which is what vLLM's ``model.load_weights``
 takes: wrapper prefixes are stripped and a tied ``lm_head.weight`` is skipped, as HF checkpoints do.
 
-A model trained by DeepSpeed ZeRO-3 (hpcrl.compute.train.deepspeed_engine) holds each parameter
-as an empty tensor and its partition (``ds_tensor``); each is sent as ``PartitionedParam``, which
-knows the full shape and gathers the partitions itself, in the wire dtype, inside the node when
-ZeRO++'s hierarchical partition (hpZ, DeepSpeed's HSDP) keeps a copy of each parameter there. The
-walk, the order and the buckets are the FSDP2 ones: only the gather of one tensor differs.
+A parameter an engine partitions where torch cannot see it (DeepSpeed ZeRO-3's) is sent as the
+engine's own handle (hpcrl.compute.partitioned.PartitionedParam), which knows the full shape and
+gathers the partitions itself, in the wire dtype. The walk, the order and the buckets are the
+FSDP2 ones: only the gather of one tensor differs, and this module never learns which engine it is.
 
 A model with LoRA adapters (hpcrl.compute.train.lora) is sent as the model it stands for: each
 adapted linear layer is ONE entry, ``MergedWeight``, gathered as its base weight, lora_A and lora_B
@@ -41,11 +40,12 @@ from dataclasses import dataclass
 
 import torch
 
+from hpcrl.compute.partitioned import PartitionedParam, partitioned
+
 __all__ = [
     "WRAPPER_PREFIXES",
     "ParamSpec",
     "MergedWeight",
-    "PartitionedParam",
     "lora_layers",
     "GatherTraffic",
     "LiveBytes",
@@ -112,89 +112,6 @@ class MergedWeight:
         return tracker.track(merged) if tracker is not None else merged
 
 
-class PartitionedParam:
-    """A ZeRO-3 parameter as a sync sends it: the shape and dtype of the whole tensor (the module's
-    own tensor is empty), and :meth:`gather`, a collective over the ranks holding its partitions.
-
-    Where the whole tensor comes from (DeepSpeed 0.19, deepspeed/runtime/zero/):
-
-    - Without hpZ: the primary partitions (``ds_tensor``, over every trainer), each rank casting its
-      partition to the wire dtype first (half the bytes of fp32 partitions for a bf16 engine).
-    - With hpZ (``zero_hpz_partition_size``) and the node's copy present (``ds_secondary_tensor``):
-      that copy, over the node's ranks alone (``ds_zero_param_process_group``), in the wire dtype.
-    - With hpZ and no node copy: every optimizer step drops the node copies (stage3.py
-      ``_post_step`` -> ``invalidate_secondary_tensor``) and the next forward rebuilds them from the
-      primary partitions, across nodes, when it releases each parameter (partition_parameters.py
-      ``_partition`` -> ``_partition_param_sec``). A sync right after a step therefore gathers the
-      primary partitions across nodes anyway; it does so through DeepSpeed's own
-      ``GatheredParameters``, in the parameter's dtype, whose release fills the node copy from the
-      gathered tensor. The next forward then gathers inside the node: the sync moves across nodes
-      only what that forward would have moved, instead of the same bytes a second time.
-
-    The values are always the current weights: the primary partitions are what the optimizer
-    writes, and a node copy exists only between its (re)build from them and the next step. A
-    parameter whose whole tensor DeepSpeed keeps (a "persistent" one, below
-    ``stage3_param_persistence_threshold``) is gathered like the rest, never through
-    ``GatheredParameters`` (whose release would free the whole tensor DeepSpeed keeps for it).
-    Every rank sees the same state (node copies are dropped and made by collectives), so every rank
-    takes the same path and the gathers match."""
-
-    def __init__(self, param: torch.Tensor) -> None:
-        self.param = param
-        self.shape, self.dtype = torch.Size(param.ds_shape), param.dtype
-        self.requires_grad = param.requires_grad
-
-    def numel(self) -> int:
-        return int(self.param.ds_numel)
-
-    def refills(self) -> bool:
-        """hpZ without the node copy, the parameter partitioned: gather it as DeepSpeed does, so that
-        the node copy is made on release."""
-        p = self.param
-        return (getattr(p, "ds_zero_param_process_group", None) is not None
-                and getattr(p, "ds_secondary_tensor", None) is None
-                and getattr(getattr(p, "ds_status", None), "name", None) == "NOT_AVAILABLE")
-
-    def source(self) -> tuple[torch.Tensor, object]:
-        """The partition to gather and its process group: the node's (hpZ) copy when there is one,
-        else the primary partition over every trainer."""
-        p = self.param
-        secondary = getattr(p, "ds_secondary_tensor", None)
-        if secondary is not None and getattr(p, "ds_zero_param_process_group", None) is not None:
-            return secondary, p.ds_zero_param_process_group
-        return p.ds_tensor, p.ds_process_group
-
-    @torch.no_grad()
-    def gather(self, wire: torch.dtype) -> torch.Tensor:
-        import torch.distributed as dist
-
-        if self.refills():
-            import deepspeed
-
-            with deepspeed.zero.GatheredParameters([self.param]):
-                # A copy: the gathered buffer is DeepSpeed's, freed (or reused) on release.
-                return self.param.data.detach().reshape(self.shape).to(wire, copy=True)
-        part, group = self.source()
-        part = part.detach().to(wire).reshape(-1)
-        world = dist.get_world_size(group)
-        flat = torch.empty(part.numel() * world, dtype=wire, device=part.device)
-        if world == 1:
-            flat.copy_(part)
-        else:
-            dist.all_gather_into_tensor(flat, part, group=group)
-        return flat.narrow(0, 0, self.numel()).view(self.shape).clone()
-
-    def gathered_by(self) -> list[int]:
-        """Global ranks of the gather's group (for the traffic count)."""
-        import torch.distributed as dist
-
-        return dist.get_process_group_ranks(self.source()[1])
-
-
-def _partitioned(param: torch.Tensor) -> bool:
-    return hasattr(param, "ds_id") and hasattr(param, "ds_tensor")
-
-
 def lora_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """The LoRA layers of ``model`` by module path: peft's layers keep the original module as
     ``base_layer`` and the active adapter's matrices in ``lora_A``/``lora_B`` (the adapter "default")."""
@@ -224,8 +141,7 @@ def sync_named_params(model: torch.nn.Module, tie_word_embeddings: bool | None =
         if name.startswith(adapters):
             continue
         param = merged.get(name, param)
-        if _partitioned(param):
-            param = PartitionedParam(param)
+        param = partitioned(param) or param
         name = hf_name(name.replace(".base_layer.", "."))
         if tie_word_embeddings and name == "lm_head.weight":
             continue
@@ -317,9 +233,7 @@ class GatherTraffic:
 
         full = param.numel() * (dtype or param.dtype).itemsize
         if isinstance(param, PartitionedParam):
-            if param.refills():         # DeepSpeed's own gather: the parameter's dtype on the wire
-                full = param.numel() * param.dtype.itemsize
-            self._add(tuple(param.gathered_by()), full)
+            self._add(tuple(param.gathered_by()), param.numel() * param.moves(dtype or param.dtype).itemsize)
             return
         placements = getattr(param, "placements", None)
         if placements is None:

@@ -1,7 +1,7 @@
 """The server side of the vLLM backends (hpcrl_shm, nccl, ipc): ``WeightReceiver`` answers the
 sender's ``weights_*`` messages (notify.py) by driving vLLM's weight-transfer API of the server's
-``vllm.LLM``. ``engine_kwargs`` is what that ``LLM`` must be built with, ``engine_env`` what its
-process environment must hold before it starts.
+``vllm.LLM``. What that ``LLM`` must be built with, and its processes' environment, are the vLLM
+engine's (hpcrl.compute.inference.vllm_engine: ``weight_transfer_kwargs``, ``weight_transfer_env``).
 
 Imports neither torch nor vLLM: it works on the ``LLM`` object it is given.
 """
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import time
 
-from hpcrl.compute.sync.api import BACKENDS, WORKER_EXTENSION, SyncError, WeightsInconsistentError
+from hpcrl.compute.sync.api import SyncError, WeightsInconsistentError
 
-__all__ = ["WeightReceiver", "engine_kwargs", "engine_env", "llm_dtype"]
+__all__ = ["WeightReceiver", "llm_dtype"]
 
 
 def llm_dtype(llm) -> str | None:
@@ -20,31 +20,6 @@ def llm_dtype(llm) -> str | None:
     config = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
     dtype = getattr(getattr(config, "model_config", None), "dtype", None)
     return None if dtype is None else str(dtype).removeprefix("torch.")
-
-
-def engine_kwargs(backend: str) -> dict:
-    """What the server passes to ``vllm.LLM(...)`` so its workers build the backend's engine."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown weight-sync backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    # The worker extension adds what vLLM's weight-transfer API lacks: an abort of an open update,
-    # and the re-pack of a tied lm_head after a reload on CPU (reload.refresh_tied_weights).
-    return {"weight_transfer_config": {"backend": backend}, "worker_extension_cls": WORKER_EXTENSION}
-
-
-def engine_env(backend: str) -> dict[str, str]:
-    """Environment variables the server's process needs before its ``vllm.LLM`` starts (the engine
-    processes are spawned and inherit them).
-
-    ``ipc``: the update carries CUDA IPC rebuild arguments (a type and a torch.dtype among them),
-    which vLLM's msgpack between the ``LLM`` and its engine core refuses unless
-    ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (vllm/v1/serial_utils.py): the first update would
-    raise ``TypeError``. The pickle this allows only runs between the server's own processes
-    (local ZMQ sockets), and nothing reaches them that did not come through the authenticated
-    node channel, which is pickle already.
-    """
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown weight-sync backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    return {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"} if backend == "ipc" else {}
 
 
 class WeightReceiver:

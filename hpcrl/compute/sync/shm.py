@@ -537,9 +537,9 @@ class ShmTransport:
         self.layout = CheckpointLayout(setup.model, self.params)
         if self.is_sender:
             largest = max((s.nbytes for s in self.layout.specs(param_specs(self.params, self.cast_to))), default=0)
-            self.sender = ShmWeightSender(self.client, self.bucket_bytes, largest, shm_dir=setup.shm_dir,
-                                          job_token=setup.job_token, mode=setup.shm_mode,
-                                          stall_timeout_s=setup.stall_timeout_s)
+            shm = setup.options
+            self.sender = ShmWeightSender(self.client, self.bucket_bytes, largest, shm_dir=shm.shm_dir,
+                                          job_token=shm.job_token, mode=shm.mode, stall_timeout_s=shm.stall_timeout_s)
             if setup.cast_to == "auto":
                 dtype = getattr(torch, self.sender.server_dtype or "", None)
                 self.cast_to = dtype if isinstance(dtype, torch.dtype) else None

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hpcrl.compute.sync.api import BACKENDS, TRANSPORTS, Notify, SenderSetup, SenderTransport, SyncError
+from hpcrl.compute.sync.api import (BACKENDS, TRANSPORTS, Notify, SenderSetup, SenderTransport, ShmOptions, SyncError,
+                                   TransportOptions)
 from hpcrl.compute.sync.gather import GatherTraffic, changing_params, sync_named_params
 from hpcrl.compute.sync.notify import NotifyClient
 
@@ -49,19 +50,18 @@ class TrainerWeightSync:
     take the dtype any of them knows (a collective over ``group``), and refuse to start if two
     of them know different ones.
 
-    ``backend="hpcrl_shm"``: ``ShmWeightSender`` (CPU, tested); ``shm_mode`` "stream" or "rpc".
-    ``backend="nccl"``: vLLM's ``NCCLTrainerWeightTransferEngine`` (RCCL on ROCm); the sender
-    needs ``nccl_master=(address, port)`` for the rendezvous, and ``server_world_size`` (TP size).
-    ``backend="ipc"``: vLLM's CUDA-IPC engine; only when the server runs on the sender's GPU.
+    ``transport``: the transport's own options, whose type picks it (api.py):
+    ``ShmOptions`` (hpcrl_shm): ``ShmWeightSender`` (CPU, tested).
+    ``NcclOptions`` (nccl): vLLM's ``NCCLTrainerWeightTransferEngine`` (RCCL on ROCm); the sender
+    needs ``master=(address, port)`` for the rendezvous, and ``server_world_size`` (TP size).
+    ``IpcOptions`` (ipc): vLLM's CUDA-IPC engine; only when the server runs on the sender's GPU.
     The ``nccl`` and ``ipc`` paths are UNTESTED without a GPU.
     """
 
-    def __init__(self, model, notify: Notify | None, *, is_sender: bool, backend: str = "hpcrl_shm",
-                 bucket_bytes: int = 256 * 2**20, cast_to="auto", group=None, job_token: str | None = None,
-                 shm_dir: str = "/dev/shm", shm_mode: str = "stream", nccl_master: tuple[str, int] | None = None,
-                 server_world_size: int = 1, tracker=None, node_of_rank: dict[int, int] | None = None,
-                 stall_timeout_s: float = 300.0, log=None) -> None:
-        transport = transport_class(backend)
+    def __init__(self, model, notify: Notify | None, *, is_sender: bool, transport: TransportOptions = ShmOptions(),
+                 bucket_bytes: int = 256 * 2**20, cast_to="auto", group=None, tracker=None,
+                 node_of_rank: dict[int, int] | None = None, log=None) -> None:
+        backend = transport.backend
         if is_sender and notify is None:
             raise ValueError("the sending trainer needs a notify channel to the server")
         self.backend, self.is_sender, self.bucket_bytes = backend, is_sender, bucket_bytes
@@ -77,11 +77,9 @@ class TrainerWeightSync:
         self.synced_once = False
         self.client = NotifyClient(notify) if notify is not None else None
         self.last_stats = None
-        self.transport: SenderTransport = transport(SenderSetup(
+        self.transport: SenderTransport = transport_class(backend)(SenderSetup(
             model=model, params=self.params, client=self.client, is_sender=is_sender, bucket_bytes=bucket_bytes,
-            cast_to=cast_to, tracker=tracker, traffic=self.traffic, job_token=job_token, shm_dir=shm_dir,
-            shm_mode=shm_mode, nccl_master=nccl_master, server_world_size=server_world_size,
-            stall_timeout_s=stall_timeout_s, log=log))
+            cast_to=cast_to, options=transport, tracker=tracker, traffic=self.traffic, log=log))
         self.cast_to = self.transport.cast_to = self._agree_on_wire_dtype(self.transport.cast_to)
 
     @property

@@ -10,9 +10,10 @@ embeddings skipped, one gather at a time in ``named_parameters()`` order, each i
 and counted in the sync's gather traffic like hpcrl_shm's.
 
 ``ipc`` needs two things of the server that vLLM does not do by itself: the engine process must
-run with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (receiver.engine_env; the rebuild arguments of
-a CUDA IPC handle hold a type and a torch.dtype, which vLLM's msgpack refuses otherwise), and the
-packed buffer must hold the largest tensor (vLLM raises on one larger than it): ``ipc_buffer_bytes``.
+run with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (inference.vllm_engine.weight_transfer_env; the
+rebuild arguments of a CUDA IPC handle hold a type and a torch.dtype, which vLLM's msgpack refuses
+otherwise), and the packed buffer must hold the largest tensor (vLLM raises on one larger than
+it): ``ipc_buffer_bytes``.
 """
 
 from __future__ import annotations
@@ -134,18 +135,18 @@ class _VLLMTransport:
 
 class NcclTransport(_VLLMTransport):
     """``nccl``: vLLM's ``NCCLTrainerWeightTransferEngine`` (RCCL on ROCm). The sender hosts the
-    group's rendezvous at ``nccl_master``; the group is the sender and the server's
+    group's rendezvous at ``NcclOptions.master``; the group is the sender and the server's
     ``server_world_size`` tensor-parallel workers."""
 
     def _init_info(self, setup: SenderSetup, rank: int) -> TrainerInitInfo:
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
-        if setup.nccl_master is None and self.is_sender:
-            raise ValueError("backend nccl needs nccl_master=(address, port) for the rendezvous on the sender")
+        if setup.options.master is None and self.is_sender:
+            raise ValueError("backend nccl needs NcclOptions(master=(address, port)) for the rendezvous on the sender")
         # The other trainers never join the group (vLLM's engine returns before connecting).
-        address, port = setup.nccl_master or ("", 0)
+        address, port = setup.options.master or ("", 0)
         return NCCLTrainerInitInfo(master_address=address, master_port=port,
-                                   world_size=1 + setup.server_world_size, packed=True,
+                                   world_size=1 + setup.options.server_world_size, packed=True,
                                    packed_buffer_size_bytes=setup.bucket_bytes, rank=rank)
 
 
@@ -164,7 +165,7 @@ def ipc_buffer_bytes(bucket_bytes: int, params, cast_to: torch.dtype | None) -> 
 
 class IpcTransport(_VLLMTransport):
     """``ipc``: vLLM's CUDA-IPC engine; only when the server runs on the sender's GPU. The server's
-    engine must run with ``receiver.engine_env("ipc")`` (``VLLMEngine`` sets it)."""
+    engine must run with ``vllm_engine.weight_transfer_env("ipc")`` (``VLLMEngine`` sets it)."""
 
     def _init_info(self, setup: SenderSetup, rank: int) -> TrainerInitInfo:
         from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo

@@ -77,7 +77,8 @@ def request_amx_permission() -> bool:
 
 class WorkerSyncExtension:
     """Methods added to every vLLM worker (``LLM(worker_extension_cls=...)``, see
-    ``hpcrl.compute.sync.receiver.engine_kwargs``), reachable with ``llm.collective_rpc("<name>")``.
+    ``hpcrl.compute.inference.vllm_engine.weight_transfer_kwargs``), reachable with
+    ``llm.collective_rpc("<name>")``.
 
     vLLM has no abort for a weight update; a sender that dies between start and finish would
     leave layers on the meta device and stale partial loads that a later sync would mix in.

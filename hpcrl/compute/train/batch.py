@@ -1,16 +1,19 @@
 """A generation's tensors for the trainer's forward passes: prompts and completions packed
-(``pack_batch``) and the completion tokens' log-probabilities under a model (``completion_logps``)."""
+(``pack_batch``, ``truncated_mask``) and the completion tokens' log-probabilities under a model
+(``completion_logps``, ``micro_batched_logps``, ``policy_forward``)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from hpcrl.compute.inference.types import Completion
-from hpcrl.compute.train import grpo
+from hpcrl.compute.train import logprobs
 
-__all__ = ["pack_batch", "completion_logps"]
+__all__ = ["pack_batch", "truncated_mask", "completion_logps", "micro_batched_logps", "policy_forward",
+           "router_aux_coef"]
 
 
 def pack_batch(prompt_ids: list[list[int]], completions: list[Completion], pad_id: int, device,
@@ -43,13 +46,33 @@ def pack_batch(prompt_ids: list[list[int]], completions: list[Completion], pad_i
                                              sampling_logps=sampling_logps).items()}
 
 
+def truncated_mask(
+    completion_ids: Sequence[Sequence[int]], stop_token_ids: Iterable[int], device: torch.device | str | None = None
+) -> torch.Tensor:
+    """``[B]`` bool: True where a completion does not end in a stop token (EOS or pad), i.e. was cut at
+    the length limit. With ``mask_truncated_completions`` TRL multiplies ``completion_mask`` by
+    ``~truncated`` (for attention and loss) *before* counting ``num_items_in_batch``."""
+    stops = set(stop_token_ids)
+    return torch.tensor([len(ids) > 0 and ids[-1] not in stops for ids in completion_ids], device=device)
+
+
 def completion_logps(model, batch: dict, temperature: float, rows=slice(None),
-                     chunk_tokens: int = grpo.DEFAULT_LOGPROB_CHUNK_TOKENS, *, return_entropy: bool = False):
+                     chunk_tokens: int = logprobs.DEFAULT_LOGPROB_CHUNK_TOKENS, *, return_entropy: bool = False):
     """The completion tokens' log-probabilities under ``model`` for the rows ``rows`` of ``batch``,
     computed ``chunk_tokens`` tokens at a time (trainer.logprob_chunk_tokens); with
     ``return_entropy``, ``(logps, entropies)``."""
     out = policy_forward(model, batch, temperature, rows, chunk_tokens, entropy=return_entropy)
     return (out.logps, out.entropies) if return_entropy else out.logps
+
+
+def micro_batched_logps(model, batch: dict, temperature: float, micro: int,
+                        chunk_tokens: int = logprobs.DEFAULT_LOGPROB_CHUNK_TOKENS) -> torch.Tensor:
+    """``completion_logps`` of every row, ``micro`` rows at a time (the training micro-batch): the
+    activations and logits of a whole generation at once would outgrow those of a training
+    micro-batch, which is what the job's memory is sized for (hpcrl.job.memory)."""
+    rows = batch["input_ids"].shape[0]
+    return torch.cat([completion_logps(model, batch, temperature, slice(start, start + micro), chunk_tokens)
+                      for start in range(0, rows, micro)])
 
 
 @dataclass
@@ -60,7 +83,7 @@ class PolicyOutput:
 
 
 def policy_forward(model, batch: dict, temperature: float, rows=slice(None),
-                   chunk_tokens: int = grpo.DEFAULT_LOGPROB_CHUNK_TOKENS, *, entropy: bool = False,
+                   chunk_tokens: int = logprobs.DEFAULT_LOGPROB_CHUNK_TOKENS, *, entropy: bool = False,
                    router_aux: bool = False) -> PolicyOutput:
     """The training forward of ``rows``: completion log-probabilities, with ``entropy`` the
     entropies, with ``router_aux`` the model's own load-balancing loss of its routers over the rows'
@@ -69,8 +92,8 @@ def policy_forward(model, batch: dict, temperature: float, rows=slice(None),
     extra = {"output_router_logits": True} if router_aux else {}
     out = model(input_ids=batch["input_ids"][rows], attention_mask=batch["attention_mask"][rows],
                 position_ids=batch["position_ids"][rows], logits_to_keep=t + 1, use_cache=False, **extra)
-    logps = grpo.completion_logprobs(out.logits, batch["completion_ids"][rows], temperature,
-                                     chunk_tokens=chunk_tokens, return_entropy=entropy)
+    logps = logprobs.completion_logprobs(out.logits, batch["completion_ids"][rows], temperature,
+                                         chunk_tokens=chunk_tokens, return_entropy=entropy)
     logps, entropies = logps if entropy else (logps, None)
     return PolicyOutput(logps, entropies, out.aux_loss if router_aux else None)
 

@@ -5,8 +5,8 @@ Layout of a checkpoint directory (on a file system every trainer rank sees)::
     <dir>/step-<N>/            one complete checkpoint
         .metadata, __*.distcp  DCP: model + optimizer, sharded (every rank writes its shards);
                                trainable parameters only (LoRA: the adapters)
-        deepspeed/             instead of DCP's files, with trainer.engine deepspeed: DeepSpeed's
-                               own ZeRO-3 files (hpcrl.compute.train.deepspeed_engine)
+        deepspeed/             instead of DCP's files, an engine's own format (write_state):
+                               DeepSpeed's ZeRO-3 files (hpcrl.compute.train.deepspeed_engine)
         rank-<r>.pt            per rank: RNG states, scheduler, the caller's `extra`, the step
         meta.json              step, world size, time (written last, by rank 0)
     <dir>/latest               the name of the newest complete checkpoint ("step-<N>")
@@ -63,7 +63,6 @@ __all__ = [
     "latest_checkpoint",
     "list_checkpoints",
     "checkpoint_step",
-    "is_deepspeed",
     "save",
     "load",
     "capture_rng",
@@ -138,16 +137,8 @@ def checkpoint_step(path: str | os.PathLike) -> int:
     return int(m.group(1))
 
 
-DEEPSPEED_DIR = rundir.TRAINING_CHECKPOINT_STATE[1]
-
-
 def _complete(path: Path) -> bool:
     return _STEP_DIR.match(path.name) is not None and rundir.is_complete_training_checkpoint(path)
-
-
-def is_deepspeed(path: str | os.PathLike) -> bool:
-    """True for a checkpoint that DeepSpeed's engine wrote (trainer.engine deepspeed)."""
-    return (Path(path) / DEEPSPEED_DIR).is_dir()
 
 
 def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
@@ -387,10 +378,6 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: Optional[torch.op
         raise CheckpointError(f"{path}: not a complete checkpoint (no .metadata or {META})")
     _check_owner(path.parent, _this_run())
     rank = _rank()
-    if (read_state is not None) != is_deepspeed(path):
-        written, engine = ("DeepSpeed", "fsdp2") if is_deepspeed(path) else ("FSDP2 (DCP)", "deepspeed")
-        raise CheckpointError(f"{path} was written by the {written} engine; this run's trainer.engine is "
-                              f"{engine}: resume with the engine that wrote it")
     try:
         if read_state is not None:
             read_state(path)

@@ -14,13 +14,13 @@ The GRPO loop is the FSDP2 one (hpcrl.compute.train.trainer); what differs is he
 - The reference model (grpo.beta > 0): a ZeRO-3 inference engine, partitioned on the devices like
   the policy; in host memory only with trainer.reference_offload (DeepSpeed's ``offload_param``).
 - Weight sync and the Hugging Face export walk the module's parameters as FSDP2's do; each ZeRO-3
-  parameter is gathered by hpcrl.compute.sync.gather.PartitionedParam, one at a time inside the
-  bucketing, in the wire dtype: never the whole model (the trap of unwrapping a ZeRO-3 model to
+  parameter is gathered by its handle (hpcrl.compute.train.deepspeed_params.Zero3Param, through
+  hpcrl.compute.partitioned), one at a time inside the bucketing, in the wire dtype: never the whole model (the trap of unwrapping a ZeRO-3 model to
   feed an inference engine).
 - Checkpoints: DeepSpeed's own ``save_checkpoint``/``load_checkpoint`` inside hpcrl's checkpoint
   directory (hpcrl.compute.train.checkpoint: the same atomic commit, latest pointer, RNG, sampler
   and resume semantics). DeepSpeed's ZeRO-3 checkpoints load on the number of trainers that
-  wrote them.
+  wrote them; the export reads them with DeepSpeed's own zero_to_fp32 (``checkpoint_tensors``).
 
 The config passed to DeepSpeed is built on the login node's terms (hpcrl.job.deepspeed), so what
 a user's DeepSpeed JSON says was checked against the recipe before the job queued.
@@ -29,22 +29,28 @@ a user's DeepSpeed JSON says was checked against the recipe before the job queue
 from __future__ import annotations
 
 import copy
+import json
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import nn
 
-from hpcrl.compute.train.engine import TrainEngine
+from hpcrl.compute.train import deepspeed_params  # noqa: F401  (registers ZeRO-3's parameter handle)
+from hpcrl.compute.train.engine import StoredTensors, TrainEngine
+from hpcrl.job import rundir
 from hpcrl.job.recipe import GRPOConfig, Recipe
+
+if TYPE_CHECKING:
+    from hpcrl.compute.launch.context import LaunchContext
 
 __all__ = ["DeepSpeedEngine", "build_partitioned_model", "check_partition_devices", "load_policy_and_reference",
            "reference_config"]
 
-# DeepSpeed's checkpoint files go in <checkpoint>/deepspeed (hpcrl.compute.train.checkpoint.DEEPSPEED_DIR).
-_TAG = "deepspeed"
+# DeepSpeed's checkpoint files go in <checkpoint>/deepspeed: its "tag" is that directory's name.
+_TAG = rundir.DEEPSPEED_STATE_DIR
 
 
 def _import_deepspeed():
@@ -182,9 +188,21 @@ class DeepSpeedEngine(TrainEngine):
 
     name = "deepspeed"
 
-    def __init__(self, policy: nn.Module, config: dict) -> None:
-        self.policy, self.config = policy, config
+    def __init__(self, policy: nn.Module, config: dict, partition: str = "") -> None:
+        self.policy, self.config, self.partition = policy, config, partition
         self.ds: Any = None
+
+    @classmethod
+    def build(cls, ctx: LaunchContext, model_dir: str, device: torch.device,
+              read_groups: Optional[list[list[int]]]) -> tuple[DeepSpeedEngine, Optional[nn.Module]]:
+        from hpcrl.job.deepspeed import config_for_job, describe
+
+        config = config_for_job(ctx.spec, device.type, hidden_size=_hidden_size(model_dir))
+        policy, reference = load_policy_and_reference(model_dir, ctx.spec.recipe, config, read_groups=read_groups)
+        return cls(policy, config, partition=describe(ctx.mesh_choice)), reference
+
+    def describe(self) -> str:
+        return self.partition
 
     @property
     def model(self) -> nn.Module:
@@ -232,6 +250,8 @@ class DeepSpeedEngine(TrainEngine):
     def load(self, path: Path, *, timeout_s: float) -> dict:
         from hpcrl.compute.train import checkpoint as ckpt
 
+        self.ensure_wrote(path)
+
         def read(path: Path) -> None:
             loaded, _ = self.ds.load_checkpoint(str(path), tag=_TAG, load_optimizer_states=True,
                                                 load_lr_scheduler_states=False)
@@ -240,6 +260,32 @@ class DeepSpeedEngine(TrainEngine):
 
         return ckpt.load(path, self.policy, None, self.scheduler, timeout_s=timeout_s, read_state=read)
 
+    @classmethod
+    def wrote(cls, path: Path) -> bool:
+        return (Path(path) / _TAG).is_dir()
+
+    @classmethod
+    def checkpoint_tensors(cls, path: Path) -> StoredTensors:
+        """The checkpoint's fp32 weights through DeepSpeed's own zero_to_fp32 in its lazy mode: each
+        tensor is put together from the ranks' partitions only when read."""
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        lazy = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=_TAG, lazy_mode=True)
+        stored = {name: (tuple(t.shape), t.dtype) for name, t in lazy.items()}
+
+        def read(entries: list[tuple[str, tuple[int, ...], torch.dtype]], track) -> dict[str, torch.Tensor]:
+            return {name: track(lazy[name].contiguous()) for name, _, _ in entries}
+
+        return stored, read
+
     def local_parts(self, model: nn.Module) -> list[torch.Tensor]:
         module = getattr(model, "module", model)        # the reference is a DeepSpeed engine
         return [p.ds_tensor for p in module.parameters()]
+
+
+def _hidden_size(model_dir: str) -> Optional[int]:
+    """The model's hidden size, which DeepSpeed's "auto" bucket sizes are made from (None: unknown)."""
+    try:
+        return int(json.loads((Path(model_dir) / "config.json").read_text())["hidden_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

@@ -1,5 +1,6 @@
-"""The trained model as a Hugging Face directory: from the sharded trainers (the end of a run,
-grpo.save_steps) or from a training checkpoint after the fact (``hpcrl export``).
+"""The trained model as a Hugging Face directory: what it holds, how it is written and committed, and
+writing it from the sharded trainers (the end of a run, grpo.save_steps). From a training checkpoint
+after the fact (``hpcrl export``): hpcrl.compute.train.export_checkpoint, with the same writer.
 
 What a directory holds: config.json (the source model's, its dtype set to the weights'),
 generation_config.json, the tokenizer files with the chat template, and the weights in safetensors
@@ -18,37 +19,26 @@ Memory: no process ever holds the whole model.
   file's safetensors header is written first and every tensor is streamed to its place as it comes.
   Under HSDP only the ranks whose gathers include rank 0 (node 0's replica) take part; the other
   replicas hold the same weights and skip the gathers.
-- From a checkpoint, the names and shapes come from the model built on the meta device, and
-  torch.distributed.checkpoint loads a bucket's worth of tensors at a time into tensors allocated
-  for them alone.
+- From a checkpoint (hpcrl.compute.train.export_checkpoint), the names and shapes come from the
+  model built on the meta device, and the engine that wrote it reads a bucket's worth of tensors
+  at a time into tensors allocated for them alone.
 
 Atomic: everything is written under a hidden temporary name beside the target and renamed when
 complete; a killed writer leaves only that hidden directory (removed by the next save). An earlier
 directory of the same name is replaced only once the new one is whole. The final model directory
 keeps the checkpoint-<step>/ directories saved inside it (TRL's output_dir layout).
 
-A damaged training checkpoint (.metadata missing or garbled, a shard file missing, cut short or
-corrupt) is a DamagedCheckpoint naming the file: found from the sizes .metadata gives before a byte
-is written, else when the file's tensors fail to decode; either way the export leaves nothing (not
-even the directory it made to hold its temporary), and ``hpcrl export`` says which step to export
-instead, exit status 2.
-
 A LoRA run (model.use_peft) writes peft adapter directories instead (save_lora_from_trainers,
 export_lora_checkpoint; the merged model on request, checkpoint.save_merged_model).
-
-    python -m hpcrl.compute.train.export RUN_DIR [--step N] [-o DIR]     (what `hpcrl export` runs)
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
 import shutil
-import sys
-import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -59,9 +49,9 @@ from hpcrl.compute.sync.layout import CheckpointLayout
 from hpcrl.compute.train.checkpoint import fsync_dir
 from hpcrl.job import rundir
 
-__all__ = ["DTYPES", "SINGLE_FILE", "INDEX_FILE", "export_dtype", "saved_dtype", "export_tensors", "plan_shards", "ShardWriter",
-           "prepare_tmp", "write_metadata", "commit", "save_from_trainers", "save_lora_from_trainers",
-           "export_checkpoint", "export_lora_checkpoint", "DamagedCheckpoint", "main"]
+__all__ = ["DTYPES", "SINGLE_FILE", "INDEX_FILE", "GB", "ModelWriting", "export_dtype", "saved_dtype", "export_tensors",
+           "plan_shards", "ShardWriter", "prepare_tmp", "write_metadata", "commit", "save_from_trainers",
+           "save_lora_from_trainers"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 SINGLE_FILE = "model.safetensors"
@@ -77,6 +67,26 @@ GB = 10**9
 
 
 # ---------------------------------------------------------------------------------------- what is written
+@dataclasses.dataclass(frozen=True)
+class ModelWriting:
+    """How a model directory is written, whatever the weights come from."""
+
+    model_dir: str | os.PathLike        # the source model: config, generation config, custom code
+    tokenizer: Any                      # saved beside the weights, with its chat template
+    dtype: torch.dtype                  # the weights' (saved_dtype)
+    max_shard_bytes: int
+    bucket_bytes: int = 256 * 2**20     # tensors gathered or read before they are written
+    trust_remote_code: bool = False
+
+    @classmethod
+    def for_run(cls, recipe, model_dir: str | os.PathLike, tokenizer: Any) -> ModelWriting:
+        """As the recipe asks: model.dtype, checkpoint.model_max_shard_size_gb, inference.sync_bucket_mb."""
+        return cls(model_dir=model_dir, tokenizer=tokenizer, dtype=saved_dtype(recipe, model_dir),
+                   max_shard_bytes=int(recipe.checkpoint.model_max_shard_size_gb * GB),
+                   bucket_bytes=recipe.inference.sync_bucket_mb * 2**20,
+                   trust_remote_code=recipe.model.trust_remote_code)
+
+
 def saved_dtype(recipe, model_dir: str | os.PathLike) -> torch.dtype:
     """What the run's model directories are written in: checkpoint.model_dtype, else export_dtype's rule."""
     chosen = recipe.checkpoint.model_dtype
@@ -297,10 +307,8 @@ def _takes_part(tensors: Iterable[tuple[str, torch.Tensor]], writer_rank: int) -
     return True
 
 
-def save_from_trainers(model: torch.nn.Module, final: Path, *, model_dir: str | os.PathLike, tokenizer: Any,
-                       dtype: torch.dtype, max_shard_bytes: int, bucket_bytes: int, writer: bool, group=None,
-                       tracker: LiveBytes | None = None, trust_remote_code: bool = False,
-                       on_file: Callable[[Path], None] | None = None,
+def save_from_trainers(model: torch.nn.Module, final: Path, how: ModelWriting, *, writer: bool, group=None,
+                       tracker: LiveBytes | None = None, on_file: Callable[[Path], None] | None = None,
                        on_tensor: Callable[[str, torch.Tensor], None] | None = None) -> Path | None:
     """Write ``model`` (FSDP2-sharded, or whole) to ``final``; call it on EVERY trainer rank (the
     gathers and the closing agreement are collectives). ``writer``: trainer rank 0, the rank that
@@ -309,17 +317,19 @@ def save_from_trainers(model: torch.nn.Module, final: Path, *, model_dir: str | 
     (the ranks keep gathering after a write error, so none hangs)."""
     tensors = export_tensors(model)
     layout = CheckpointLayout(model, tensors)
+    dtype = how.dtype
     cast = dtype if any(t.dtype.is_floating_point and t.dtype != dtype for _, t in tensors) else None
     error: BaseException | None = None
     tmp = shards = None
     if writer:
         try:
             tmp = prepare_tmp(final)
-            shards = ShardWriter(tmp, layout.specs(param_specs(tensors, cast)), max_shard_bytes, on_file)
+            shards = ShardWriter(tmp, layout.specs(param_specs(tensors, cast)), how.max_shard_bytes, on_file)
         except Exception as e:       # noqa: BLE001 - reported to every rank below
             error = e
     if _takes_part(tensors, 0):
-        for bucket in layout.buckets(iter_buckets(tensors, bucket_bytes, keep=writer, cast_to=cast, tracker=tracker)):
+        for bucket in layout.buckets(iter_buckets(tensors, how.bucket_bytes, keep=writer, cast_to=cast,
+                                                  tracker=tracker)):
             for name, t in bucket:
                 if error is None:
                     try:
@@ -332,7 +342,7 @@ def save_from_trainers(model: torch.nn.Module, final: Path, *, model_dir: str | 
     if writer and error is None:
         try:
             shards.finish()
-            write_metadata(tmp, model_dir, dtype, tokenizer, trust_remote_code)
+            write_metadata(tmp, how.model_dir, dtype, how.tokenizer, how.trust_remote_code)
             commit(tmp, final)
         except Exception as e:      # noqa: BLE001
             error = e
@@ -357,9 +367,8 @@ def _raise_if_any_failed(error: BaseException | None, group, what: str) -> None:
         raise RuntimeError(f"{what} failed on trainer rank 0")
 
 
-def save_lora_from_trainers(model: torch.nn.Module, final: Path, *, recipe_model, model_dir: str | os.PathLike,
-                            tokenizer: Any, dtype: torch.dtype, max_shard_bytes: int, bucket_bytes: int, writer: bool,
-                            merged: bool, group=None, trust_remote_code: bool = False) -> Path | None:
+def save_lora_from_trainers(model: torch.nn.Module, final: Path, how: ModelWriting, *, recipe_model, writer: bool,
+                            merged: bool, group=None) -> Path | None:
     """A LoRA policy's model directory: the peft adapter directory (hpcrl.compute.train.lora), and
     with ``merged`` the merged model in its ``merged/`` (:func:`save_from_trainers`: the sync's
     merged weights). Every trainer calls it; the same atomic commit and failure agreement."""
@@ -375,15 +384,13 @@ def save_lora_from_trainers(model: torch.nn.Module, final: Path, *, recipe_model
     adapters = lora.gather_adapters(model, writer)
     if writer and error is None:
         try:
-            lora.write_adapter_dir(tmp, adapters, recipe_model=recipe_model, base_model=str(model_dir),
-                                   tokenizer=tokenizer)
+            lora.write_adapter_dir(tmp, adapters, recipe_model=recipe_model, base_model=str(how.model_dir),
+                                   tokenizer=how.tokenizer)
         except Exception as e:       # noqa: BLE001 - reported to every rank below
             error = e
     if merged:
         # Raises on every rank when its writer failed (its own agreement).
-        save_from_trainers(model, (tmp or final) / lora.MERGED_DIR, model_dir=model_dir, tokenizer=tokenizer,
-                           dtype=dtype, max_shard_bytes=max_shard_bytes, bucket_bytes=bucket_bytes,
-                           writer=writer and error is None, group=group, trust_remote_code=trust_remote_code)
+        save_from_trainers(model, (tmp or final) / lora.MERGED_DIR, how, writer=writer and error is None, group=group)
     if writer and error is None:
         try:
             commit(tmp, final)
@@ -391,294 +398,3 @@ def save_lora_from_trainers(model: torch.nn.Module, final: Path, *, recipe_model
             error = e
     _raise_if_any_failed(error, group, f"writing the LoRA adapters to {final}")
     return final if writer else None
-
-
-# ---------------------------------------------------------------------------------------- from a checkpoint
-class DamagedCheckpoint(RuntimeError):
-    """A training checkpoint whose files are missing or cannot be read: ``what`` names the file."""
-
-    def __init__(self, checkpoint: Path, what: str) -> None:
-        super().__init__(f"{checkpoint}: {what}")
-        self.checkpoint, self.what = Path(checkpoint), what
-
-
-def _cause(e: BaseException) -> str:
-    """The error's type and first sentence (torch's unpickler goes on with advice that does not apply)."""
-    text = str(e).strip().split("\n")[0].split(". ")[0][:80]
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
-
-
-def _dcp_metadata(checkpoint: Path):
-    """DCP's index of ``checkpoint``, once the files that hold its model tensors are known to be there
-    and long enough: a missing or cut-short file is named here, before anything is written. (The
-    optimizer's tensors are not read by an export, so their files are not asked about.)"""
-    import torch.distributed.checkpoint as dcp
-
-    try:
-        meta = dcp.FileSystemReader(str(checkpoint)).read_metadata()
-    except FileNotFoundError:
-        raise DamagedCheckpoint(checkpoint, ".metadata (DCP's index of the shard files) is missing") from None
-    except OSError:
-        raise
-    except Exception as e:      # noqa: BLE001 - a garbled pickle raises anything
-        raise DamagedCheckpoint(checkpoint, f".metadata is corrupt: it cannot be decoded ({_cause(e)})") from None
-    ends: dict[str, int] = {}
-    for index, info in meta.storage_data.items():
-        if index.fqn.startswith("model."):
-            ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
-    for name, end in sorted(ends.items()):
-        try:
-            size = (checkpoint / name).stat().st_size
-        except FileNotFoundError:
-            raise DamagedCheckpoint(checkpoint, f"{name} is missing (.metadata lists it)") from None
-        if size < end:
-            raise DamagedCheckpoint(checkpoint, f"{name} is truncated ({size} bytes; .metadata places data "
-                                                f"up to byte {end})")
-    return meta
-
-
-def _dcp_load(checkpoint: Path, state: dict[str, Any]) -> None:
-    """dcp.load in this one process; a shard file that cannot be read is named (DamagedCheckpoint)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    class Reader(dcp.FileSystemReader):
-        """Reads file by file, to remember which one failed (DCP's own error does not say)."""
-        failed: tuple[str, BaseException] | None = None
-
-        def read_data(self, plan, planner):
-            per_file: dict[str, list] = {}
-            for item in plan.items:
-                per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
-            for name, items in per_file.items():
-                try:
-                    done = super().read_data(dataclasses.replace(plan, items=items), planner)
-                except Exception as e:
-                    self.failed = (name, e)
-                    raise
-            return done
-
-    reader = Reader(str(checkpoint))
-    try:
-        with warnings.catch_warnings():     # one process, no process group, on purpose
-            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-            dcp.load(state, storage_reader=reader, no_dist=True)
-    except (Exception, CheckpointException) as e:      # DCP wraps any error (Ctrl-C too) in a BaseException
-        if reader.failed is not None and not isinstance(reader.failed[1], OSError):
-            name, cause = reader.failed
-            raise DamagedCheckpoint(checkpoint, f"{name} is corrupt: its tensors cannot be decoded "
-                                                f"({_cause(cause)})") from None
-        wrapped = [exc for exc, _ in getattr(e, "failures", {}).values()]
-        if wrapped:
-            raise wrapped[0] from None      # an OSError or a KeyboardInterrupt, as its caller knows them
-        raise
-
-
-def _dcp_tensors(checkpoint: Path) -> tuple[dict[str, tuple[tuple[int, ...], torch.dtype]], Callable]:
-    """A torch.distributed.checkpoint's model tensors: name -> (shape, dtype), and a reader of some."""
-    meta = _dcp_metadata(checkpoint).state_dict_metadata
-    stored = {key[len("model."):]: (tuple(m.size), m.properties.dtype) for key, m in meta.items()
-              if key.startswith("model.") and hasattr(m, "size")}
-
-    def read(entries: list[tuple[str, tuple[int, ...], torch.dtype]], track) -> dict[str, torch.Tensor]:
-        into = {name: track(torch.empty(shape, dtype=dt)) for name, shape, dt in entries}
-        _dcp_load(checkpoint, {"model": into})
-        return into
-
-    return stored, read
-
-
-def _deepspeed_tensors(checkpoint: Path) -> tuple[dict[str, tuple[tuple[int, ...], torch.dtype]], Callable]:
-    """A DeepSpeed ZeRO-3 checkpoint's (trainer.engine deepspeed) fp32 weights, through DeepSpeed's own
-    zero_to_fp32 in its lazy mode: each tensor is put together from the ranks' partitions only when read."""
-    from hpcrl.compute.train.checkpoint import DEEPSPEED_DIR
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    lazy = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag=DEEPSPEED_DIR, lazy_mode=True)
-    stored = {name: (tuple(t.shape), t.dtype) for name, t in lazy.items()}
-
-    def read(entries: list[tuple[str, tuple[int, ...], torch.dtype]], track) -> dict[str, torch.Tensor]:
-        return {name: track(lazy[name].contiguous()) for name, _, _ in entries}
-
-    return stored, read
-
-
-def _open_checkpoint(checkpoint: Path, specs: list[tuple[str, tuple[int, ...]]]
-                     ) -> tuple[dict[str, tuple[tuple[int, ...], torch.dtype]], Callable]:
-    """The checkpoint's tensors and their reader, once it is known to hold every one of ``specs``."""
-    from hpcrl.compute.train.checkpoint import is_deepspeed
-
-    stored, read = (_deepspeed_tensors if is_deepspeed(checkpoint) else _dcp_tensors)(checkpoint)
-    missing = [name for name, _ in specs if name not in stored]
-    if missing:
-        raise RuntimeError(f"{checkpoint}: the checkpoint lacks {len(missing)} of the model's tensors: {missing[:5]}")
-    for name, shape in specs:
-        if tuple(stored[name][0]) != tuple(shape):
-            raise RuntimeError(f"{checkpoint}: {name} has shape {tuple(stored[name][0])}, the model {tuple(shape)}")
-    return stored, read
-
-
-def _checkpoint_buckets(stored: dict[str, tuple[tuple[int, ...], torch.dtype]], read: Callable,
-                        specs: list[tuple[str, tuple[int, ...]]], bucket_bytes: int,
-                        dtype_of: Callable[[torch.dtype], torch.dtype], tracker: LiveBytes | None
-                        ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """The checkpoint's model tensors in ``specs``' order, a bucket at a time, each cast."""
-    pending: list[tuple[str, tuple[int, ...], torch.dtype]] = []
-    size = 0
-    track = tracker.track if tracker is not None else (lambda t: t)
-
-    def load(entries):
-        into = read(entries, track)
-        out = []
-        for name, _, dt in entries:
-            loaded = into.pop(name)
-            t = loaded.to(dtype_of(dt))
-            out.append((name, t if t is loaded else track(t)))
-        return out
-
-    for name, shape in specs:
-        dt = stored[name][1]
-        nbytes = torch.Size(shape).numel() * dt.itemsize
-        if pending and size + nbytes > bucket_bytes:
-            bucket = load(pending)
-            pending, size = [], 0
-            yield bucket
-            bucket.clear()
-        pending.append((name, tuple(shape), dt))
-        size += nbytes
-    if pending:
-        bucket = load(pending)
-        yield bucket
-        bucket.clear()
-
-
-def _new_dirs(path: Path) -> list[Path]:
-    """The ancestors of ``path`` that do not exist yet, innermost first."""
-    return [p for p in path.parents if not p.exists()]
-
-
-def _remove_new_dirs(dirs: list[Path]) -> None:
-    """Remove the directories an export made for itself, innermost first, if still empty."""
-    for d in dirs:
-        try:
-            d.rmdir()
-        except OSError:
-            return
-
-
-def export_checkpoint(checkpoint: str | os.PathLike, model_dir: str | os.PathLike, final: str | os.PathLike, *,
-                      dtype: torch.dtype, tokenizer: Any, max_shard_bytes: int, bucket_bytes: int = 256 * 2**20,
-                      trust_remote_code: bool = False, tracker: LiveBytes | None = None) -> Path:
-    """A training checkpoint (``checkpoints/step-<N>``) -> a model directory ``final``, one process,
-    never more than a bucket of tensors in memory."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    checkpoint, final = Path(checkpoint), Path(final)
-    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-    with torch.device("meta"):      # names, shapes and tying, without a byte of weights
-        meta = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
-    tensors = export_tensors(meta)
-    layout = CheckpointLayout(meta, tensors)
-    cast = lambda dt: dtype if dt.is_floating_point else dt       # noqa: E731
-    specs = [ParamSpec(name, cast(t.dtype), tuple(t.shape)) for name, t in tensors]
-    wanted = [(s.name, s.shape) for s in specs]
-    stored, read = _open_checkpoint(checkpoint, wanted)     # a damaged checkpoint is found before any write
-    made = _new_dirs(final)
-    tmp = prepare_tmp(final)
-    shards = ShardWriter(tmp, layout.specs(specs), max_shard_bytes)
-    try:
-        for bucket in layout.buckets(_checkpoint_buckets(stored, read, wanted, bucket_bytes, cast, tracker)):
-            for name, t in bucket:
-                shards.write(name, t)
-            t = None
-        shards.finish()
-        write_metadata(tmp, model_dir, dtype, tokenizer, trust_remote_code)
-        return commit(tmp, final)
-    except BaseException:
-        shards.abort()
-        shutil.rmtree(tmp, ignore_errors=True)
-        _remove_new_dirs(made)      # `hpcrl export` makes <run_dir>/model for checkpoint-<step>: no empty one left
-        raise
-
-
-def export_lora_checkpoint(checkpoint: str | os.PathLike, model_dir: str | os.PathLike, final: str | os.PathLike, *,
-                           recipe_model, tokenizer) -> Path:
-    """A LoRA run's training checkpoint (its adapters) -> a peft adapter directory ``final``."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from hpcrl.compute.train import lora
-
-    checkpoint, final = Path(checkpoint), Path(final)
-    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=recipe_model.trust_remote_code)
-    with torch.device("meta"):      # the adapters' names and shapes
-        meta = lora.add_adapters(AutoModelForCausalLM.from_config(
-            config, trust_remote_code=recipe_model.trust_remote_code), recipe_model)
-    into = {name: torch.empty(tuple(p.shape), dtype=torch.float32) for name, p in lora.adapter_tensors(meta)}
-    stored = _dcp_metadata(checkpoint).state_dict_metadata
-    missing = [name for name in into if f"model.{name}" not in stored]
-    if missing:
-        raise RuntimeError(f"{checkpoint}: the checkpoint lacks {len(missing)} of the recipe's LoRA adapters "
-                           f"(model.lora_*: was it written with other settings?): {missing[:3]}")
-    _dcp_load(checkpoint, {"model": into})
-    made = _new_dirs(final)
-    tmp = prepare_tmp(final)
-    try:
-        lora.write_adapter_dir(tmp, into, recipe_model=recipe_model, base_model=str(model_dir), tokenizer=tokenizer)
-        return commit(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        _remove_new_dirs(made)
-        raise
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``hpcrl export``'s compute side (the login side has checked the arguments)."""
-    from hpcrl.compute.train.sources import load_tokenizer, resolve_model
-    from hpcrl.job.errors import UserError
-    from hpcrl.job.spec import JobSpec
-
-    p = argparse.ArgumentParser(prog="python -m hpcrl.compute.train.export")
-    p.add_argument("run_dir")
-    p.add_argument("--step", type=int)
-    p.add_argument("-o", "--output")
-    args = p.parse_args(argv)
-    try:
-        spec = JobSpec.load(args.run_dir)
-        recipe = spec.recipe
-        ckpt_dir = Path(recipe.checkpoint.dir or Path(args.run_dir) / rundir.CHECKPOINTS_DIR)
-        steps = rundir.training_checkpoint_steps(ckpt_dir)
-        step = args.step if args.step is not None else (steps[-1] if steps else None)
-        if step is None or step not in steps:
-            raise UserError(f"export: no training checkpoint {'' if step is None else f'of step {step} '}in {ckpt_dir}")
-    except UserError as e:
-        print(f"hpcrl: error: {e}", file=sys.stderr)
-        return 2
-    out = Path(args.output) if args.output else rundir.model_dir(args.run_dir, step, recipe.checkpoint.output_dir)
-    try:
-        model_dir = resolve_model(recipe.model.path, args.run_dir, recipe.grpo.seed)
-        tokenizer = load_tokenizer(recipe.model, model_dir)
-        if recipe.model.use_peft:
-            export_lora_checkpoint(rundir.training_checkpoint(ckpt_dir, step), model_dir, out,
-                                   recipe_model=recipe.model, tokenizer=tokenizer)
-            return 0
-        export_checkpoint(rundir.training_checkpoint(ckpt_dir, step), model_dir, out,
-                          dtype=saved_dtype(recipe, model_dir), tokenizer=tokenizer,
-                          max_shard_bytes=int(recipe.checkpoint.model_max_shard_size_gb * GB),
-                          bucket_bytes=recipe.inference.sync_bucket_mb * 2**20,
-                          trust_remote_code=recipe.model.trust_remote_code)
-    except DamagedCheckpoint as e:
-        # The input, not the machine: the same command can only fail again; another step may not.
-        print(f"hpcrl: error: export: {e}; {rundir.other_steps_hint(args.run_dir, step, steps, args.output)}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:       # the partial directory is gone; `hpcrl` says it was interrupted
-        return 130
-    except (OSError, RuntimeError, ValueError) as e:
-        # A checkpoint that does not fit the model, a full disk: one line, the hidden directory removed.
-        print(f"hpcrl: error: export of step {step} to {out} failed: {e}", file=sys.stderr)
-        return 1
-    return 0
-
-
-
-if __name__ == "__main__":
-    sys.exit(main())

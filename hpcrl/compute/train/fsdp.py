@@ -1,4 +1,5 @@
-"""FSDP2 in one place: how the policy and the reference model are sharded and loaded.
+"""FSDP2 in one place: how the policy and the reference model are sharded and loaded, and the
+trainer engine over them (``Fsdp2Engine``, trainer.engine fsdp2).
 
 Modelled on torchtitan's ``apply_fsdp``: ``fully_shard`` each decoder layer, then the root (which
 takes what is left: embeddings, the final norm, the LM head; tied embeddings stay in one group).
@@ -18,7 +19,9 @@ to bf16 at every all-gather, in half the memory; recipe model.dtype stores it in
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -27,14 +30,21 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from hpcrl.compute.train.engine import StoredTensors, TrainEngine
 from hpcrl.compute.train.loading import check_devices, load_group, read_group, stream_from_rank0
-from hpcrl.job.recipe import Recipe
+from hpcrl.job import rundir
+from hpcrl.job.recipe import GRPOConfig, Recipe
+
+if TYPE_CHECKING:
+    from hpcrl.compute.launch.context import LaunchContext
 
 __all__ = [
+    "Fsdp2Engine",
     "mixed_precision_for",
     "decoder_layers",
     "enable_activation_checkpointing",
     "apply_fsdp",
+    "LoadOptions",
     "load_sharded_model",
     "load_policy_and_reference",
     "frozen_dtype",
@@ -143,31 +153,34 @@ def _comm_group(mesh: DeviceMesh) -> Optional[dist.ProcessGroup]:
     return None
 
 
-def load_sharded_model(
-    model_dir: str,
-    mesh: DeviceMesh,
-    device: torch.device,
-    *,
-    dtype: torch.dtype = torch.float32,
-    param_dtype: Optional[torch.dtype] = None,
-    reduce_dtype: Optional[torch.dtype] = None,
-    reshard_after_forward: bool = True,
-    activation_checkpointing: bool = False,
-    offload: bool = False,
-    trust_remote_code: bool = False,
-    load_timeout_s: Optional[float] = None,
-    attn_implementation: Optional[str] = None,
-    auto_class: str = "AutoModelForCausalLM",
-    adapt: Optional[Callable[[nn.Module], nn.Module]] = None,
-    read_groups: Optional[list[list[int]]] = None,
-) -> nn.Module:
+@dataclass(frozen=True)
+class LoadOptions:
+    """How :func:`load_sharded_model` builds, stores and reads a model."""
+
+    dtype: torch.dtype = torch.float32          # what the parameters are stored in
+    param_dtype: Optional[torch.dtype] = None   # FSDP2's compute dtype (mixed precision)
+    reduce_dtype: Optional[torch.dtype] = None
+    reshard_after_forward: bool = True
+    activation_checkpointing: bool = False
+    offload: bool = False                       # parameters in host memory (CPUOffloadPolicy)
+    trust_remote_code: bool = False
+    load_timeout_s: Optional[float] = None      # the others' wait for the reader (None: the collective timeout)
+    attn_implementation: Optional[str] = None
+    auto_class: str = "AutoModelForCausalLM"    # a reward model: AutoModelForSequenceClassification
+    # Changes the model before it is sharded, and the reader's source model the same way (LoRA).
+    adapt: Optional[Callable[[nn.Module], nn.Module]] = None
+    read_groups: Optional[list[list[int]]] = None
+
+
+def load_sharded_model(model_dir: str, mesh: DeviceMesh, device: torch.device,
+                       options: LoadOptions = LoadOptions()) -> nn.Module:
     """A Hugging Face causal LM from ``model_dir``, sharded with :func:`apply_fsdp` on ``mesh``.
 
-    Parameters are stored in ``dtype`` on ``device`` (on the host when ``offload``). Only rank 0
-    reads the checkpoint; the others receive their slices. ``load_timeout_s`` bounds the others'
-    wait for rank 0's read (None: the collective timeout of the mesh's group). ``adapt`` changes
-    the model before it is sharded, on the meta device, and rank 0's source model the same way
-    before it streams (LoRA adapters: hpcrl.compute.train.lora.add_adapters).
+    Parameters are stored in ``options.dtype`` on ``device`` (on the host when ``offload``). Only
+    rank 0 reads the checkpoint; the others receive their slices. ``load_timeout_s`` bounds the
+    others' wait for rank 0's read (None: the collective timeout of the mesh's group). ``adapt``
+    changes the model before it is sharded, on the meta device, and rank 0's source model the same
+    way before it streams (LoRA adapters: hpcrl.compute.train.lora.add_adapters).
 
     ``read_groups``: the ranks of each node (a partition of the world), when every node has its own
     copy of ``model_dir`` (a staged model): the first rank of each group reads it and streams to its
@@ -176,7 +189,10 @@ def load_sharded_model(
     import transformers
     from transformers import AutoConfig
 
-    model_class = getattr(transformers, auto_class)      # a reward model: AutoModelForSequenceClassification
+    o = options
+    dtype, offload, trust_remote_code, adapt = o.dtype, o.offload, o.trust_remote_code, o.adapt
+    attn_implementation, load_timeout_s, read_groups = o.attn_implementation, o.load_timeout_s, o.read_groups
+    model_class = getattr(transformers, o.auto_class)
     device = torch.device(device)
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     config.use_cache = False            # the trainer only runs whole sequences
@@ -185,9 +201,9 @@ def load_sharded_model(
                                         attn_implementation=attn_implementation)
         if adapt is not None:
             model = adapt(model)
-    apply_fsdp(model, mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-               reshard_after_forward=reshard_after_forward,
-               activation_checkpointing=activation_checkpointing, offload=offload)
+    apply_fsdp(model, mesh, param_dtype=o.param_dtype, reduce_dtype=o.reduce_dtype,
+               reshard_after_forward=o.reshard_after_forward,
+               activation_checkpointing=o.activation_checkpointing, offload=offload)
     model.to_empty(device=torch.device("cpu") if offload else device)
     if offload and device.type != "cpu":
         # FSDP2 offloads parameters only; buffers (rotary inv_freq) belong on the compute device,
@@ -242,13 +258,13 @@ def load_policy_and_reference(model_dir: str, mesh: DeviceMesh, device: torch.de
         from hpcrl.compute.train.lora import add_adapters
 
         adapt = lambda model: add_adapters(model, recipe.model)     # noqa: E731
-    policy = load_sharded_model(
+    policy = load_sharded_model(model_dir, mesh, device, LoadOptions(
         # LoRA: the frozen base is stored as a frozen reference model is; the adapters are fp32.
-        model_dir, mesh, device, dtype=frozen_dtype(recipe, param_dtype) if lora else torch.float32,
+        dtype=frozen_dtype(recipe, param_dtype) if lora else torch.float32,
         param_dtype=param_dtype, reduce_dtype=reduce_dtype,
         activation_checkpointing=bool(grpo.gradient_checkpointing or trainer.activation_checkpointing),
         trust_remote_code=trust, load_timeout_s=load_timeout_s, attn_implementation=attention, adapt=adapt,
-        read_groups=read_groups)
+        read_groups=read_groups))
     policy.train()
     check_devices(param_devices(policy), device, offload=False, what="policy")
     if grpo.beta <= 0:
@@ -258,10 +274,10 @@ def load_policy_and_reference(model_dir: str, mesh: DeviceMesh, device: torch.de
 
         return policy, BaseModel(policy)        # the base weights themselves: no second copy
     stored = frozen_dtype(recipe, param_dtype)
-    reference = load_sharded_model(
-        model_dir, mesh, device, dtype=stored, param_dtype=param_dtype, offload=bool(trainer.reference_offload),
+    reference = load_sharded_model(model_dir, mesh, device, LoadOptions(
+        dtype=stored, param_dtype=param_dtype, offload=bool(trainer.reference_offload),
         trust_remote_code=trust, load_timeout_s=load_timeout_s, attn_implementation=attention,
-        read_groups=read_groups)
+        read_groups=read_groups))
     reference.eval()
     reference.requires_grad_(False)
     check_devices(param_devices(reference), device, offload=bool(trainer.reference_offload), what="reference")
@@ -312,3 +328,77 @@ def describe(model: nn.Module) -> str:
     return (f"{type(model).__name__}: {local_param_bytes(model) / 2**20:.1f} MiB of "
             f"{global_param_bytes(model) / 2**20:.1f} MiB here on {sorted(map(str, param_devices(model)))}"
             f"{', host-offloaded' if is_offloaded(model) else ''}")
+
+
+class Fsdp2Engine(TrainEngine):
+    """The policy as this module shards it (FSDP2 or HSDP, applied at load), trained by torch's AdamW,
+    checkpointed by torch.distributed.checkpoint."""
+
+    name = "fsdp2"
+
+    def __init__(self, policy: nn.Module) -> None:
+        self.policy = policy
+
+    @classmethod
+    def build(cls, ctx: LaunchContext, model_dir: str, device: torch.device,
+              read_groups: Optional[list[list[int]]]) -> tuple[Fsdp2Engine, Optional[nn.Module]]:
+        policy, reference = load_policy_and_reference(model_dir, ctx.mesh, device, ctx.spec.recipe,
+                                                      read_groups=read_groups)
+        return cls(policy), reference
+
+    def describe(self) -> str:
+        return describe(self.policy)
+
+    @property
+    def model(self) -> nn.Module:
+        return self.policy
+
+    @property
+    def sync_module(self) -> nn.Module:
+        return self.policy
+
+    def configure(self, grpo: GRPOConfig) -> None:
+        from hpcrl.compute.train.optim import build_optimizer, build_scheduler
+
+        self.optimizer = build_optimizer(self.policy, grpo)
+        self.scheduler = build_scheduler(self.optimizer, grpo)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self, max_grad_norm: float) -> float:
+        import math
+
+        from hpcrl.compute.train.optim import clip_grad_norm
+
+        norm = clip_grad_norm(self.policy.parameters(), max_grad_norm)
+        if math.isfinite(norm):
+            self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def save(self, directory: Path, step: int, extra: dict, *, keep: int, timeout_s: float) -> Path:
+        from hpcrl.compute.train import checkpoint as ckpt
+
+        return ckpt.save(directory, step, self.policy, self.optimizer, self.scheduler, extra=extra, keep=keep,
+                         timeout_s=timeout_s)
+
+    def load(self, path: Path, *, timeout_s: float) -> dict:
+        from hpcrl.compute.train import checkpoint as ckpt
+
+        self.ensure_wrote(path)
+        return ckpt.load(path, self.policy, self.optimizer, self.scheduler, timeout_s=timeout_s)
+
+    @classmethod
+    def wrote(cls, path: Path) -> bool:
+        return (Path(path) / rundir.DCP_INDEX).is_file()
+
+    @classmethod
+    def checkpoint_tensors(cls, path: Path) -> StoredTensors:
+        from hpcrl.compute.train.dcp_reader import dcp_tensors
+
+        return dcp_tensors(path)
+
+    def local_parts(self, model: nn.Module) -> list[torch.Tensor]:
+        return [_local(p) for p in model.parameters()]

@@ -3,7 +3,7 @@
 Loading never materialises the model on every rank: the model is built partitioned (FSDP2 on the
 meta device, then sharded; DeepSpeed under ``zero.Init``), then one rank reads the checkpoint and
 streams it tensor by tensor (``broadcast``), and every rank keeps only its own part: a DTensor's
-slice (FSDP2), a ZeRO-3 partition (DeepSpeed). Non-persistent buffers (rotary ``inv_freq``) travel
+slice (FSDP2), or the partition an engine keeps by its own rule (hpcrl.compute.partitioned: ZeRO-3). Non-persistent buffers (rotary ``inv_freq``) travel
 the same way, so nothing is left uninitialised. The other ranks' wait for the reader to read the
 checkpoint is bounded by ``launch.model_load_timeout_s`` (a gloo group of its own), not by the
 collective timeout: reading a large model is not a hung collective. With a model staged to every
@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+
+from hpcrl.compute.partitioned import partitioned
 
 __all__ = ["MODEL_LOAD_SETTING", "check_devices", "load_device", "stream_from_rank0", "load_group", "read_group"]
 
@@ -122,38 +124,11 @@ def stream_from_rank0(model: nn.Module, source: Optional[nn.Module], comm_device
                 raise RuntimeError(f"{name}: checkpoint shape {shape} != model shape {tuple(target.shape)}")
             piece = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
             target.to_local().copy_(piece.to_local())
-        elif hasattr(target, "ds_tensor"):
-            _copy_zero3_partition(name, target, full)
+        elif (handle := partitioned(target)) is not None:
+            handle.load(name, full)         # an engine's own partitioning (ZeRO-3)
         else:
             target.copy_(full)
         del full
-
-
-def _copy_zero3_partition(name: str, target: torch.Tensor, full: torch.Tensor) -> None:
-    """This rank's ZeRO-3 partitions of ``full``: the primary one (``ds_tensor`` over the parameter's
-    group) and, under ZeRO++'s hpZ, the node's copy (``ds_secondary_tensor`` over the node's
-    group), which ``zero.Init`` made from the uninitialised weights and the first forward reads."""
-    if tuple(target.ds_shape) != tuple(full.shape):
-        raise RuntimeError(f"{name}: checkpoint shape {tuple(full.shape)} != model shape {tuple(target.ds_shape)}")
-    flat = full.reshape(-1)
-    _copy_slice(target.ds_tensor, flat, dist.get_rank(target.ds_process_group))
-    secondary = getattr(target, "ds_secondary_tensor", None)
-    if secondary is None:
-        return
-    if hasattr(secondary, "ds_quant_scale"):
-        target.ds_secondary_tensor = None       # quantized: DeepSpeed remakes it at the first gather
-    else:
-        _copy_slice(secondary, flat, dist.get_rank(target.ds_zero_param_process_group))
-
-
-def _copy_slice(part: torch.Tensor, flat: torch.Tensor, index: int) -> None:
-    """DeepSpeed keeps partition ``index`` of a parameter as the flat elements [index * size,
-    (index + 1) * size), zero-padded past the end."""
-    size = part.ds_numel if hasattr(part, "ds_numel") else part.numel()
-    start = index * size
-    n = max(0, min(size, flat.numel() - start))
-    part.data.zero_()
-    part.data.view(-1).narrow(0, 0, n).copy_(flat.narrow(0, start, n))
 
 
 _read_groups: dict[tuple[tuple[int, ...], ...], dist.ProcessGroup] = {}

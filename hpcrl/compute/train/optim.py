@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from hpcrl.compute.partitioned import full_shape
 from hpcrl.job.recipe import GRPOConfig
 
 __all__ = [
@@ -40,8 +41,8 @@ _NO_DECAY = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\
 
 def no_decay(name: str, param: torch.Tensor) -> bool:
     """True for parameters excluded from weight decay (biases, norms, any 1-D parameter)."""
-    # A ZeRO-3 parameter's own tensor is empty; its shape is ds_shape.
-    ndim = len(param.ds_shape) if hasattr(param, "ds_shape") else param.ndim
+    # An engine's partitioned parameter (ZeRO-3) has an empty tensor of its own.
+    ndim = len(full_shape(param))
     return bool(_NO_DECAY.search(name.lower())) or ndim < 2
 
 

@@ -51,14 +51,13 @@ def load_reward_model(path: str, mesh, device: torch.device, recipe: Recipe, nam
     directory or hub id the recipe gave); default: ``path``'s."""
     from transformers import AutoTokenizer
 
-    from hpcrl.compute.train.fsdp import frozen_dtype, load_sharded_model, mixed_precision_for
+    from hpcrl.compute.train.fsdp import LoadOptions, frozen_dtype, load_sharded_model, mixed_precision_for
 
     param_dtype, _ = mixed_precision_for(torch.device(device).type, recipe.grpo.bf16)
-    model = load_sharded_model(path, mesh, device, dtype=frozen_dtype(recipe, param_dtype), param_dtype=param_dtype,
-                               offload=bool(recipe.trainer.reference_offload),
-                               trust_remote_code=recipe.model.trust_remote_code,
-                               load_timeout_s=recipe.launch.model_load_timeout_s,
-                               auto_class="AutoModelForSequenceClassification")
+    model = load_sharded_model(path, mesh, device, LoadOptions(
+        dtype=frozen_dtype(recipe, param_dtype), param_dtype=param_dtype, offload=bool(recipe.trainer.reference_offload),
+        trust_remote_code=recipe.model.trust_remote_code, load_timeout_s=recipe.launch.model_load_timeout_s,
+        auto_class="AutoModelForSequenceClassification"))
     model.eval()
     model.requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=recipe.model.trust_remote_code)

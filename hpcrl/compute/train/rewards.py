@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from hpcrl.compute.launch.reason import Explained
+from hpcrl.compute.train.advantages import combine_rewards
 from hpcrl.job import metric_keys as mk
 from hpcrl.job.recipe import reward_import_path
 
@@ -257,8 +258,6 @@ def reward_sums(per_func: torch.Tensor, weights: Sequence[float]) -> list[float]
     """Additive partial sums of a batch's rewards ``[B, F]``, for :func:`reward_statistics` (sum
     them over batches and ranks first): for the weighted total, then each function, the sum, the
     sum of squares and the count of rows that have a value (None rewards are left out, as TRL's)."""
-    from hpcrl.compute.train.grpo import combine_rewards
-
     total = combine_rewards(per_func, torch.tensor(list(weights), dtype=per_func.dtype))
     sums = []
     for column in [total] + [per_func[:, i] for i in range(per_func.shape[1])]:

@@ -24,7 +24,7 @@ def run_trainer(ctx: LaunchContext) -> int:
     """The trainer role's entry (hpcrl.compute.launch): build everything from the job spec, then train."""
     from hpcrl.compute.inference.client import ServerGenerator
     from hpcrl.compute.metrics import MetricsWriter
-    from hpcrl.compute.train.fsdp import describe
+    from hpcrl.compute.train.engine import engine_class
     from hpcrl.compute.train.reward_model import load_reward_model
     from hpcrl.compute.train.sources import (job_model_dir, load_dataset, load_eval_dataset, load_tokenizer,
                                              local_or_cached)
@@ -45,12 +45,12 @@ def run_trainer(ctx: LaunchContext) -> int:
         # A staged model: each node's first trainer reads its node's copy for the node's trainers.
         readers = [[r for r, n in enumerate(trainer_nodes) if n == node] for node in sorted(set(trainer_nodes))]
     t0 = time.perf_counter()
-    policy, reference, engine = _load_models(ctx, model_dir, device, readers)
+    engine, reference = engine_class(recipe.trainer.engine).build(ctx, model_dir, device, readers)
+    policy = engine.sync_module
     if rank0:
         where = f"each node's own copy at {model_dir}" if readers else model_dir
         ctx.log(f"model loaded in {time.perf_counter() - t0:.1f} s from {where}")
-        if engine is None:
-            ctx.log(describe(policy))
+        ctx.log(engine.describe())
     writer = MetricsWriter(ctx.run_dir, 0, tensorboard=recipe.logging.tensorboard,
                            wandb=recipe.logging.wandb, run_name=recipe.name) if rank0 else None
     # A reward model's hub id resolves to its cached snapshot, as model.path's does.
@@ -101,32 +101,6 @@ def _ready_to_requeue(ctx: LaunchContext, step: int, began_at: int) -> None:
     job_outcome.fatal(f"hpcrl: stopped at step {step}, where this attempt began: no step fits between start-up "
                       f"and the stop signal, so a requeue would only repeat this; not requeued (ask for more "
                       f"--time, or a smaller site.signal lead)")
-
-
-def _load_models(ctx: LaunchContext, model_dir: str, device: torch.device, readers):
-    """The policy, the reference (or None) and the engine that trains them (None: FSDP2 over the
-    policy, hpcrl.compute.train.engine), as trainer.engine asks."""
-    recipe = ctx.spec.recipe
-    if recipe.trainer.engine == "deepspeed":
-        from hpcrl.compute.train import deepspeed_engine
-        from hpcrl.job.deepspeed import config_for_job, describe as describe_partition
-
-        config = config_for_job(ctx.spec, device.type, hidden_size=_hidden_size(model_dir))
-        if ctx.task.trainer_rank == 0:
-            ctx.log(describe_partition(ctx.mesh_choice))
-        policy, reference = deepspeed_engine.load_policy_and_reference(model_dir, recipe, config, read_groups=readers)
-        return policy, reference, deepspeed_engine.DeepSpeedEngine(policy, config)
-    from hpcrl.compute.train.fsdp import load_policy_and_reference
-
-    policy, reference = load_policy_and_reference(model_dir, ctx.mesh, device, recipe, read_groups=readers)
-    return policy, reference, None
-
-
-def _hidden_size(model_dir: str) -> int | None:
-    try:
-        return int(json.loads((Path(model_dir) / "config.json").read_text())["hidden_size"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
 
 
 def _log_balance(ctx: LaunchContext) -> None:

@@ -8,16 +8,16 @@ import os
 from pathlib import Path
 
 from hpcrl.job import hfcache
+from hpcrl.job.demo import DEMO_MODEL_PREFIX, is_demo
 from hpcrl.job.recipe import DataConfig, ModelConfig
 
-DEMO_PREFIX = "demo:"
 RANDOM_SUFFIX = ":random"
 
 
 def parse_demo_model(path: str) -> tuple[str, bool]:
     """``(size, warmed_up)`` of a "demo:<size>" (warmed up on the demo task, see hpcrl.compute.models.tiny)
     or "demo:<size>:random" (random weights) model path; "demo:" alone is "demo:tiny"."""
-    spec = path[len(DEMO_PREFIX):]
+    spec = path[len(DEMO_MODEL_PREFIX):]
     return spec.removesuffix(RANDOM_SUFFIX) or "tiny", not spec.endswith(RANDOM_SUFFIX)
 
 
@@ -25,7 +25,7 @@ def resolve_model(path: str, run_dir: str | Path, seed: int = 0) -> str:
     """A model directory for `path`; "demo:<size>[:random]" builds a tiny model once per run, warmed
     up on the demo task or random (the build is atomic and locked, so every task of a node may call
     this at once and all get the same directory)."""
-    if path.startswith(DEMO_PREFIX):
+    if is_demo(path):
         from hpcrl.compute.models.tiny import DEMO_WARMUP, make_tiny_model
 
         size, warm = parse_demo_model(path)

@@ -4,8 +4,9 @@ A plain loop in the manner of torchtitan. Everything it needs comes in through `
 (built by hpcrl.compute.train.role.run_trainer from the job spec and the launch context), and it
 talks to generation only through the `Generator` interface (hpcrl.compute.inference.types): the
 node's server in a job, an in-process engine in tests. A generation's parts live beside it:
-hpcrl.compute.train.generation (what is asked for and trained on), hpcrl.compute.train.batch (its
-tensors and log-probabilities).
+hpcrl.compute.train.generation (what is asked for and trained on), hpcrl.compute.train.scoring (its
+rewards, advantages and statistics), hpcrl.compute.train.batch (its tensors and log-probabilities);
+hpcrl.compute.train.loss is the loss its optimizer steps take.
 
 Steps count optimizer steps (TRL's global_step). One generation holds steps_per_generation
 micro-batches per trainer (gradient_accumulation_steps unless set: one optimizer step's worth); its
@@ -35,21 +36,23 @@ import torch.distributed as dist
 from hpcrl.compute.inference.types import Generator, Sampling
 from hpcrl.compute.launch import faults
 from hpcrl.compute.launch.stop import STOP
-from hpcrl.compute.metrics import format_completion
 from hpcrl.job import metric_keys as mk
 from hpcrl.job import rundir
 from hpcrl.job.recipe import Recipe
 from hpcrl.compute.train import checkpoint as ckpt
 from hpcrl.compute.train import data as data_mod
 from hpcrl.compute.train import fsdp as fsdp_mod
-from hpcrl.compute.train import grpo
 from hpcrl.compute.train.base_diff import BaseDiff
-from hpcrl.compute.train.batch import completion_logps, pack_batch, policy_forward, router_aux_coef
-from hpcrl.compute.train.engine import Fsdp2Engine, TrainEngine
+from hpcrl.compute.train.batch import micro_batched_logps, pack_batch, policy_forward, router_aux_coef
+from hpcrl.compute.train.engine import TrainEngine
+from hpcrl.compute.train.fsdp import Fsdp2Engine
 from hpcrl.compute.train.evaluation import Evaluator, epoch_ended, eval_due
 from hpcrl.compute.train.generation import Generation, Requested
-from hpcrl.compute.train.rewards import (RewardFunction, RewardLog, as_completions, load_reward_functions,
-                                         new_trainer_state, reward_statistics, reward_sums, score_completions)
+from hpcrl.compute.train.loss import (LossConfig, SamplerCorrection, grpo_loss, high_entropy_mask,
+                                      sampling_importance_ratio)
+from hpcrl.compute.train.rank_metrics import Metric, global_sum, merge_metrics, reduce_metrics
+from hpcrl.compute.train.rewards import RewardFunction, load_reward_functions, new_trainer_state
+from hpcrl.compute.train.scoring import Scorer
 
 
 @dataclass
@@ -89,29 +92,6 @@ def _any_true(flag: bool, group) -> bool:
     return bool(t.item())
 
 
-def _global_sum(values: list[float], group) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, group=group)
-    return t.tolist()
-
-
-def _length_stats(completions, group) -> dict[str, float]:
-    """TRL's completions/min_length, max_length and the lengths of the completions that ended
-    before max_completion_length (0 when none did, as TRL's), over all trainers."""
-    lengths = [len(c.token_ids) for c in completions]
-    ended = [n for n, c in zip(lengths, completions) if not c.truncated]
-    # Minima as negated maxima: one reduction for all four extremes.
-    extremes = torch.tensor([max(lengths, default=-math.inf), -min(lengths, default=math.inf),
-                             max(ended, default=-math.inf), -min(ended, default=math.inf)], dtype=torch.float64)
-    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
-    total, count = _global_sum([sum(ended), len(ended)], group)
-    top, low, top_ended, low_ended = extremes.tolist()
-    return {mk.COMPLETIONS_MIN_LENGTH: -low, mk.COMPLETIONS_MAX_LENGTH: top,
-            mk.COMPLETIONS_MEAN_TERMINATED_LENGTH: total / count if count else 0.0,
-            mk.COMPLETIONS_MIN_TERMINATED_LENGTH: -low_ended if count else 0.0,
-            mk.COMPLETIONS_MAX_TERMINATED_LENGTH: top_ended if count else 0.0}
-
-
 def epoch_steps(grpo, prompts: int, prompts_per_generation: int, steps_per_generation: int) -> int:
     """Optimizer steps of grpo.num_train_epochs passes over ``prompts`` (grpo.max_steps -1), as TRL
     counts them: every generation of ``prompts_per_generation`` prompts trains
@@ -126,7 +106,7 @@ class Trainer:
         self.setup = setup
         grpo = setup.recipe.grpo
         # A generation: this many completions per trainer, sliced into optimizer steps of step_rows.
-        self.step_rows = grpo.per_device_train_batch_size * grpo.gradient_accumulation_steps
+        self.step_rows = grpo.completions_per_trainer_step
         generation_rows = grpo.per_device_train_batch_size * grpo.micro_batches_per_generation(setup.num_trainers)
         self.slices = generation_rows // self.step_rows
         self.steps_per_generation = grpo.optimizer_steps_per_generation(setup.num_trainers)
@@ -142,14 +122,12 @@ class Trainer:
              {"func": r.func, "weight": r.weight, "name": r.name, "kwargs": r.kwargs}
              for i, r in enumerate(self.recipe.rewards)],
             module_dir=setup.run_dir / rundir.REWARDS_DIR)
-        # What the reward functions get as trainer_state, and what they logged with log_extra on
-        # the generation scored last: this rank's columns, a value per completion, for its log.
         self.epochs_per_step = (self.prompts_per_rank * setup.num_trainers
                                 / (self.steps_per_generation * max(1, len(setup.dataset))))
+        # What the reward functions get as trainer_state (the scorer fills it in, a checkpoint keeps it).
         self.trainer_state = new_trainer_state(self.grpo, 1 / self.epochs_per_step, setup.trainer_rank == 0)
-        self.completion_extra: dict[str, list] = {}
-        self._warned_context_cut = False
-        self._warned_all_none: set[str] = set()
+        self.scorer = Scorer(setup, self.recipe, self.rewards, self.trainer_state, self.epochs_per_step)
+        self.loss_config = LossConfig.from_grpo(self.grpo, setup.num_trainers)
         self.router_aux_coef = router_aux_coef(setup.policy, grpo.router_aux_loss_coef)
         if self.grpo.disable_dropout:
             for model in (setup.policy, setup.reference):
@@ -175,6 +153,11 @@ class Trainer:
             setup.eval_dataset, setup.tokenizer, generator, self.rewards, self.grpo, setup.trainer_rank,
             setup.num_trainers, setup.group)
         self.flag = STOP
+
+    @property
+    def completion_extra(self) -> dict[str, list]:
+        """The reward functions' log_extra columns of the generation scored last (this rank's)."""
+        return self.scorer.completion_extra
 
     @property
     def optimizer(self):
@@ -334,20 +317,17 @@ class Trainer:
         t0 = time.perf_counter()
         self._heartbeat("saving model")
         out = rundir.model_dir(self.setup.run_dir, step, self.recipe.checkpoint.output_dir)
-        options = dict(model_dir=self.setup.model_dir, tokenizer=self.setup.tokenizer,
-                       dtype=export.saved_dtype(self.recipe, self.setup.model_dir),
-                       max_shard_bytes=int(self.recipe.checkpoint.model_max_shard_size_gb * export.GB),
-                       bucket_bytes=self.recipe.inference.sync_bucket_mb * 2**20,
-                       writer=self.setup.trainer_rank == 0, group=self.setup.group,
-                       trust_remote_code=self.recipe.model.trust_remote_code)
+        how = export.ModelWriting.for_run(self.recipe, self.setup.model_dir, self.setup.tokenizer)
+        writer, policy = self.setup.trainer_rank == 0, self.engine.sync_module
         diff = None
         if self.recipe.model.use_peft:
-            export.save_lora_from_trainers(self.setup.policy, out, recipe_model=self.recipe.model,
-                                           merged=self.recipe.checkpoint.save_merged_model, **options)
+            export.save_lora_from_trainers(policy, out, how, recipe_model=self.recipe.model, writer=writer,
+                                           merged=self.recipe.checkpoint.save_merged_model, group=self.setup.group)
         else:
             # The final model against the base: did the run change anything the file keeps?
-            diff = BaseDiff(self.setup.model_dir) if step is None and options["writer"] else None
-            export.save_from_trainers(self.setup.policy, out, on_tensor=diff and diff.add, **options)
+            diff = BaseDiff(self.setup.model_dir) if step is None and writer else None
+            export.save_from_trainers(policy, out, how, writer=writer, group=self.setup.group,
+                                      on_tensor=diff and diff.add)
         if self.setup.trainer_rank == 0:
             self.setup.log(f"model written to {out} in {time.perf_counter() - t0:.1f} s")
         if diff is not None:
@@ -437,23 +417,11 @@ class Trainer:
         self._ask_ahead(self.steps_per_generation)
         batch = requested.batch.repeat(self.grpo.num_generations)
         lag = self.weight_version - requested.version
-        advantages, reward_stats = self._score(batch, completions)
-        reward_stats.update(_length_stats(completions, setup.group))
+        advantages, reward_stats = self.scorer.score(batch, completions, self.step)
         tensors = pack_batch(batch.prompt_ids, completions, _pad_id(setup.tokenizer), setup.device,
                              mask_truncated=self.grpo.mask_truncated_completions)
         advantages = advantages.to(setup.device)
-        cap = self.grpo.max_completion_length
-        tokens, loss_tokens, count, truncated, cut = _global_sum(
-            [sum(len(c.token_ids) for c in completions), tensors["completion_mask"].sum().item(), len(completions),
-             sum(c.truncated for c in completions),
-             sum(c.truncated and len(c.token_ids) < cap for c in completions)], setup.group)
-        if cut and not self._warned_context_cut and setup.trainer_rank == 0:
-            # The engine stops a sequence at its context: such a completion looks truncated like one
-            # at max_completion_length, and would train on silently.
-            self._warned_context_cut = True
-            setup.log(f"warning: {int(cut)} of {int(count)} completions were cut by the engine's context (prompt + "
-                      f"completion), before grpo.max_completion_length={cap}: raise inference.max_model_len "
-                      f"(TRL's vllm_max_model_length; unset = the model's own context) or shorten the prompts")
+        tokens, loss_tokens, count, truncated = self.scorer.counts(completions, tensors["completion_mask"].sum().item())
         t0 = time.perf_counter()
         old_logps, ref_logps = self._old_and_ref_logps(tensors)
         return Generation(tensors=tensors, advantages=advantages, old_logps=old_logps, ref_logps=ref_logps,
@@ -475,104 +443,8 @@ class Trainer:
         return old_logps, ref_logps
 
     def _micro_batched_logps(self, model, tensors: dict) -> torch.Tensor:
-        """``completion_logps`` of every row, in the micro-batches training uses: the activations
-        and logits of a whole generation at once would outgrow those of a training micro-batch,
-        which is what the job's memory is sized for (hpcrl.job.fit)."""
-        rows, micro = tensors["input_ids"].shape[0], self.grpo.per_device_train_batch_size
-        return torch.cat([completion_logps(model, tensors, self.grpo.temperature, slice(start, start + micro),
-                                           self.logprob_chunk_tokens)
-                          for start in range(0, rows, micro)])
-
-    def _score(self, batch, completions) -> tuple[torch.Tensor, dict]:
-        """This rank's advantages, and the reward statistics over all trainers."""
-        texts = [c.text for c in completions]
-        log = RewardLog()
-        per_func = score_completions(
-            self.rewards, batch.prompts, as_completions(batch.prompts, texts),
-            [list(c.token_ids) for c in completions], batch.columns,
-            trainer_state=self._trainer_state(batch, completions), log_extra=log.log_extra, log_metric=log.log_metric)
-        self.completion_extra = dict(log.extra)
-        self._warn_all_none(per_func)
-        # Whole groups live on one rank (spec validation), so advantages are local.
-        advantages, local = grpo.compute_advantages(per_func, self.grpo.num_generations,
-                                                    [rf.weight for rf in self.rewards], self.grpo.scale_rewards,
-                                                    self.grpo.multi_objective_aggregation)
-        stats = {**self._logged_metrics(log.metrics), **self._reward_stats(per_func, local["frac_reward_zero_std"])}
-        self._log_completions(batch.prompts, texts, per_func, advantages)
-        return advantages, stats
-
-    def _warn_all_none(self, per_func: torch.Tensor) -> None:
-        """A reward function that returned None for every completion of a generation says nothing
-        of them (TRL leaves such rows out too): named once, since a run of it trains on nothing."""
-        for i, rf in enumerate(self.rewards):
-            if rf.name not in self._warned_all_none and per_func.shape[0] and torch.isnan(per_func[:, i]).all():
-                self._warned_all_none.add(rf.name)
-                self.setup.log(f"warning: reward function '{rf.name}' returned None for every completion of trainer "
-                               f"{self.setup.trainer_rank}'s generation at step {self.step + 1}"
-                               + (" (no reward function scored them: they train on nothing)"
-                                  if torch.isnan(per_func).all() else ""))
-
-    def _log_completions(self, prompts: list, texts: list[str], per_func: torch.Tensor,
-                         advantages: torch.Tensor) -> None:
-        """logging.log_completions (TRL's log_completions): every trainer's completions of this
-        generation, with prompt, rewards and advantage, go to rank 0, which hands them to
-        on_completions and prints the first log_completions of them."""
-        shown = self.recipe.logging.log_completions
-        if not shown:
-            return
-        step = self.step + 1            # the first optimizer step that trains on them
-        names = [rf.name for rf in self.rewards]
-        rows = [{"step": step, "prompt": p, "completion": t, "rewards": dict(zip(names, r)), "advantage": a}
-                for p, t, r, a in zip(prompts, texts, per_func.tolist(), advantages.tolist())]
-        if self.completion_extra:       # the reward functions' log_extra columns, as in TRL's table
-            for i, row in enumerate(rows):
-                row["extra"] = {k: v[i] if i < len(v) else None for k, v in self.completion_extra.items()}
-        setup = self.setup
-        if setup.num_trainers > 1:
-            parts = [None] * setup.num_trainers if setup.trainer_rank == 0 else None
-            dist.gather_object(rows, parts, group=setup.group, group_dst=0)
-            rows = [row for part in parts or [] for row in part]
-        if setup.trainer_rank != 0:
-            return
-        if setup.on_completions:
-            setup.on_completions(rows)
-        for row in rows[:shown]:
-            setup.log(format_completion(row))
-
-    def _trainer_state(self, batch, completions):
-        """TRL's self.state as its reward functions see it, before optimizer step self.step + 1:
-        num_input_tokens_seen counts this generation's prompts and completions on every trainer."""
-        state = self.trainer_state
-        tokens = sum(len(p) for p in batch.prompt_ids) + sum(len(c.token_ids) for c in completions)
-        state.num_input_tokens_seen += int(_global_sum([tokens], self.setup.group)[0])
-        state.global_step = self.step
-        state.epoch = self.step * self.epochs_per_step
-        return state
-
-    def _logged_metrics(self, local: dict[str, list[float]]) -> dict:
-        """What the reward functions gave log_metric: each name's mean over every call on every
-        trainer, as TRL's, and the names under "log_metric_names" (the plot draws them). A function
-        may log a name on some ranks only, so the ranks agree on the names first."""
-        names = sorted(local)
-        if self.setup.num_trainers > 1:
-            every = [None] * self.setup.num_trainers
-            dist.all_gather_object(every, names, group=self.setup.group)
-            names = sorted(set().union(*every))
-        if not names:
-            return {}
-        sums = _global_sum([x for n in names for x in (sum(local.get(n, ())), len(local.get(n, ())))],
-                           self.setup.group)
-        return {"log_metric_names": names, **{n: sums[2 * i] / sums[2 * i + 1] for i, n in enumerate(names)}}
-
-    def _reward_stats(self, per_func: torch.Tensor, frac_zero_std: float) -> dict:
-        """Mean/std over all trainers' completions, overall and per reward function, and the share
-        of completions whose group's rewards were all alike (no learning signal), as TRL logs them."""
-        sums = reward_sums(per_func, [rf.weight for rf in self.rewards])
-        sums += [frac_zero_std, 1.0]        # every rank scores as many completions: average over ranks
-        sums = _global_sum(sums, self.setup.group)
-        out = reward_statistics(sums[:-2], [rf.name for rf in self.rewards])
-        out[mk.FRAC_REWARD_ZERO_STD] = sums[-2] / sums[-1]
-        return out
+        return micro_batched_logps(model, tensors, self.grpo.temperature, self.grpo.per_device_train_batch_size,
+                                   self.logprob_chunk_tokens)
 
     # ------------------------------------------------------------------ one optimizer step
     def _optimizer_step(self, generation: Generation, rows: slice | None = None) -> dict:
@@ -586,7 +458,7 @@ class Trainer:
         model.train()
         rows = rows or slice(0, batch["input_ids"].shape[0])
         micro = cfg.per_device_train_batch_size
-        metrics: dict[str, grpo.Metric] = {}
+        metrics: dict[str, Metric] = {}
         loss_sum = 0.0
         for start in range(rows.start, min(rows.stop, batch["input_ids"].shape[0]), micro):
             sl = slice(start, start + micro)
@@ -597,38 +469,28 @@ class Trainer:
             logps, entropies = out.logps, out.entropies
             entropy_mask = None
             if cfg.top_entropy_quantile < 1.0:
-                entropy_mask = grpo.high_entropy_mask(entropies.detach(), batch["completion_mask"][sl],
-                                                      1 - cfg.top_entropy_quantile, self.setup.group)
+                entropy_mask = high_entropy_mask(entropies.detach(), batch["completion_mask"][sl],
+                                                 1 - cfg.top_entropy_quantile, self.setup.group)
             weights = None
             if cfg.vllm_importance_sampling_correction:
-                weights, is_metrics = grpo.sampling_importance_ratio(
+                weights, is_metrics = sampling_importance_ratio(
                     old_logps[sl] if old_logps is not None else logps.detach(), batch["sampling_logps"][sl],
                     batch["completion_mask"][sl], mode=cfg.vllm_importance_sampling_mode,
                     clip_min=cfg.vllm_importance_sampling_clip_min, clip_max=cfg.vllm_importance_sampling_clip_max)
-                _merge(metrics, is_metrics)
-            loss, m = grpo.grpo_loss(
-                logps, None if old_logps is None else old_logps[sl],
-                None if ref_logps is None else ref_logps[sl], advantages[sl], batch["completion_mask"][sl],
-                loss_type=cfg.loss_type, beta=cfg.beta, epsilon_low=cfg.epsilon, epsilon_high=cfg.epsilon_high,
-                max_completion_length=cfg.max_completion_length, num_items_in_batch=generation.loss_tokens,
-                num_processes=self.setup.num_trainers, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-                steps_per_generation=self.slices * cfg.gradient_accumulation_steps,
-                importance_weights=weights, delta=cfg.delta, importance_sampling_level=cfg.importance_sampling_level,
-                # The engines always return the sampled tokens' log-probabilities (TRL's with vLLM).
-                sampling_per_token_logps=batch["sampling_logps"][sl],
-                off_policy_mask_threshold=cfg.off_policy_mask_threshold,
-                use_bias_correction_kl=cfg.use_bias_correction_kl,
-                sapo_temperature_pos=cfg.sapo_temperature_pos, sapo_temperature_neg=cfg.sapo_temperature_neg,
-                vespo_k_pos=cfg.vespo_k_pos, vespo_lambda_pos=cfg.vespo_lambda_pos, vespo_k_neg=cfg.vespo_k_neg,
-                vespo_lambda_neg=cfg.vespo_lambda_neg, entropies=entropies, entropy_coef=cfg.entropy_coef,
-                entropy_mask=entropy_mask)
+                merge_metrics(metrics, is_metrics)
+            # The engines always return the sampled tokens' log-probabilities (TRL's with vLLM).
+            loss, m = grpo_loss(
+                logps, None if old_logps is None else old_logps[sl], None if ref_logps is None else ref_logps[sl],
+                advantages[sl], batch["completion_mask"][sl], self.loss_config,
+                num_items_in_batch=generation.loss_tokens, entropies=entropies, entropy_mask=entropy_mask,
+                sampler=SamplerCorrection(batch["sampling_logps"][sl], weights))
             if out.aux_loss is not None:
                 # TRL's: the policy loss is already scaled for accumulation, so the aux loss is too.
                 loss = loss + self.router_aux_coef * out.aux_loss / cfg.gradient_accumulation_steps
-                _merge(metrics, {mk.AUX_LOSS: grpo.Metric(out.aux_loss.detach().float())})
+                merge_metrics(metrics, {mk.AUX_LOSS: Metric(out.aux_loss.detach().float())})
             self.engine.backward(loss)
             loss_sum += loss.item()
-            _merge(metrics, m)
+            merge_metrics(metrics, m)
         lr_used = self.engine.learning_rate()     # the schedule steps inside engine.step
         grad_norm = self.engine.step(cfg.max_grad_norm)
         if not math.isfinite(grad_norm):
@@ -636,8 +498,8 @@ class Trainer:
         if cfg.sync_ref_model and self.setup.reference is not None and (self.step + 1) % cfg.ref_model_sync_steps == 0:
             # TRL's SyncRefModelCallback at the end of optimizer step self.step + 1.
             self.engine.mix_into_reference(self.setup.reference, cfg.ref_model_mixup_alpha)
-        out = grpo.reduce_metrics(metrics, self.setup.group)
-        loss_t = _global_sum([loss_sum], self.setup.group)[0]
+        out = reduce_metrics(metrics, self.setup.group)
+        loss_t = global_sum([loss_sum], self.setup.group)[0]
         out.update({mk.LOSS: loss_t, mk.GRAD_NORM: grad_norm, mk.LEARNING_RATE_USED: lr_used})
         return out
 
@@ -678,7 +540,7 @@ class Trainer:
         mine = nodes[self.setup.trainer_rank]
         slots = [0.0] * (max(nodes) + 1)
         slots[mine] = wait_s / nodes.count(mine)
-        return [round(x, 4) for x in _global_sum(slots, self.setup.group)]
+        return [round(x, 4) for x in global_sum(slots, self.setup.group)]
 
     # ------------------------------------------------------------------ weights to generation
     def _eval_due(self) -> bool:
@@ -711,23 +573,10 @@ class Trainer:
     def _push(self, version: int) -> float:
         t0 = time.perf_counter()
         self._heartbeat("syncing")
-        stats = self.generator.push_weights(self.setup.policy, version) or {}
+        stats = self.generator.push_weights(self.engine.sync_module, version) or {}
         self.weight_version = version
         self.last_sync_stats = stats
         return time.perf_counter() - t0
-
-
-def _merge(into: dict, new: dict) -> None:
-    """Accumulate metric partials over micro-batches: sums for means, extremes for min/max."""
-    for k, m in new.items():
-        old = into.get(k)
-        if old is None:
-            into[k] = m
-        elif m.op == "mean":
-            into[k] = grpo.Metric(old.value + m.value, torch.as_tensor(old.count) + torch.as_tensor(m.count), "mean")
-        else:
-            pick = torch.minimum if m.op == "min" else torch.maximum
-            into[k] = grpo.Metric(pick(old.value, m.value), old.count, m.op)
 
 
 def _pad_id(tokenizer) -> int:

@@ -1,6 +1,6 @@
 """`hpcrl export RUN_DIR [--step N] [-o DIR]`: a training checkpoint -> a Hugging Face model directory.
 
-The arguments are checked here, without torch; the work is hpcrl.compute.train.export in a
+The arguments are checked here, without torch; the work is hpcrl.compute.train.export_checkpoint in a
 subprocess of this interpreter (it reads the checkpoint tensor by tensor). Its exit status is passed
 through. A damaged checkpoint (a file missing here, missing, cut short or corrupt there) is one line
 naming the file and the step to export instead, exit status 2, like any input that cannot be used:
@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from hpcrl.job import rundir
+from hpcrl.job.demo import is_demo
 from hpcrl.job.errors import UserError
 
 
@@ -27,7 +28,7 @@ def main(args) -> int:
     spec = JobSpec.load(run_dir)
     model_path = spec.recipe.model.path
     # The config and tokenizer come from the source model; a demo model is rebuilt in the run directory.
-    if not model_path.startswith("demo:") and not Path(model_path).is_dir():
+    if not is_demo(model_path) and not Path(model_path).is_dir():
         raise UserError(f"export: model.path {model_path} is not a directory here: the export takes the "
                         f"model's config and tokenizer from it (run it where the job's files are)")
     ckpt_dir = Path(spec.recipe.checkpoint.dir or run_dir / rundir.CHECKPOINTS_DIR)
@@ -45,7 +46,7 @@ def main(args) -> int:
         raise UserError(f"export: no training checkpoint in {ckpt_dir}")
     step = args.step if args.step is not None else steps[-1]
     out = rundir.model_dir(run_dir, step, spec.recipe.checkpoint.output_dir)
-    cmd = [sys.executable, "-m", "hpcrl.compute.train.export", str(run_dir), "--step", str(step)]
+    cmd = [sys.executable, "-m", "hpcrl.compute.train.export_checkpoint", str(run_dir), "--step", str(step)]
     if args.output:
         out = Path(args.output).expanduser()
         # Only a directory of ours is ever replaced: -o naming anything else would delete it.

@@ -1,7 +1,7 @@
 """`hpcrl plan`: the placement a job gets on a site, one row per task, and its memory per GPU.
 
 Takes what `hpcrl render` takes (a recipe, key=value overrides, -N, ...) and writes nothing. The
-memory estimate is hpcrl.job.fit's, the one `hpcrl render` and `submit` refuse a job by; here a job
+memory estimate is hpcrl.job.estimate's, the one `hpcrl render` and `submit` refuse a job by; here a job
 that does not fit is shown with its fix, and the exit status stays 0.
 """
 
@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 
-from hpcrl.job.fit import describe_global_batch, estimate, global_batch, sync_traffic
+from hpcrl.job.batch import describe_global_batch, global_batch
+from hpcrl.job.estimate import estimate
+from hpcrl.job.mesh_choice import sync_traffic
 from hpcrl.job.placement import format_cores
 from hpcrl.login import compose
 from hpcrl.login.table import print_table

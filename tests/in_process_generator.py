@@ -1,5 +1,6 @@
-"""Generation inside the trainer process: every trainer rank owns an engine copy. For tests of the
-training loop; a job uses the node's server instead."""
+"""Generation inside the trainer process, for tests of the training loop: every trainer rank owns an
+engine copy (an hpcrl.compute.inference engine that takes weights as tensors: load_weights, set_version).
+A job uses the node's server instead (hpcrl.compute.inference.client)."""
 
 from __future__ import annotations
 

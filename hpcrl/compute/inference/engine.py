@@ -1,0 +1,138 @@
+"""What the server role and the trainers need of an inference engine, and the engines by name.
+
+An engine generates completions of token-id prompts (types.Sampling in, types.Completion out), says
+the dtype it computes in (the trainers send weights in it), hands the server the receiver of its
+weights (a sync.api.ServerSync) and builds the trainers' side that feeds it, and closes. What tells
+one backend from another is said by the engine itself (``per_prompt_sampling``, ``ends_on``,
+``own_processes``), so neither the server nor the trainers test an engine's name.
+
+Engines are registered as "module:Class" and imported when chosen: importing vLLM takes seconds,
+and a job on the transformers engine must neither pay for it nor need it installed. A third engine
+is a module with an ``InferenceEngine`` subclass and a line in ``ENGINES``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Sequence
+
+from hpcrl.compute.inference.types import Completion, Sampling
+
+__all__ = ["ENGINES", "InferenceEngine", "SyncPeer", "engine_class", "chosen_engine"]
+
+# Engine name (inference.engine; the health file's "engine") -> where its class is.
+ENGINES: dict[str, str] = {
+    "vllm": "hpcrl.compute.inference.vllm_engine:VLLMEngine",
+    "transformers": "hpcrl.compute.inference.hf_engine:TransformersEngine",
+}
+
+# What `inference.engine: auto` tries, best first, by site device. On a GPU site only vLLM: the
+# transformers engine generates without paging or batching across requests and takes every sync's
+# whole model over a socket, a slow job nobody chose. Elsewhere the transformers engine is the fallback.
+AUTO: dict[str, tuple[str, ...]] = {"cuda": ("vllm",)}
+AUTO_ELSEWHERE = ("vllm", "transformers")
+AUTO_FOUND_NONE = {"cuda": "inference.engine: auto found no vLLM in this environment on a GPU site; install "
+                           "the site's vLLM build (on Frontier OLCF's ROCm vLLM container) or set "
+                           "inference.engine=transformers to generate with the transformers engine on purpose"}
+
+# The sender's conversation with its engine: (message, timeout in seconds) -> reply.
+Request = Callable[[dict, float], dict]
+
+
+@dataclass(frozen=True)
+class SyncPeer:
+    """What one trainer's side of one sync round is built from (client.ServerGenerator)."""
+
+    ctx: Any                        # the trainer's LaunchContext
+    round: int                      # which of plan.sync_rounds
+    request: Request | None         # to the engine this trainer feeds in the round; None: it only gathers
+    engine_dtype: str | None        # the engines' dtype, from their health replies
+    node_of_rank: dict[int, int]    # the plan's node of every trainer rank (the gathers' traffic)
+
+
+class InferenceEngine(ABC):
+    """One engine of the server role. ``version`` is the weight version it generates with (the
+    server sets it when a sync finishes); completions carry it."""
+
+    name: ClassVar[str]             # its ENGINES name: the health file's "engine", the log lines'
+    # Whether one call takes a Sampling per prompt, each prompt's draws decided by its own seed
+    # whatever else is in the batch: then the server merges its trainers' requests into one call.
+    per_prompt_sampling: ClassVar[bool] = False
+    # Whether it runs in processes of its own, which can die apart from the server's (process_ids, death).
+    own_processes: ClassVar[bool] = False
+    # The stop signals its own processes end on by design: an engine gone after one is the signal's doing.
+    ends_on: ClassVar[frozenset[str]] = frozenset()
+
+    version: int = 0
+
+    @classmethod
+    def missing(cls) -> str | None:
+        """Why it cannot run in this environment (what to install, or use instead); None: it can."""
+        return None
+
+    @classmethod
+    @abstractmethod
+    def for_server(cls, ctx, model_dir: str, errors_log=None) -> "InferenceEngine":
+        """The engine of the server role ``ctx`` on ``model_dir``, from the recipe. ``errors_log``:
+        a file where its own processes may also write their errors (``failure_cause`` reads it)."""
+
+    @classmethod
+    @abstractmethod
+    def trainer_sync(cls, model, peer: SyncPeer):
+        """The trainers' side of its weight receiver (a sync.api.TrainerSync), for ``model``."""
+
+    @classmethod
+    def failure_cause(cls, error: BaseException, errors_log=None) -> BaseException:
+        """``error``, or the reason it only points at (in ``errors_log``), as an exception."""
+        return error
+
+    @abstractmethod
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling | Sequence[Sampling]) -> list[Completion]:
+        """``n`` completions of each prompt, grouped by prompt (``prompt_index``: its position here).
+        ``sampling``: one for every prompt, or one per prompt (see ``per_prompt_sampling``)."""
+
+    @property
+    @abstractmethod
+    def dtype(self) -> str | None:
+        """The dtype it computes in ("bfloat16"), which the trainers send weights in; None: as they are."""
+
+    @abstractmethod
+    def weight_receiver(self):
+        """The server side of its weight sync (a sync.api.ServerSync), matching ``trainer_sync``."""
+
+    def process_ids(self) -> list[int]:
+        """Its own processes' pids (their children are theirs too)."""
+        return []
+
+    def death(self) -> str | None:
+        """How one of its own processes ended, if one has."""
+        return None
+
+    def close(self) -> None:
+        """Stop what it started."""
+
+
+def engine_class(name: str) -> type[InferenceEngine]:
+    """The engine registered as ``name``, its module imported now."""
+    if name not in ENGINES:
+        raise ValueError(f"unknown inference engine {name!r}; choose one of {', '.join(ENGINES)}")
+    module, _, cls = ENGINES[name].partition(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def chosen_engine(requested: str, device: str) -> type[InferenceEngine]:
+    """The engine ``inference.engine: requested`` names on a site of ``device``, refused with what
+    to do where it cannot run here."""
+    if requested != "auto":
+        cls = engine_class(requested)
+        why = cls.missing()
+        if why:
+            raise RuntimeError(f"inference.engine: {requested} {why}")
+        return cls
+    for name in AUTO.get(device, AUTO_ELSEWHERE):
+        cls = engine_class(name)
+        if cls.missing() is None:
+            return cls
+    raise RuntimeError(AUTO_FOUND_NONE.get(device, "inference.engine: auto found no engine that runs here"))
