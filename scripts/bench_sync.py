@@ -101,7 +101,7 @@ def trainer_rank(rank: int, world: int, init_file: str, model_dir: str, conn, cf
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
 
-    from hpcrl.compute.sync.checkpoint_route import save_checkpoint
+    from checkpoint_route import save_checkpoint
     from hpcrl.compute.sync.gather import LiveBytes, iter_buckets, param_specs, sync_named_params
     from hpcrl.compute.sync.api import ShmOptions
     from hpcrl.compute.sync.trainer import TrainerWeightSync
@@ -165,7 +165,7 @@ def trainer_rank(rank: int, world: int, init_file: str, model_dir: str, conn, cf
     gathered_bytes = sum(sync.last_traffic.values())     # the last sync's, totalled over the ranks
     out.update(e2e_s=min(e2e), peak_live=max(peaks), peak_rss=max(rss), gathered_bytes=gathered_bytes)
     if sender:
-        out["shm_bytes"] = sync.sender.region.total_bytes
+        out["shm_bytes"] = sync.transport.sender.region.total_bytes
 
     # From gathered tensors on the sender: the two routes on the same buckets.
     gathered = [[(n, t.clone()) for n, t in b] for b in iter_buckets(params, bucket, keep=sender, cast_to=wire)]
@@ -173,7 +173,7 @@ def trainer_rank(rank: int, world: int, init_file: str, model_dir: str, conn, cf
         hp, handoff, apply_ = [], [], []
         loaded = notify({"op": "bench_timings"})["worker_load_s"]
         for i in range(reps):
-            stats = sync.sender.send(iter(gathered), version=f"hpcrl-{i}")
+            stats = sync.transport.sender.send(iter(gathered), version=f"hpcrl-{i}")
             server = notify({"op": "bench_timings"})
             hp.append(stats.total_s)
             handoff.append(stats.pack_s)
@@ -267,7 +267,7 @@ def run_one(size: str, args) -> dict:
 
     from vllm import LLM
 
-    from hpcrl.compute.sync.checkpoint_route import reload_checkpoint
+    from checkpoint_route import reload_checkpoint
     from hpcrl.compute.inference.vllm_engine import weight_transfer_kwargs
     from hpcrl.compute.sync.receiver import WeightReceiver
 

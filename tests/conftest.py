@@ -30,6 +30,14 @@ def _testbed_up() -> str | None:
 
 
 @pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> str:
+    """The tiny model (hpcrl.compute.models.tiny), made once for the session: tests only read it."""
+    from hpcrl.compute.models.tiny import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("models") / "tiny", size="tiny", seed=0))
+
+
+@pytest.fixture(scope="session")
 def testbed():
     """The running Slurm testbed (skips when it is down)."""
     why = _testbed_up()

@@ -27,7 +27,7 @@ import pytest
 import torch
 from conftest import run_to_the_end
 from dist_harness import spawn
-from test_grpo_fields import _Fixed      # fixed completions: the test is the trainer's, not an engine's
+from support import FixedGenerator, cpu_trainer_setup      # fixed completions: the test is the trainer's
 
 from hpcrl.job.grpo_config import DEMO_GRPO
 from hpcrl.job.recipe import GRPOConfig, ModelConfig, Recipe, TrainerConfig
@@ -36,13 +36,6 @@ PY = sys.executable
 MPIEXEC = str(Path(PY).parent / "mpiexec") if (Path(PY).parent / "mpiexec").exists() else shutil.which("mpiexec")
 
 pytest.importorskip("deepspeed")
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    from hpcrl.compute.models.tiny import make_tiny_model
-
-    return str(make_tiny_model(tmp_path_factory.mktemp("models") / "tiny", size="tiny", seed=0))
 
 
 GRPO = GRPOConfig(learning_rate=1e-2, per_device_train_batch_size=2, gradient_accumulation_steps=2, num_generations=2,
@@ -60,8 +53,8 @@ def _trainer(rank, world, recipe, model_dir, run_dir, engine_name):
     from torch.distributed.device_mesh import init_device_mesh
 
     from hpcrl.compute.train import deepspeed_engine, fsdp
-    from hpcrl.compute.train.sources import load_dataset, load_tokenizer
-    from hpcrl.compute.train.trainer import Trainer, TrainerSetup
+    from hpcrl.compute.train.sources import load_dataset
+    from hpcrl.compute.train.trainer import Trainer
     from hpcrl.job.deepspeed import build_config
 
     engine = None
@@ -75,11 +68,9 @@ def _trainer(rank, world, recipe, model_dir, run_dir, engine_name):
         config = build_config(recipe, num_trainers=world)
         policy, reference = deepspeed_engine.load_policy_and_reference(model_dir, recipe, config)
         engine = deepspeed_engine.DeepSpeedEngine(policy, config)
-    setup = TrainerSetup(recipe=recipe, run_dir=Path(run_dir), device=torch.device("cpu"), policy=policy,
-                         reference=reference, tokenizer=load_tokenizer(recipe.model, model_dir),
-                         dataset=load_dataset(recipe.data, 0), trainer_rank=rank, num_trainers=world,
-                         log=lambda line: None, collective_timeout_s=60, engine=engine)
-    return Trainer(setup, _Fixed(policy.config.vocab_size))
+    setup = cpu_trainer_setup(recipe, run_dir, model_dir, policy, reference, rank=rank, world=world,
+                              dataset=load_dataset(recipe.data, 0), engine=engine)
+    return Trainer(setup, FixedGenerator(policy.config.vocab_size))
 
 
 def _full_model(trainer) -> dict[str, torch.Tensor]:

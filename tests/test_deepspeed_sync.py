@@ -28,13 +28,6 @@ BUCKET = 100_000        # bytes: the tiny model's MLP matrices (256 KB fp32) are
 NODES = {0: 0, 1: 0, 2: 1, 3: 1}     # DeepSpeed's hpZ groups of 2 are [0, 1] and [2, 3] (utils/groups.py)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    from hpcrl.compute.models.tiny import make_tiny_model
-
-    return str(make_tiny_model(tmp_path_factory.mktemp("models") / "tiny", size="tiny", seed=0))
-
-
 def _recipe() -> Recipe:
     grpo = GRPOConfig(learning_rate=1e-2, per_device_train_batch_size=1, gradient_accumulation_steps=1, beta=0.0,
                       max_grad_norm=1.0, seed=0, gradient_checkpointing=False)

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from dist_harness import spawn
+from support import cpu_trainer_setup
 
 from hpcrl.compute.inference.types import Completion
 from hpcrl.compute.metrics import MetricsWriter, format_completion
@@ -22,13 +22,6 @@ from hpcrl.job import rundir
 from hpcrl.job.recipe import GRPOConfig, InferenceConfig, LoggingConfig, ModelConfig, Recipe
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    from hpcrl.compute.models.tiny import make_tiny_model
-
-    return str(make_tiny_model(tmp_path_factory.mktemp("models") / "tiny", size="tiny", seed=0))
 
 
 @pytest.fixture(scope="module")
@@ -94,8 +87,7 @@ def _w_trainer(rank, world, model_dir, run_dir):
 
     from hpcrl.compute.train import checkpoint as ckpt
     from hpcrl.compute.train.fsdp import load_policy_and_reference
-    from hpcrl.compute.train.sources import load_dataset, load_tokenizer
-    from hpcrl.compute.train.trainer import Trainer, TrainerSetup
+    from hpcrl.compute.train.trainer import Trainer
 
     ckpt.control_group(60)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
@@ -112,11 +104,8 @@ def _w_trainer(rank, world, model_dir, run_dir):
         assert {p.to_local().dtype for p in reference.parameters()} == {torch.bfloat16}
         assert {p.to_local().dtype for p in policy.parameters()} == {torch.float32}
         rows, lines = [], []
-        setup = TrainerSetup(
-            recipe=recipe, run_dir=Path(run_dir), device=torch.device("cpu"), policy=policy, reference=reference,
-            tokenizer=load_tokenizer(recipe.model, model_dir), dataset=load_dataset(recipe.data, grpo.seed),
-            trainer_rank=rank, num_trainers=world, log=lines.append, collective_timeout_s=60,
-            on_completions=rows.extend if rank == 0 else None)
+        setup = cpu_trainer_setup(recipe, run_dir, model_dir, policy, reference, rank=rank, world=world,
+                                  log=lines.append, on_completions=rows.extend if rank == 0 else None)
         trainer = Trainer(setup, _AllTruncated(policy.config.vocab_size))
         generation = trainer._next_generation()
         assert generation.completions == 8 and generation.truncated == 8 and generation.completion_tokens == 32

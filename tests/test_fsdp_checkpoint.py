@@ -19,13 +19,6 @@ import pytest
 from dist_harness import WORLD, spawn  # noqa: E402  (the gloo harness)
 
 
-@pytest.fixture(scope="session")
-def model_dir(tmp_path_factory) -> str:
-    from hpcrl.compute.models.tiny import make_tiny_model
-
-    return str(make_tiny_model(tmp_path_factory.mktemp("models") / "tiny", size="tiny", seed=0))
-
-
 def _recipe(**grpo):
     from hpcrl.job.recipe import GRPOConfig, Recipe, TrainerConfig
 

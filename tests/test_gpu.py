@@ -452,7 +452,7 @@ def _w_resume_run(rank, world, device, model_dir, run_dir, metrics_path, every, 
     from transformers import AutoTokenizer
 
     from hpcrl.compute.inference.hf_engine import TransformersEngine
-    from in_process_generator import InProcessGenerator
+    from support import InProcessGenerator
     from hpcrl.compute.train import checkpoint as ckpt
     from hpcrl.compute.train.fsdp import load_policy_and_reference
     from hpcrl.compute.train.sources import load_dataset

@@ -12,24 +12,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from dist_harness import spawn
+from support import FixedGenerator, cpu_trainer_setup
 
-from hpcrl.compute.inference.types import Completion, Sampling
+from hpcrl.compute.inference.types import Sampling
 from hpcrl.job.errors import UserError
 from hpcrl.job.recipe import GRPOConfig, ModelConfig, Recipe
 from hpcrl.login import trl_config
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    from hpcrl.compute.models.tiny import make_tiny_model
-
-    return str(make_tiny_model(tmp_path_factory.mktemp("models") / "tiny", size="tiny", seed=0))
 
 
 # ------------------------------------------------------------------ the recipe
@@ -147,24 +140,6 @@ def test_transformers_engine_takes_min_p_repetition_penalty_and_generation_kwarg
 
 
 # ------------------------------------------------------------------ the trainer
-class _Fixed:
-    """Fixed completions with sampling log-probabilities; records what it was asked."""
-
-    def __init__(self, vocab: int):
-        self.vocab, self.asked = vocab, []
-
-    def submit(self, prompts, sampling):
-        self.asked.append((prompts, sampling))
-        out = [Completion(i, tuple((7 * i + 3 * j + k) % self.vocab for k in range(sampling.max_tokens)),
-                          tuple(-1.0 - 0.1 * k for k in range(sampling.max_tokens)),
-                          "7" if j % 2 else "no", True, 0)
-               for i in range(len(prompts)) for j in range(sampling.n)]
-        return SimpleNamespace(result=lambda: out)
-
-    def push_weights(self, model, version):
-        return {}
-
-
 def _local_copy(model) -> list[torch.Tensor]:
     return [p.to_local().detach().float().clone() for p in model.parameters()]
 
@@ -177,7 +152,7 @@ def _w_trainer(rank, world, model_dir, run_dir):
     from hpcrl.compute.train.fsdp import load_policy_and_reference
     from hpcrl.compute.train.sources import load_dataset, load_tokenizer
     from hpcrl.compute.train.loss import LossConfig
-    from hpcrl.compute.train.trainer import Trainer, TrainerSetup
+    from hpcrl.compute.train.trainer import Trainer
 
     ckpt.control_group(60)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
@@ -188,13 +163,11 @@ def _w_trainer(rank, world, model_dir, run_dir):
     policy, reference = load_policy_and_reference(model_dir, mesh, torch.device("cpu"), recipe)
     tokenizer = load_tokenizer(recipe.model, model_dir)
 
-    def trainer(dataset=None, **fields) -> tuple[Trainer, _Fixed]:
+    def trainer(dataset=None, **fields) -> tuple[Trainer, FixedGenerator]:
         r = dataclasses.replace(recipe, grpo=dataclasses.replace(base, **fields))
-        setup = TrainerSetup(recipe=r, run_dir=Path(run_dir), device=torch.device("cpu"), policy=policy,
-                             reference=reference, tokenizer=tokenizer,
-                             dataset=dataset if dataset is not None else load_dataset(r.data, 0),
-                             trainer_rank=rank, num_trainers=world, log=lambda line: None, collective_timeout_s=60)
-        gen = _Fixed(policy.config.vocab_size)
+        setup = cpu_trainer_setup(r, run_dir, model_dir, policy, reference, rank=rank, world=world, tokenizer=tokenizer,
+                                  dataset=dataset if dataset is not None else load_dataset(r.data, 0))
+        gen = FixedGenerator(policy.config.vocab_size)
         return Trainer(setup, gen), gen
 
     # disable_dropout: every dropout module of policy and reference (the tiny model has none of its own).

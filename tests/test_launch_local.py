@@ -22,7 +22,7 @@ import pytest
 
 from hpcrl.job import rundir
 from hpcrl.compute.launch import wire
-from hpcrl.compute.launch.channel import NodeChannel, NodeServerChannel, PeerClosed, socket_name
+from hpcrl.compute.launch.node_channel import NodeChannel, NodeServerChannel, PeerClosed, socket_name
 from hpcrl.job.mesh_choice import choose_mesh
 from hpcrl.job.model_shape import count_parameters
 from hpcrl.compute.launch.watchdog import Hub, Peer, Watchdog

@@ -18,13 +18,6 @@ from dist_harness import spawn
 TARGETS = ("q_proj", "v_proj")
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    from hpcrl.compute.models.tiny import make_tiny_model
-
-    return str(make_tiny_model(tmp_path_factory.mktemp("models") / "tiny", size="tiny", seed=0))
-
-
 def lora_recipe(**grpo):
     from hpcrl.job.recipe import CheckpointConfig, GRPOConfig, ModelConfig, Recipe
 

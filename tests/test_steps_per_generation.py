@@ -5,22 +5,15 @@ step). Runs the real Trainer on 2 gloo ranks with a generator of fixed completio
 
 from __future__ import annotations
 
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from dist_harness import spawn
+from support import cpu_trainer_setup
 
 from hpcrl.compute.inference.types import Completion
 from hpcrl.job.recipe import GRPOConfig, Recipe
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    from hpcrl.compute.models.tiny import make_tiny_model
-
-    return str(make_tiny_model(tmp_path_factory.mktemp("models") / "tiny", size="tiny", seed=0))
 
 
 class _Counting:
@@ -47,7 +40,6 @@ def _w_slices(rank, world, model_dir, run_dir):
     from hpcrl.compute.train import checkpoint as ckpt
     from hpcrl.compute.train import trainer as trainer_mod
     from hpcrl.compute.train.fsdp import load_policy_and_reference
-    from hpcrl.compute.train.sources import load_dataset, load_tokenizer
 
     ckpt.control_group(60)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
@@ -71,10 +63,7 @@ def _w_slices(rank, world, model_dir, run_dir):
 
     trainer_mod.policy_forward, trainer_mod.grpo_loss = logps_spy, loss_spy
     generator = _Counting()
-    setup = trainer_mod.TrainerSetup(
-        recipe=recipe, run_dir=Path(run_dir), device=torch.device("cpu"), policy=policy, reference=reference,
-        tokenizer=load_tokenizer(recipe.model, model_dir), dataset=load_dataset(recipe.data, grpo.seed),
-        trainer_rank=rank, num_trainers=world, log=lambda line: None, collective_timeout_s=60)
+    setup = cpu_trainer_setup(recipe, run_dir, model_dir, policy, reference, rank=rank, world=world)
     trainer = trainer_mod.Trainer(setup, generator)
     assert (trainer.slices, trainer.steps_per_generation, trainer.prompts_per_rank) == (2, 4, 8)
     assert trainer.run() == "finished"

@@ -2,7 +2,7 @@
 steps k+1..n, the same metrics as an uninterrupted run (issue 4).
 
 Three runs of the real `Trainer` loop (hpcrl.compute.train.trainer) on 2 gloo ranks (tests/dist_harness.py),
-each rank with its own in-process transformers generator (tests/in_process_generator.py), a tiny random
+each rank with its own in-process transformers generator (tests/support.py: InProcessGenerator), a tiny random
 model, the demo dataset and the demo rewards, a reference model (beta > 0, so KL is in the
 metrics), a cosine schedule with warmup (so the scheduler state matters) and gradient accumulation:
 
@@ -33,6 +33,7 @@ from pathlib import Path
 
 import pytest
 from dist_harness import spawn  # noqa: E402  (the gloo harness)
+from support import InProcessGenerator, cpu_trainer_setup  # noqa: E402
 
 N_STEPS = 6
 K = 3
@@ -40,13 +41,6 @@ TOL = 1e-6
 # Wall-clock figures: differ between any two runs, resumed or not.
 TIMING_KEYS = {"time", "time_generation_s", "time_train_s", "time_sync_s", "sync_s", "time_step_s",
                "time_wait_s", "tokens_per_s"}
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    from hpcrl.compute.models.tiny import make_tiny_model
-
-    return str(make_tiny_model(tmp_path_factory.mktemp("models") / "tiny", size="tiny", seed=0))
 
 
 def _recipe(run_dir: str, every: int, mu: int, overlap: bool, lora: bool = False):
@@ -108,11 +102,9 @@ def _w_run(rank, world, model_dir, run_dir, metrics_path, every, mu, overlap, di
     from transformers import AutoTokenizer
 
     from hpcrl.compute.inference.hf_engine import TransformersEngine
-    from in_process_generator import InProcessGenerator
     from hpcrl.compute.train import checkpoint as ckpt
     from hpcrl.compute.train.fsdp import load_policy_and_reference
-    from hpcrl.compute.train.sources import load_dataset
-    from hpcrl.compute.train.trainer import Trainer, TrainerSetup
+    from hpcrl.compute.train.trainer import Trainer
 
     torch.manual_seed(seed + rank)
     recipe = _recipe(run_dir, every, mu, overlap, lora)
@@ -131,11 +123,8 @@ def _w_run(rank, world, model_dir, run_dir, metrics_path, every, mu, overlap, di
     assert reference is not None
 
     on_metrics = record_metrics(rank, metrics_path, die_after)
-    setup = TrainerSetup(
-        recipe=recipe, run_dir=Path(run_dir), device=torch.device("cpu"), policy=policy, reference=reference,
-        tokenizer=AutoTokenizer.from_pretrained(model_dir), dataset=load_dataset(recipe.data, recipe.grpo.seed),
-        trainer_rank=rank, num_trainers=world, log=lambda line: None, collective_timeout_s=60,
-        on_metrics=on_metrics, engine=engine)
+    setup = cpu_trainer_setup(recipe, run_dir, model_dir, policy, reference, rank=rank, world=world,
+                              tokenizer=AutoTokenizer.from_pretrained(model_dir), on_metrics=on_metrics, engine=engine)
     generator = InProcessGenerator(TransformersEngine(model_dir, device="cpu", dtype="float32", seed=recipe.grpo.seed))
     trainer = Trainer(setup, _SampledWhenTaken(generator) if overlap else generator)
     outcome = trainer.run()

@@ -435,7 +435,8 @@ def test_vllm_trainer_api_gives_the_same_weights(side, fresh):
 
 
 def test_checkpoint_route_reloads_the_same_weights(side, fresh, tmp_path):
-    from hpcrl.compute.sync.checkpoint_route import reload_checkpoint, save_checkpoint
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from checkpoint_route import reload_checkpoint, save_checkpoint      # the benchmark's baseline
 
     path, nbytes = save_checkpoint(side.buckets(), tmp_path / "ckpt")
     assert nbytes > 0
@@ -507,8 +508,9 @@ def test_nccl_transport_is_wired_for_a_gpu_node():
     assert other["transport"].master is None
     model = torch.nn.Linear(4, 4)
     sync = TrainerWeightSync(model, None, is_sender=False, node_of_rank={0: 0}, **other)
-    assert sync.engine is not None and not sync.engine.is_sender and sync.engine.model_update_group is None
-    assert sync.cast_to is torch.bfloat16 and sync.source.cast_to is torch.bfloat16
+    engine = sync.transport.engine      # vLLM's NCCLTrainerWeightTransferEngine
+    assert engine is not None and not engine.is_sender and engine.model_update_group is None
+    assert sync.cast_to is torch.bfloat16 and sync.transport.source.cast_to is torch.bfloat16
     # A send that failed on the sender before or during its gathers: the sender runs the ones it
     # left, which the other trainers are inside (each parameter's gather is counted here), and
     # every pass counts into the sync's traffic counter, as hpcrl_shm's gathers do.
@@ -524,7 +526,7 @@ def test_nccl_transport_is_wired_for_a_gpu_node():
 
     engines_iter, engines.iter_full_tensors = engines.iter_full_tensors, counted
     try:
-        source = sync.source
+        source = sync.transport.source
         source.new_send()
         source.finish_gathers()         # it failed before its first gather: a whole pass
         assert gathered == [("weight", torch.bfloat16), ("bias", torch.bfloat16)]

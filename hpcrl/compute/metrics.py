@@ -30,13 +30,12 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from hpcrl.job.atomic import atomic_write
 from hpcrl.job.metric_keys import STEP, SYNC_S, TIME, TIME_SYNC_S, dashboard_key
 from hpcrl.job.rundir import COMPLETIONS_FILE, HEARTBEAT_FILE, METRICS_FILE, TENSORBOARD_DIR
 
 log = logging.getLogger(__name__)
 
-_counter = 0
-_counter_lock = threading.Lock()
 
 
 def _plain(value: Any) -> Any:
@@ -53,28 +52,6 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     return value
-
-
-def _write_atomic(path: Path, text: str, fsync: bool = True) -> None:
-    """Whole-file rewrite that a concurrent reader never sees half done (unique temp per writer)."""
-    global _counter
-    with _counter_lock:
-        _counter += 1
-        n = _counter
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.{n}.tmp")
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            if fsync:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 class MetricsWriter:
@@ -164,7 +141,7 @@ class MetricsWriter:
                 kept[key] = line
             text = "".join(v + "\n" for v in kept.values())
             if lines or self.metrics_path.exists():
-                _write_atomic(self.metrics_path, text)
+                atomic_write(self.metrics_path, text, durable=True)
             self._purge_step = step + 1
             self._truncate_completions(step)
         return len(lines) - len(kept)
@@ -207,7 +184,7 @@ class MetricsWriter:
         record = {"time": time.time(), "step": int(step), "phase": phase, "pid": os.getpid(), "host": self._host,
                   "servers": _plain(dict(servers or {}))}
         record.update(_plain(extra))
-        _write_atomic(self.heartbeat_path, json.dumps(record, indent=1) + "\n", fsync=False)
+        atomic_write(self.heartbeat_path, json.dumps(record, indent=1) + "\n")
 
     # -- TensorBoard / W&B --------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from hpcrl.job.atomic import atomic_write
 from hpcrl.job.errors import UserError
 
 SPEC_FILE = "job.json"
@@ -182,7 +183,7 @@ def read_identity(directory: str | os.PathLike) -> dict | None:
 def write_identity(directory: str | os.PathLike, identity: dict) -> None:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    write_file_atomic(directory / RUN_IDENTITY_FILE, json.dumps(identity, sort_keys=True) + "\n")
+    atomic_write(directory / RUN_IDENTITY_FILE, json.dumps(identity, sort_keys=True) + "\n")
 
 
 def owner(directory: str | os.PathLike, own_name: str) -> str | None:
@@ -258,18 +259,6 @@ def _copy_reward_modules(sources: tuple[str, ...], into: Path) -> None:
                 shutil.copy2(src, into / src.name)
         except OSError as e:
             raise UserError(f"rewards: cannot copy {src} into the run directory: {e.strerror or e}") from None
-
-
-def write_file_atomic(path: Path, text: str, mode: int = 0o644) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def check_output_path(path: str) -> Path:

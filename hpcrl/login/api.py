@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from hpcrl.job import rundir
+from hpcrl.job.atomic import atomic_write
 from hpcrl.job.spec import JobSpec
 from hpcrl.login import slurm
 from hpcrl.login.compose import compose, resource_flags
@@ -73,7 +74,7 @@ def resubmit(run_dir: str, bad_args: Sequence[str] = ()) -> tuple[str, Path]:
         raise UserError(f"--resume: {path} has no {rundir.SCRIPT_FILE} (was it made by `hpcrl run`?)")
     if (path / rundir.FINISHED_MARKER).exists():
         raise UserError(f"--resume: {path} already finished its training")
-    rundir.write_file_atomic(script, render_sbatch(spec), 0o755)
+    atomic_write(script, render_sbatch(spec), mode=0o755)
     job_id = slurm.submit(script, cwd=path)
     _register(registry, job_id, spec, path)
     return job_id, path

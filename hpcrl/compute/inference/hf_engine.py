@@ -1,6 +1,6 @@
 """A transformers engine: the fallback where vLLM is not installed (a laptop, a cluster without a
 vLLM build), and the in-process generator of the trainer's tests. It generates with one Sampling a
-call and takes weights as tensors (load_weights) over the node channel (sync/channel.py), where vLLM
+call and takes weights as tensors (load_weights) over the node channel (sync/channel_sync.py), where vLLM
 takes them through its weight-transfer API."""
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class TransformersEngine(InferenceEngine):
     @classmethod
     def trainer_sync(cls, model, peer: SyncPeer):
         """Buckets as tensors over the node channel, in the engine's dtype."""
-        from hpcrl.compute.sync.channel import ChannelWeightSync
+        from hpcrl.compute.sync.channel_sync import ChannelWeightSync
 
         inf = peer.ctx.spec.recipe.inference
         cast_to = getattr(torch, peer.engine_dtype or "", None)
@@ -61,7 +61,7 @@ class TransformersEngine(InferenceEngine):
                                  node_of_rank=peer.node_of_rank)
 
     def weight_receiver(self):
-        from hpcrl.compute.sync.channel import ChannelReceiver
+        from hpcrl.compute.sync.channel_sync import ChannelReceiver
 
         return ChannelReceiver(self)
 

@@ -19,13 +19,14 @@ from pathlib import Path
 
 from hpcrl.compute.inference.engine import InferenceEngine, chosen_engine
 from hpcrl.compute.inference.types import Sampling
-from hpcrl.compute.launch.channel import PeerClosed
+from hpcrl.compute.launch.node_channel import PeerClosed
 from hpcrl.compute.launch.context import LaunchContext
 from hpcrl.compute.launch.reason import Explained
 from hpcrl.compute.launch.stop import STOP
 from hpcrl.compute.launch.watchdog import die
 from hpcrl.compute.sync.api import ServerSync
 from hpcrl.job import rundir
+from hpcrl.job.atomic import atomic_write
 
 BATCH_WINDOW_S = 0.05      # after the first request, wait this long for the other trainers'
 HEALTH_EVERY_S = 5.0
@@ -66,9 +67,7 @@ class Server:
                 "state": state, "engine": self.engine.name, "weight_version": self.engine.version,
                 "requests": self.requests, "time": time.time(),
                 "pid": os.getpid(), "busy_s": round(self.busy_s, 3), "serving_since": self.serving_since}
-        tmp = self.health_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data))
-        os.replace(tmp, self.health_file)
+        atomic_write(self.health_file, json.dumps(data))
         self.last_health = time.time()
 
     # -------------------------------------------------------------- the loop

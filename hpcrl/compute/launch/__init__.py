@@ -4,7 +4,7 @@ rendezvous.py  identity from MPI (or SLURM_* variables), bootstrap, the trainers
 pinning.py     the task's GPU visibility variable and CPU affinity, as the plan says
 supervisor.py  each task's first process: bounds the rendezvous, names a task that dies
 watchdog.py    bounded waits after the rendezvous: the hub every rank heartbeats to
-channel.py     node-local messages between a node's trainers and its server
+node_channel.py node-local messages between a node's trainers and its server
 mesh.py        the trainers' FSDP / HSDP device mesh
 context.py     LaunchContext, what role functions receive
 main.py        the sequence of a task: rendezvous, role, the end

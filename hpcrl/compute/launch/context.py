@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpcrl.compute.launch.channel import NodeChannel, NodeServerChannel
+from hpcrl.compute.launch.node_channel import NodeChannel, NodeServerChannel
 from hpcrl.job.mesh_choice import MeshChoice
 from hpcrl.compute.launch.pinning import Pinning
 from hpcrl.compute.launch.rendezvous import Identity

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from hpcrl.job.errors import UserError
 from hpcrl.compute.launch import faults, leave, outcome, pinning, rendezvous, shm_sweep
-from hpcrl.compute.launch.channel import NodeChannel, NodeServerChannel
+from hpcrl.compute.launch.node_channel import NodeChannel, NodeServerChannel
 from hpcrl.compute.launch.context import LaunchContext, write_line
 from hpcrl.compute.launch.mesh import build_mesh
 from hpcrl.compute.launch.reason import explain

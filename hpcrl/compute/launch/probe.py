@@ -143,7 +143,7 @@ def _round_trip(ctx: LaunchContext, server: int, sent: dict) -> tuple[dict, floa
 
 
 def _serve(ctx: LaunchContext) -> dict:
-    from hpcrl.compute.launch.channel import PeerClosed
+    from hpcrl.compute.launch.node_channel import PeerClosed
 
     expected = sorted(t.rank for t in ctx.plan.served_by(ctx.task.rank))
     pending, served = set(expected), []

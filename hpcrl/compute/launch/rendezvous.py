@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from hpcrl.job.atomic import atomic_write
 from hpcrl.job.placement import Plan
 from hpcrl.job.rundir import LAUNCH_DIR, RANKS_FILE
 from hpcrl.job.site import Site
@@ -228,9 +229,7 @@ class ArrivalBook:
 
 def write_ranks(run_dir: Path, peers: list[dict]) -> None:
     """Rank 0 records the table of the launch, so a pid in a launcher's message can be named."""
-    tmp = run_dir / f".{RANKS_FILE}.tmp"
-    tmp.write_text(json.dumps(peers, indent=1) + "\n")
-    os.replace(tmp, run_dir / RANKS_FILE)
+    atomic_write(run_dir / RANKS_FILE, json.dumps(peers, indent=1) + "\n")
 
 
 # ---------------------------------------------------------------------------- addresses
@@ -297,12 +296,8 @@ def publish_bootstrap(book: ArrivalBook, info: dict[str, Any]) -> None:
     """Without MPI: rank 0 leaves the bootstrap in a file only this user can read."""
     path = book.dir / "bootstrap.json"
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     data = {"error": info["error"]} if "error" in info else {"secret": info["secret"].hex(), "hub": list(info["hub"])}
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f)
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(data), mode=0o600)
 
 
 def read_bootstrap(book: ArrivalBook, timeout: float) -> dict[str, Any]:

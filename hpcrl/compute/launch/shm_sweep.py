@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Callable
 
 from hpcrl.job import rundir
+from hpcrl.job.atomic import atomic_write
 
 SHM_DIR = Path("/dev/shm")
 PATTERNS = ("mpich_shm_*",)
@@ -77,7 +78,7 @@ def mapped_by(pids, shm_dir: Path = SHM_DIR) -> list[str]:
 def record(path: Path, names: list[str]) -> None:
     """Keep an engine's shared-memory file names (rundir.engine_shm_record) for sweep_recorded."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    rundir.write_file_atomic(path, json.dumps({"host": socket.gethostname(), "files": names}))
+    atomic_write(path, json.dumps({"host": socket.gethostname(), "files": names}))
 
 
 def _in_use(shm_dir: Path) -> set[str]:

@@ -37,8 +37,6 @@ such as api.py, costs neither torch nor vLLM):
                       re-pack of a tied lm_head.
 - ``vllm_plugin.py``  the ``vllm.general_plugins`` entry point (``register``) and the worker
                       extension (``WorkerSyncExtension``), loaded in every vLLM process.
-- ``channel.py``      the transport of the transformers engine: buckets as tensors over the node
+- ``channel_sync.py`` the transport of the transformers engine: buckets as tensors over the node
                       channel (``ChannelWeightSync``, ``ChannelReceiver``).
-- ``checkpoint_route.py``  the baseline the benchmark compares with: safetensors to the page
-                      cache + ``reload_weights``.
 """

@@ -9,7 +9,6 @@ differs (the hand-off itself) is the backend's transport, picked by name from ``
 from __future__ import annotations
 
 import importlib
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -81,21 +80,6 @@ class TrainerWeightSync:
             model=model, params=self.params, client=self.client, is_sender=is_sender, bucket_bytes=bucket_bytes,
             cast_to=cast_to, options=transport, tracker=tracker, traffic=self.traffic, log=log))
         self.cast_to = self.transport.cast_to = self._agree_on_wire_dtype(self.transport.cast_to)
-
-    @property
-    def sender(self) -> Any:
-        """hpcrl_shm's ``ShmWeightSender`` on the sender (None elsewhere, and for other backends)."""
-        return getattr(self.transport, "sender", None)
-
-    @property
-    def engine(self) -> Any:
-        """vLLM's ``TrainerWeightTransferEngine`` of the nccl and ipc backends (else None)."""
-        return getattr(self.transport, "engine", None)
-
-    @property
-    def source(self) -> Any:
-        """The ``HFWeightSource`` that engine gathers from (else None)."""
-        return getattr(self.transport, "source", None)
 
     def sync(self, version: str | int):
         """Send the current weights as ``version``. Returns the sender's stats (None elsewhere).

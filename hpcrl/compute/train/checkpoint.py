@@ -46,8 +46,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-
-from hpcrl.job import rundir
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -55,6 +53,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+
+from hpcrl.job import rundir
+from hpcrl.job.atomic import atomic_write
+from hpcrl.job.recipe import LaunchConfig
 
 __all__ = [
     "CheckpointError",
@@ -78,7 +80,8 @@ RUN_DIR_ENV = "HPCRL_RUN_DIR"
 LATEST = "latest"
 META = rundir.TRAINING_CHECKPOINT_META
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-DEFAULT_TIMEOUT_S = 600.0
+# The recipe's launch.collective_timeout_s by default: a save is collectives too.
+DEFAULT_TIMEOUT_S = LaunchConfig.collective_timeout_s
 
 _groups: dict[float, Any] = {}
 
@@ -230,16 +233,6 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
 def _rank_file(path: Path, rank: int) -> Path:
     return path / f"rank-{rank:05d}.pt"
 
@@ -268,7 +261,7 @@ def _commit(directory: Path, tmp: Path, final: Path, step: int, keep: int, world
         os.rename(final, old)
     os.rename(tmp, final)
     fsync_dir(directory)
-    _write_atomic(directory / LATEST, (final.name + "\n").encode())
+    atomic_write(directory / LATEST, final.name + "\n", durable=True)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     _prune(directory, keep, final)

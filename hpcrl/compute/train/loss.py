@@ -57,27 +57,28 @@ class LossConfig:
     """What the GRPO loss is, fixed for a run: GRPOConfig's loss fields (same names and defaults,
     ``epsilon`` as ``epsilon_low``) and the batch geometry its normalisation divides by."""
 
-    loss_type: str = "dapo"
-    beta: float = 0.0
-    epsilon_low: float = 0.2
-    epsilon_high: float | None = None       # None: epsilon_low
-    delta: float | None = None
-    importance_sampling_level: str = "token"
+    # The defaults are the recipe's (TRL's), read from GRPOConfig so that the two cannot drift apart.
+    loss_type: str = GRPOConfig.loss_type
+    beta: float = GRPOConfig.beta
+    epsilon_low: float = GRPOConfig.epsilon
+    epsilon_high: float | None = GRPOConfig.epsilon_high        # None: epsilon_low
+    delta: float | None = GRPOConfig.delta
+    importance_sampling_level: str = GRPOConfig.importance_sampling_level
     max_completion_length: int | None = None    # dr_grpo's normaliser
     num_processes: int = 1
-    gradient_accumulation_steps: int = 1
+    gradient_accumulation_steps: int = GRPOConfig.gradient_accumulation_steps
     # Micro-batches of one generation per trainer, which num_items_in_batch counts the loss tokens
     # of; None: gradient_accumulation_steps.
     steps_per_generation: int | None = None
-    off_policy_mask_threshold: float | None = None
-    use_bias_correction_kl: bool = True
-    sapo_temperature_pos: float = 1.0
-    sapo_temperature_neg: float = 1.05
-    vespo_k_pos: float = 2.0
-    vespo_lambda_pos: float = 3.0
-    vespo_k_neg: float = 3.0
-    vespo_lambda_neg: float = 2.0
-    entropy_coef: float = 0.0
+    off_policy_mask_threshold: float | None = GRPOConfig.off_policy_mask_threshold
+    use_bias_correction_kl: bool = GRPOConfig.use_bias_correction_kl
+    sapo_temperature_pos: float = GRPOConfig.sapo_temperature_pos
+    sapo_temperature_neg: float = GRPOConfig.sapo_temperature_neg
+    vespo_k_pos: float = GRPOConfig.vespo_k_pos
+    vespo_lambda_pos: float = GRPOConfig.vespo_lambda_pos
+    vespo_k_neg: float = GRPOConfig.vespo_k_neg
+    vespo_lambda_neg: float = GRPOConfig.vespo_lambda_neg
+    entropy_coef: float = GRPOConfig.entropy_coef
     # False: an evaluation loss, as TRL's outside training: not split over accumulation steps.
     training: bool = True
 

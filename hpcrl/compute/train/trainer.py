@@ -38,7 +38,7 @@ from hpcrl.compute.launch import faults
 from hpcrl.compute.launch.stop import STOP
 from hpcrl.job import metric_keys as mk
 from hpcrl.job import rundir
-from hpcrl.job.recipe import Recipe
+from hpcrl.job.recipe import LaunchConfig, Recipe
 from hpcrl.compute.train import checkpoint as ckpt
 from hpcrl.compute.train import data as data_mod
 from hpcrl.compute.train import fsdp as fsdp_mod
@@ -74,7 +74,7 @@ class TrainerSetup:
     # rewards[i].model's scorers (hpcrl.compute.train.reward_model), by i: sharded, so loaded with the mesh
     reward_models: dict[int, Callable] = field(default_factory=dict)
     on_heartbeat: Callable[[int, str], None] | None = None
-    collective_timeout_s: float = 600.0
+    collective_timeout_s: float = LaunchConfig.collective_timeout_s
     # The source model directory (config, generation config, code) of the Hugging Face model
     # directories the run writes; None: the run writes none (in-process tests).
     model_dir: str | None = None

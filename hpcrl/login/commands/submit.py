@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 
 from hpcrl.job import rundir
+from hpcrl.job.atomic import atomic_write
 from hpcrl.login import compose
 from hpcrl.login.api import job_args_given, resubmit, submit_spec
 from hpcrl.login.render import render_sbatch
@@ -27,7 +28,7 @@ def main(args) -> int:
     out = rundir.check_output_path(args.output) if args.output else None
     job_id, run_dir = submit_spec(spec, script)
     if out is not None:
-        rundir.write_file_atomic(out, script, 0o755)
+        atomic_write(out, script, mode=0o755)
     print(job_id)
     print(f"submitted {spec.name} as job {job_id} on {spec.site.name}; run directory {run_dir}", file=sys.stderr)
     return 0

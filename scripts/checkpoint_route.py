@@ -2,9 +2,9 @@
 
 This is the route hpcrl does NOT use for its trainer -> server hand-off, which never touches a
 file system: trainer and server share the node's memory, and a file adds a write and a read of
-every byte. It exists so the benchmark (scripts/bench_sync.py) measures the in-memory route
-against the obvious alternative on the same machine and the same buckets, because on CPU the
-obvious alternative is hard to beat: on the 2-core development VM, moving 524 MB between two
+every byte. It lives beside the benchmark (scripts/bench_sync.py), which measures the in-memory
+route against this obvious alternative on the same machine and the same buckets, because on CPU
+the obvious alternative is hard to beat: on the 2-core development VM, moving 524 MB between two
 processes ran at 13 GB/s for a memcpy, 4.0 GB/s through a persistent shared-memory buffer,
 2.2 GB/s for gloo per-tensor broadcasts and 3.1 GB/s through a safetensors file in the page cache,
 so a naive in-memory transport can lose to the file. Files go to a local directory (the page cache;
@@ -48,8 +48,8 @@ def reload_checkpoint(llm, path: str | Path, version: str | None = None, receive
     """Reload the engine's weights from ``path`` in place; reset the prefix cache. Returns seconds.
 
     Needs the engine built with ``hpcrl.compute.inference.vllm_engine.weight_transfer_kwargs`` (the
-    worker extension). With a ``WeightReceiver``, the sync is bracketed like an in-memory one: unservable
-    until the reload succeeded, then its version recorded.
+    worker extension). With a ``WeightReceiver``, the sync is bracketed like an in-memory one:
+    unservable until the reload succeeded, then its version recorded.
     """
     t = time.perf_counter()
     if receiver is not None:
