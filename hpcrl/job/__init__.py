@@ -20,7 +20,7 @@ estimate.py    will it fit: the estimate against the GPUs, its verdict and the f
 batch.py       the global batch, and the sequences one engine generates per step
 deepspeed.py   trainer.engine=deepspeed: the ZeRO-3 config from the recipe and a user's DeepSpeed/accelerate files
 rundir.py      every name inside a run directory, and its atomic creation
-atomic.py      atomic_write: a whole-file write a reader never sees half done (both sides)
+atomic.py      atomic_write (a whole-file write a reader never sees half done) and fsync_dir, for both sides
 slurm_time.py  Slurm's --time forms and one duration formatter
 demo.py        the built-in demo's model names: the one spelling of the "demo:" prefix
 process_group.py  kill_group, SIGKILL to a process group (`hpcrl run` and each task's supervisor)

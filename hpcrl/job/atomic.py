@@ -9,7 +9,7 @@ import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["atomic_write"]
+__all__ = ["atomic_write", "fsync_dir"]
 
 
 def atomic_write(path: str | os.PathLike, data: str | bytes, *, mode: int = 0o644, durable: bool = False) -> None:
@@ -32,11 +32,12 @@ def atomic_write(path: str | os.PathLike, data: str | bytes, *, mode: int = 0o64
             pass
         raise
     if durable:
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
 
 
-def _fsync_dir(directory: Path) -> None:
-    """The rename on disk; a file system that cannot sync a directory has nothing more to give."""
+def fsync_dir(directory: Path) -> None:
+    """A directory's entries (a rename, a new file) on disk; a file system that cannot sync a
+    directory has nothing more to give."""
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:

@@ -55,7 +55,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from hpcrl.job import rundir
-from hpcrl.job.atomic import atomic_write
+from hpcrl.job.atomic import atomic_write, fsync_dir
 from hpcrl.job.recipe import LaunchConfig
 
 __all__ = [
@@ -218,19 +218,6 @@ def restore_rng(state: dict[str, Any]) -> None:
 
 # ----------------------------------------------------------------------------------------------
 # Files
-
-
-def fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _rank_file(path: Path, rank: int) -> Path:

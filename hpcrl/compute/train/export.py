@@ -46,7 +46,7 @@ import torch
 
 from hpcrl.compute.sync.gather import LiveBytes, ParamSpec, hf_name, iter_buckets, param_specs, sync_named_params
 from hpcrl.compute.sync.layout import CheckpointLayout
-from hpcrl.compute.train.checkpoint import fsync_dir
+from hpcrl.job.atomic import fsync_dir
 from hpcrl.job import rundir
 
 __all__ = ["DTYPES", "SINGLE_FILE", "INDEX_FILE", "GB", "ModelWriting", "export_dtype", "saved_dtype", "export_tensors",
