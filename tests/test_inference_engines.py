@@ -15,7 +15,6 @@ from hpcrl.compute.inference.engine import ENGINES, InferenceEngine, engine_clas
 from hpcrl.compute.inference.types import Completion, Sampling
 
 
-
 def test_every_registered_engine_is_an_inference_engine_under_its_name():
     for name in ENGINES:
         cls = engine_class(name)
@@ -32,6 +31,20 @@ def test_choosing_an_engine_imports_neither_vllm_nor_torch():
             "print(sorted(m for m in ('vllm', 'torch') if m in sys.modules))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_the_engines_dtype_is_the_wire_dtype_of_every_sync():
+    """The dtype an engine names in its health reply is the torch dtype every trainer's gathers
+    cast to, whichever engine: None where the engine named none a torch dtype goes by."""
+    import torch
+
+    from hpcrl.compute.inference.engine import SyncPeer
+
+    def wire(name):
+        return SyncPeer(ctx=None, round=0, request=None, engine_dtype=name, node_of_rank={}).wire_dtype()
+
+    assert wire("bfloat16") is torch.bfloat16 and wire("float32") is torch.float32
+    assert wire(None) is None and wire("auto") is None and wire("Size") is None
 
 
 # ------------------------------------------------------------------ the server, with a third engine

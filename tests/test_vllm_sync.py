@@ -495,16 +495,16 @@ def test_nccl_transport_is_wired_for_a_gpu_node():
 
     assert transport_options("hpcrl_shm", True, 1, job_token="t", stall_timeout_s=9) == {
         "transport": ShmOptions(job_token="t", stall_timeout_s=9)}
-    sender = transport_options("nccl", True, 2, "bfloat16")
+    sender = transport_options("nccl", True, 2, torch.bfloat16)
     assert sender["transport"].server_world_size == 2
     host, port = sender["transport"].master
     assert host == "127.0.0.1"
     assert sender["cast_to"] is torch.bfloat16      # the engine's dtype, not the fp32 masters
     assert transport_options("nccl", True, 1, None)["cast_to"] == "auto"
-    assert transport_options("ipc", True, 1, "bfloat16") == {"transport": IpcOptions(), "cast_to": torch.bfloat16}
+    assert transport_options("ipc", True, 1, torch.bfloat16) == {"transport": IpcOptions(), "cast_to": torch.bfloat16}
     with socket.socket() as s:
         s.bind((host, port))            # free when chosen
-    other = transport_options("nccl", False, 2, "bfloat16")
+    other = transport_options("nccl", False, 2, torch.bfloat16)
     assert other["transport"].master is None
     model = torch.nn.Linear(4, 4)
     sync = TrainerWeightSync(model, None, is_sender=False, node_of_rank={0: 0}, **other)

@@ -51,6 +51,14 @@ class SyncPeer:
     engine_dtype: str | None        # the engines' dtype, from their health replies
     node_of_rank: dict[int, int]    # the plan's node of every trainer rank (the gathers' traffic)
 
+    def wire_dtype(self):
+        """The engines' dtype as the torch dtype the gathers cast to; None where they gave none
+        a torch dtype is named by."""
+        import torch        # here, not at the top: choosing an engine must not import torch
+
+        dtype = getattr(torch, self.engine_dtype or "", None)
+        return dtype if isinstance(dtype, torch.dtype) else None
+
 
 class InferenceEngine(ABC):
     """One engine of the server role. ``version`` is the weight version it generates with (the

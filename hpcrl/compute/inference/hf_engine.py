@@ -54,11 +54,9 @@ class TransformersEngine(InferenceEngine):
         from hpcrl.compute.sync.channel_sync import ChannelWeightSync
 
         inf = peer.ctx.spec.recipe.inference
-        cast_to = getattr(torch, peer.engine_dtype or "", None)
         return ChannelWeightSync(model, peer.request or _no_request, is_sender=peer.request is not None,
                                  bucket_bytes=inf.sync_bucket_mb << 20, timeout_s=inf.request_timeout_s,
-                                 cast_to=cast_to if isinstance(cast_to, torch.dtype) else None,
-                                 node_of_rank=peer.node_of_rank)
+                                 cast_to=peer.wire_dtype(), node_of_rank=peer.node_of_rank)
 
     def weight_receiver(self):
         from hpcrl.compute.sync.channel_sync import ChannelReceiver

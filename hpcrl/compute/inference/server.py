@@ -32,16 +32,21 @@ BATCH_WINDOW_S = 0.05      # after the first request, wait this long for the oth
 HEALTH_EVERY_S = 5.0
 
 
-def engine_errors_log(ctx: LaunchContext, engine: type[InferenceEngine]) -> Path:
+def engine_errors_log(ctx: LaunchContext) -> Path:
     """Where this engine's processes also log their errors (vllm_engine.log_engine_errors); named
     apart from the health files, which readers find as node-*.json."""
     health = rundir.server_health_file(ctx.run_dir, ctx.task.node, ctx.task.engine)
-    return health.with_name(f"{engine.name}-errors-{health.stem}.log")
+    return health.with_name(f"engine-errors-{health.stem}.log")
 
 
 def make_engine(ctx: LaunchContext, model_dir: str, errors_log: Path | None = None) -> InferenceEngine:
-    """The engine inference.engine names, on this server's device(s)."""
-    return chosen_engine(ctx.spec.recipe.inference.engine, ctx.device).for_server(ctx, model_dir, errors_log)
+    """The engine inference.engine names, on this server's device(s). An engine that fails to start
+    raises its real cause: the reason its processes logged in ``errors_log``, where it has one."""
+    engine_cls = chosen_engine(ctx.spec.recipe.inference.engine, ctx.device)
+    try:
+        return engine_cls.for_server(ctx, model_dir, errors_log)
+    except Exception as e:
+        raise _engine_cause(engine_cls, e, errors_log)
 
 
 class Server:
@@ -185,11 +190,8 @@ def run_server(ctx: LaunchContext) -> int:
     model_dir = job_model_dir(ctx.spec, ctx.run_dir)
     tokenizer_dir(recipe.model, model_dir)      # a missing one named here, not deep in the engine
     t0 = time.perf_counter()
-    engine_cls = chosen_engine(recipe.inference.engine, ctx.device)
-    try:
-        engine = engine_cls.for_server(ctx, model_dir, engine_errors_log(ctx, engine_cls))
-    except Exception as e:
-        raise _engine_cause(ctx, engine_cls, e)
+    errors_log = engine_errors_log(ctx)
+    engine = make_engine(ctx, model_dir, errors_log)
     ctx.log(f"{engine.name} engine{'' if ctx.task.engine is None else f' {ctx.task.engine}'} ready in {time.perf_counter() - t0:.1f} s on GPU(s) "
             f"{','.join(map(str, ctx.task.gpus))} (cores {','.join(map(str, ctx.task.cores))})")
     _record_shared_memory(ctx, engine)
@@ -200,7 +202,7 @@ def run_server(ctx: LaunchContext) -> int:
         ended_by = signal_that_ends_the_engine(engine)
         if ended_by:
             return _stopped_with_the_job(ctx, engine, ended_by)
-        raise _engine_cause(ctx, engine_cls, e, engine)
+        raise _engine_cause(type(engine), e, errors_log, engine)
     finally:
         watching.set()
         engine.close()
@@ -247,11 +249,11 @@ def _watch_engine(ctx: LaunchContext, engine: InferenceEngine, every_s: float = 
     return stop
 
 
-def _engine_cause(ctx: LaunchContext, engine_cls: type[InferenceEngine], e: Exception,
+def _engine_cause(engine_cls: type[InferenceEngine], e: Exception, errors_log: Path | None,
                   engine: InferenceEngine | None = None) -> BaseException:
     """`e`, or where vLLM only says "see root cause above", the error its engine's processes logged
-    (the job's failure line names it), chained to `e` for the traceback."""
-    cause = engine_cls.failure_cause(e, engine_errors_log(ctx, engine_cls))
+    in ``errors_log`` (the job's failure line names it), chained to `e` for the traceback."""
+    cause = engine_cls.failure_cause(e, errors_log)
     if cause is e and engine is not None and engine.own_processes:
         reason = engine.death()         # killed by a signal: no last words in its log
         cause = Explained(reason) if reason else e

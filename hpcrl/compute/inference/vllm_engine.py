@@ -64,7 +64,7 @@ def weight_transfer_env(backend: str) -> dict[str, str]:
     return {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"} if backend == "ipc" else {}
 
 
-def transport_options(backend: str, is_sender: bool, server_gpus: int, engine_dtype: str | None = None,
+def transport_options(backend: str, is_sender: bool, server_gpus: int, wire_dtype=None,
                       job_token: str | None = None, stall_timeout_s: float = 300.0) -> dict:
     """What TrainerWeightSync needs for `backend` beyond the model and the channel: the transport's
     own options (sync.api) and the wire dtype.
@@ -74,16 +74,14 @@ def transport_options(backend: str, is_sender: bool, server_gpus: int, engine_dt
     store binds it moments later). The group is the sender plus the server's tensor-parallel
     workers; the node's other trainers only take part in the gathers. Weights travel in the
     engine's dtype (the trainer keeps fp32 masters: half the bytes for a bf16 engine); every
-    trainer knows it from the server's health reply, and casts its shards before the gathers.
-    ipc: the same dtype; it has no rendezvous. hpcrl_shm learns the engine's dtype in its own
-    handshake, and TrainerWeightSync hands it to the other trainers; its region is named by
-    ``job_token``, and either side waits ``stall_timeout_s`` for the other."""
+    trainer knows it from the server's health reply (``wire_dtype``, a torch dtype; None: not known,
+    "auto" to the sync), and casts its shards before the gathers. ipc: the same dtype; it has no
+    rendezvous. hpcrl_shm learns the engine's dtype in its own handshake, and TrainerWeightSync
+    hands it to the other trainers; its region is named by ``job_token``, and either side waits
+    ``stall_timeout_s`` for the other."""
     if backend == SHM_BACKEND:
         return {"transport": ShmOptions(job_token=job_token, stall_timeout_s=stall_timeout_s)}
-    import torch
-
-    cast_to = getattr(torch, engine_dtype, None) if engine_dtype else None
-    cast_to = cast_to if isinstance(cast_to, torch.dtype) else "auto"
+    cast_to = wire_dtype or "auto"
     if backend == "nccl":
         master = ("127.0.0.1", _free_port()) if is_sender else None
         return {"transport": NcclOptions(master=master, server_world_size=server_gpus), "cast_to": cast_to}
@@ -228,7 +226,7 @@ class VLLMEngine(InferenceEngine):
         token = f"{os.environ.get('SLURM_JOB_ID', 'local')}-n{ctx.task.node}-{os.getpid()}-{peer.round}"
         backend = default_backend(ctx.device)
         notify = (lambda msg: peer.request(msg, inf.request_timeout_s)) if sender else None
-        options = transport_options(backend, sender, inf.tensor_parallel_size, peer.engine_dtype, job_token=token,
+        options = transport_options(backend, sender, inf.tensor_parallel_size, peer.wire_dtype(), job_token=token,
                                     stall_timeout_s=inf.request_timeout_s)
         return TrainerWeightSync(model, notify, is_sender=sender, bucket_bytes=inf.sync_bucket_mb << 20,
                                  node_of_rank=peer.node_of_rank, log=ctx.log, **options)
