@@ -91,6 +91,9 @@ def test_the_demo_layouts_are_the_tiny_models(tiny_model):
     demo, local = inputs.demo_module_paths("demo:tiny"), inputs.checkpoint_module_paths(inputs.Path(tiny_model))
     assert demo.linear == local.linear and local.paths <= demo.paths
     assert inputs.demo_module_paths("demo:enormous") is None          # the job names the unknown size
+    # The names the job builds the same model from ("demo:" alone is demo:tiny, as hpcrl.job.demo parses it).
+    for alias in ("demo:", "demo::random", "demo:tiny:random"):
+        assert inputs.demo_module_paths(alias).linear == demo.linear, alias
 
 
 def _safetensors(path, tensors: dict[str, list[int]]) -> None:

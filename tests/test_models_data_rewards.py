@@ -107,7 +107,8 @@ def _greedy_accuracy(model_dir) -> float:
 
 
 def test_demo_model_paths_are_warm_or_random(tmp_path):
-    from hpcrl.compute.train.sources import parse_demo_model, resolve_model
+    from hpcrl.compute.train.sources import resolve_model
+    from hpcrl.job.demo import parse_demo_model
 
     assert parse_demo_model("demo:tiny") == ("tiny", True) and parse_demo_model("demo:") == ("tiny", True)
     assert parse_demo_model("demo:small:random") == ("small", False)

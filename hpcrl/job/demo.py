@@ -8,6 +8,7 @@ any disk before the job, so nothing reads, stages or resolves such a path as a d
 from __future__ import annotations
 
 DEMO_MODEL_PREFIX = "demo:"
+RANDOM_SUFFIX = ":random"
 
 
 def is_demo(model_path: str) -> bool:
@@ -18,3 +19,10 @@ def is_demo(model_path: str) -> bool:
 def demo_name(size: str) -> str:
     """The model path of the warmed-up demo model of `size` (tiny, small, medium, base, large)."""
     return DEMO_MODEL_PREFIX + size
+
+
+def parse_demo_model(path: str) -> tuple[str, bool]:
+    """``(size, warmed_up)`` of a "demo:<size>" (warmed up on the demo task) or "demo:<size>:random"
+    (random weights) model path; "demo:" alone is "demo:tiny"."""
+    spec = path.removeprefix(DEMO_MODEL_PREFIX)
+    return spec.removesuffix(RANDOM_SUFFIX) or "tiny", not spec.endswith(RANDOM_SUFFIX)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from hpcrl.job import hfcache
 from hpcrl.job.config import closest
-from hpcrl.job.demo import DEMO_MODEL_PREFIX, is_demo
+from hpcrl.job.demo import is_demo, parse_demo_model
 from hpcrl.job.errors import UserError
 from hpcrl.job.lora import ALL_LINEAR, DECODER_LINEARS, decoder_linear_path, lora_target_matches
 from hpcrl.job.model_shape import read_safetensors_header
@@ -210,7 +210,7 @@ class ModulePaths:
 def demo_module_paths(path: str) -> ModulePaths | None:
     """A "demo:<size>[:random]" model's modules (Qwen2; the head is tied to the embeddings, but is
     a module of its own); None for a size this machine does not know (the job says so)."""
-    layers = DEMO_LAYERS.get(path.removeprefix(DEMO_MODEL_PREFIX).split(":")[0])
+    layers = DEMO_LAYERS.get(parse_demo_model(path)[0])
     if layers is None:
         return None
     modules = {"model.embed_tokens": False, "model.norm": False, "lm_head": True}

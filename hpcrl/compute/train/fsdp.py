@@ -190,37 +190,35 @@ def load_sharded_model(model_dir: str, mesh: DeviceMesh, device: torch.device,
     from transformers import AutoConfig
 
     o = options
-    dtype, offload, trust_remote_code, adapt = o.dtype, o.offload, o.trust_remote_code, o.adapt
-    attn_implementation, load_timeout_s, read_groups = o.attn_implementation, o.load_timeout_s, o.read_groups
     model_class = getattr(transformers, o.auto_class)
     device = torch.device(device)
-    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=o.trust_remote_code)
     config.use_cache = False            # the trainer only runs whole sequences
     with torch.device("meta"):
-        model = model_class.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code,
-                                        attn_implementation=attn_implementation)
-        if adapt is not None:
-            model = adapt(model)
+        model = model_class.from_config(config, dtype=o.dtype, trust_remote_code=o.trust_remote_code,
+                                        attn_implementation=o.attn_implementation)
+        if o.adapt is not None:
+            model = o.adapt(model)
     apply_fsdp(model, mesh, param_dtype=o.param_dtype, reduce_dtype=o.reduce_dtype,
                reshard_after_forward=o.reshard_after_forward,
-               activation_checkpointing=o.activation_checkpointing, offload=offload)
-    model.to_empty(device=torch.device("cpu") if offload else device)
-    if offload and device.type != "cpu":
+               activation_checkpointing=o.activation_checkpointing, offload=o.offload)
+    model.to_empty(device=torch.device("cpu") if o.offload else device)
+    if o.offload and device.type != "cpu":
         # FSDP2 offloads parameters only; buffers (rotary inv_freq) belong on the compute device,
         # where a non-meta fully_shard would have moved them.
         for module in model.modules():
             for name, buf in module.named_buffers(recurse=False):
                 module._buffers[name] = buf.to(device)
-    group = _comm_group(mesh) if read_groups is None else read_group(read_groups)
-    if load_timeout_s is not None:
-        load_group(group, load_timeout_s)    # made before rank 0 reads: its making is a rendezvous too
+    group = _comm_group(mesh) if o.read_groups is None else read_group(o.read_groups)
+    if o.load_timeout_s is not None:
+        load_group(group, o.load_timeout_s)    # made before rank 0 reads: its making is a rendezvous too
     source = None
     if dist.get_rank(group) == 0:
-        source = model_class.from_pretrained(model_dir, dtype=dtype, trust_remote_code=trust_remote_code,
-                                             attn_implementation=attn_implementation)
-        if adapt is not None:
-            source = adapt(source)
-    stream_from_rank0(model, source, device, group, what=model_dir, load_timeout_s=load_timeout_s)
+        source = model_class.from_pretrained(model_dir, dtype=o.dtype, trust_remote_code=o.trust_remote_code,
+                                             attn_implementation=o.attn_implementation)
+        if o.adapt is not None:
+            source = o.adapt(source)
+    stream_from_rank0(model, source, device, group, what=model_dir, load_timeout_s=o.load_timeout_s)
     del source
     return model
 

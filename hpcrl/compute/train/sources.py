@@ -8,17 +8,8 @@ import os
 from pathlib import Path
 
 from hpcrl.job import hfcache
-from hpcrl.job.demo import DEMO_MODEL_PREFIX, is_demo
+from hpcrl.job.demo import is_demo, parse_demo_model
 from hpcrl.job.recipe import DataConfig, ModelConfig
-
-RANDOM_SUFFIX = ":random"
-
-
-def parse_demo_model(path: str) -> tuple[str, bool]:
-    """``(size, warmed_up)`` of a "demo:<size>" (warmed up on the demo task, see hpcrl.compute.models.tiny)
-    or "demo:<size>:random" (random weights) model path; "demo:" alone is "demo:tiny"."""
-    spec = path[len(DEMO_MODEL_PREFIX):]
-    return spec.removesuffix(RANDOM_SUFFIX) or "tiny", not spec.endswith(RANDOM_SUFFIX)
 
 
 def resolve_model(path: str, run_dir: str | Path, seed: int = 0) -> str:
