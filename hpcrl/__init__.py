@@ -1,7 +1,7 @@
 """hpcrl: GRPO fine-tuning of LLMs on Slurm supercomputers.
 
 Three wings, each folder saying where its code runs; imports go login -> job <- compute
-(tests/test_layering.py holds the walls):
+(tests/architecture/test_layering.py holds the walls):
 
 job/       the job description both sides read (recipe, site, the job spec, placement, run directories)
 login/     the login node: the `hpcrl` command, rendering and submitting the sbatch script, status

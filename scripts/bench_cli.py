@@ -3,7 +3,7 @@
 
     SLURM_CONF=/tmp/hpcrl-testbed/etc/slurm.conf .venv/bin/python scripts/bench_cli.py \
         [--jobs 200] [--many 1000] [--alive 20] [--nodes 256] [--repeat 15]
-    ... scripts/bench_cli.py --smoke     # that it runs (tests/test_bench_smoke.py): 3 jobs, 12 rows, 2 nodes, once
+    ... scripts/bench_cli.py --smoke     # that it runs (tests/e2e/test_bench_smoke.py): 3 jobs, 12 rows, 2 nodes, once
 
 Times each command --repeat times, the commands taking turns, and reports medians. Last line:
 worst_cli_over_python_start=X render_over_import_floor=R  (X: the largest ratio; the status rows are held

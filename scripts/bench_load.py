@@ -4,7 +4,7 @@ streaming every tensor to every trainer (the default), against each node loading
 staged to node-local storage (site.stage.model_dest; model_via "srun" on the testbed).
 
     SLURM_CONF=/tmp/hpcrl-testbed/etc/slurm.conf .venv/bin/python scripts/bench_load.py [--nodes 1 2 4] [--size base]
-    ... scripts/bench_load.py --smoke     # that it runs (tests/test_bench_smoke.py): --nodes 1 --size tiny
+    ... scripts/bench_load.py --smoke     # that it runs (tests/e2e/test_bench_smoke.py): --nodes 1 --size tiny
 
 Each row is one real job (1 trainer + 1 transformers engine per node, one GRPO step). The figures
 are the job's own lines: "model loaded in X s" (trainer rank 0, policy + reference) and each

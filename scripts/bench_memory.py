@@ -36,7 +36,7 @@ path divide a second fp32 copy, but the upcast it divides is freed at once, so n
 (`--temperature 0.7`: the same figures).
 
 The children's log-probabilities and gradients are compared: every variant must give the same
-numbers (the chunked log-probs equal the unchunked ones exactly; tests/test_grpo_math.py holds them
+numbers (the chunked log-probs equal the unchunked ones exactly; tests/compute/train/test_grpo_math.py holds them
 against TRL).
 
 Layout: a function per measurement section returns its table and its key=value results; the last
@@ -47,7 +47,7 @@ variant at the recipe's default chunk over the unchunked peak (target X <= 0.25)
 section's worst |estimate - measured| / measured (target Y <= 0.3).
 
     .venv/bin/python scripts/bench_memory.py          # a few minutes on 2 cores, ~12 GB free memory needed
-    .venv/bin/python scripts/bench_memory.py --smoke  # that it runs (tests/test_bench_smoke.py): 256 tokens,
+    .venv/bin/python scripts/bench_memory.py --smoke  # that it runs (tests/e2e/test_bench_smoke.py): 256 tokens,
                                                       # vocabulary 4,096, chunk 64, the 1M model; seconds
 """
 

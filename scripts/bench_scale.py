@@ -65,7 +65,7 @@ MemAvailable falls below it. Last line:
     .venv/bin/python scripts/bench_scale.py                      # 16,64,128,256
     .venv/bin/python scripts/bench_scale.py --sizes 16,64,128,256,512
     .venv/bin/python scripts/bench_scale.py --smoke    # 8 and 16 ranks, the hub alone at 16 and 64: that it
-                                                       # runs (tests/test_bench_smoke.py), seconds
+                                                       # runs (tests/e2e/test_bench_smoke.py), seconds
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ Last line:  step_throughput_vs_trl=X step_throughput_vs_trl_in_order=Y
 
     .venv/bin/python scripts/bench_step.py                 # medium (~30M), 8 prompts x 8 x 128 tokens
     .venv/bin/python scripts/bench_step.py --quick         # short steps (~2-3 min)
-    .venv/bin/python scripts/bench_step.py --smoke         # that it runs (tests/test_bench_smoke.py): the 1M
+    .venv/bin/python scripts/bench_step.py --smoke         # that it runs (tests/e2e/test_bench_smoke.py): the 1M
                                                            # model, 2 prompts x 2 x 8 tokens, 2 steps, no
                                                            # in-order hpcrl (its line: step_throughput_vs_trl)
     .venv/bin/python scripts/bench_step.py --hpcrl-src /tmp/hpcrl-exp --hpcrl-set trainer.threads=2

@@ -32,7 +32,7 @@ full one (e2e, same run). Times are the best of
 --repeats: the machine is shared, and other processes only ever add time.
 
     .venv/bin/python scripts/bench_sync.py [--sizes small,base,large] [--bucket-mb 64] [--repeats 3]
-    .venv/bin/python scripts/bench_sync.py --smoke    # that it runs (tests/test_bench_smoke.py): the 1M model
+    .venv/bin/python scripts/bench_sync.py --smoke    # that it runs (tests/e2e/test_bench_smoke.py): the 1M model
                                                       # ("tiny"), 1 MiB buckets, 1 repeat
 
 --engines: several engines per node. Two real `hpcrl run` jobs of the same model, back to back:
@@ -147,8 +147,8 @@ def trainer_rank(rank: int, world: int, init_file: str, model_dir: str, conn, cf
     # The trainer's real sync (all ranks). The first one touches the shared pages: warm-up.
     tracker = LiveBytes()
     sync = TrainerWeightSync(model, notify if sender else None, is_sender=sender, bucket_bytes=bucket, tracker=tracker,
-                             transport=ShmOptions(mode=cfg["shm_mode"]), node_of_rank={r: 0 for r in range(world)})
-    assert sync.cast_to == wire, (sync.cast_to, wire)   # learnt from the engine, agreed by every rank
+                             transport=ShmOptions(mode=cfg["shm_mode"]), node_of_rank={r: 0 for r in range(world)},
+                             wire_dtype=wire)
     e2e, peaks, rss = [], [], []
     for i in range(reps + 1):
         barrier()
@@ -236,8 +236,9 @@ def _lora_syncs(model_dir: str, world: int, notify, cfg: dict, barrier) -> dict:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
     sync = TrainerWeightSync(model, notify, is_sender=notify is not None, bucket_bytes=cfg["bucket_bytes"],
-                             transport=ShmOptions(mode=cfg["shm_mode"]), node_of_rank={r: 0 for r in range(world)})
-    full_bytes = sum(s.nbytes for s in param_specs(sync.params, sync.cast_to))
+                             transport=ShmOptions(mode=cfg["shm_mode"]), node_of_rank={r: 0 for r in range(world)},
+                             wire_dtype=torch.bfloat16)     # the engine's dtype (run_one builds it so)
+    full_bytes = sum(s.nbytes for s in param_specs(sync.params, sync.wire_dtype))
     times = []
     for i in range(cfg["repeats"] + 1):
         barrier()
@@ -245,7 +246,7 @@ def _lora_syncs(model_dir: str, world: int, notify, cfg: dict, barrier) -> dict:
         sync.sync(f"lora-{i}")
         times.append(time.perf_counter() - t)
     out = {"lora_first_s": times[0], "lora_s": min(times[1:]), "lora_first_bytes": full_bytes,
-           "lora_bytes": sum(s.nbytes for s in param_specs(sync.params, sync.cast_to)),
+           "lora_bytes": sum(s.nbytes for s in param_specs(sync.params, sync.wire_dtype)),
            "lora_gathered_bytes": sum(sync.last_traffic.values())}
     sync.close()
     return out

@@ -56,7 +56,7 @@ deepspeed_ws2_over_ws1_memory: Y for the deepspeed rows (the goal is <= 0.6 too)
     .venv/bin/python scripts/bench_train.py            # the 100M model ("base"), about 2-3 minutes on 2 cores
     .venv/bin/python scripts/bench_train.py --quick    # the 10M model ("small"), about two minutes
     .venv/bin/python scripts/bench_train.py --smoke    # the 1M model ("tiny"), 4 short completions, 1 step:
-                                                       # that it runs (tests/test_bench_smoke.py), seconds
+                                                       # that it runs (tests/e2e/test_bench_smoke.py), seconds
 """
 
 from __future__ import annotations

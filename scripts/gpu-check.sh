@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU test tier (tests marked `gpu` in tests/test_gpu.py) on this machine: set up, run, and end
+# The GPU test tier (tests marked `gpu` in tests/compute/train/test_gpu.py) on this machine: set up, run, and end
 # with a PASS/FAIL/SKIP table, one line per test. Exit status 1 if anything failed.
 #
 #   bash scripts/gpu-check.sh [pytest arguments]
@@ -103,7 +103,7 @@ echo "== tests"
 if command -v nvidia-smi >/dev/null && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
   export HPCRL_GPU_TIER_DEVICE=cuda
 fi
-"$RUN_PY" -m pytest -m gpu -rA --junitxml="$REPORT/junit.xml" tests/test_gpu.py "$@" 2>&1 | tee "$REPORT/pytest.log"
+"$RUN_PY" -m pytest -m gpu -rA --junitxml="$REPORT/junit.xml" tests/compute/train/test_gpu.py "$@" 2>&1 | tee "$REPORT/pytest.log"
 rc=${PIPESTATUS[0]}
 
 echo "== result"
@@ -135,7 +135,7 @@ EOF
 status=$?
 if "$RUN_PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("vllm") is None)'; then
   echo "note: vLLM is installed here, but no gpu test covers the nccl weight sync or a vLLM server yet" \
-       "(tests/test_vllm_sync.py runs on the CPU only); this check did not exercise them"
+       "(tests/compute/sync/test_vllm_sync.py runs on the CPU only); this check did not exercise them"
 fi
 echo "report: $REPORT/junit.xml, $REPORT/pytest.log"
 exit $status

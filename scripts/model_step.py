@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server-gpus", type=int, default=Inputs.server_gpus,
                     help="GCDs of the single server (8: a node of its own; 1: one GCD of node 0)")
     ap.add_argument("--smoke", action="store_true",
-                    help="check that the script runs (tests/test_bench_smoke.py): the figure goes to a temporary file")
+                    help="check that the script runs (tests/e2e/test_bench_smoke.py): the figure goes to a temporary file")
     args = ap.parse_args(argv)
     inp = replace(Inputs(), server_gpus=args.server_gpus)
     runs = {"strong": scaling(inp, "strong"), "weak": scaling(inp, "weak")}

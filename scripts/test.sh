@@ -7,7 +7,7 @@ bash scripts/install.sh
 export SLURM_BASE=${SLURM_BASE:-/tmp/hpcrl-testbed}
 started=""
 if ! SLURM_CONF=$SLURM_BASE/etc/slurm.conf scontrol ping 2>/dev/null | grep -q UP; then
-  # 16 nodes x 8 fake GPUs: tests/test_scale.py launches a Frontier-shaped job (16 x 8 tasks)
+  # 16 nodes x 8 fake GPUs: tests/compute/launch/test_launch_scale.py launches a Frontier-shaped job (16 x 8 tasks)
   # through srun; the other jobs take 1 or 2 nodes of it.
   SLURM_NODES=${SLURM_NODES:-16} SLURM_NODE_GPUS=${SLURM_NODE_GPUS:-8} bash scripts/slurm-testbed.sh start
   started=1
@@ -21,9 +21,9 @@ trap cleanup EXIT
 export SLURM_CONF=$SLURM_BASE/etc/slurm.conf
 # The slowest tests are listed last, so that CI time can be kept in view (aim: under 30 minutes).
 .venv/bin/python -m pytest -ra --durations=25 "$@"
-# The GPU tier (tests/test_gpu.py) skips above without a GPU. Its own logic runs here on the CPU
+# The GPU tier (tests/compute/train/test_gpu.py) skips above without a GPU. Its own logic runs here on the CPU
 # (HPCRL_GPU_TIER_DEVICE=cpu: gloo, no CUDA kernel or NCCL), so that the tier a session lent a GPU
 # runs has not rotted meanwhile (~80 s). Only with the whole suite.
 if [ $# -eq 0 ]; then
-  HPCRL_GPU_TIER_DEVICE=cpu .venv/bin/python -m pytest -q -m gpu tests/test_gpu.py
+  HPCRL_GPU_TIER_DEVICE=cpu .venv/bin/python -m pytest -q -m gpu tests/compute/train/test_gpu.py
 fi

@@ -21,7 +21,7 @@ keys. Nothing is downloaded. Each project is checked five ways:
           template, and differs from the base in at least one tensor.
 
 The last line of `check` is `corpus: N passed, M failed`; its exit status is 1 when any failed.
-tests/test_corpus.py runs the fast checks of every project and `run` of three.
+tests/e2e/test_trl_corpus.py runs the fast checks of every project and `run` of three.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def make_model(out: Path, arch: str, max_positions: int = 2048, dtype: str = "fl
 
 
 def make_reward_model(out: Path, seed: int = 3) -> Path:
-    """A one-logit sequence classifier on the demo tokenizer (as tests/test_reward_model.py's)."""
+    """A one-logit sequence classifier on the demo tokenizer (as tests/support.py's make_reward_model)."""
     import torch
     from transformers import AutoModelForSequenceClassification, Qwen2Config
 
@@ -259,7 +259,7 @@ class Project:
     extra: bool = False             # extra columns the reward reads
     missing: bool = False           # rows a reward returns None for
     reward_model: bool = False
-    smoke: bool = False             # tests/test_corpus.py runs it end to end
+    smoke: bool = False             # tests/e2e/test_trl_corpus.py runs it end to end
     notes: list[str] = field(default_factory=list)
 
     @property

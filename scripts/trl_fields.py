@@ -1,7 +1,7 @@
 """Writes hpcrl/login/trl_fields.json: every field `trl grpo --config` takes, with TRL's default.
 
 The login side never imports trl (it imports torch), so the names and defaults it checks a TRL
-config against are this file's copy; tests/test_trl_config.py fails when the installed TRL differs.
+config against are this file's copy; tests/login/test_trl_config.py fails when the installed TRL differs.
 
     .venv/bin/python scripts/trl_fields.py      # after a TRL upgrade
 """

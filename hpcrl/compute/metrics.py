@@ -243,9 +243,12 @@ def format_completion(row: Mapping[str, Any], width: int = 60) -> str:
     prompt = row["prompt"]
     if isinstance(prompt, list) and prompt and isinstance(prompt[-1], Mapping):
         prompt = prompt[-1].get("content", "")         # a conversation: its last message
+    completion = row["completion"]
+    if isinstance(completion, list) and completion and isinstance(completion[-1], Mapping):
+        completion = completion[-1].get("content", "")     # a multi-turn rollout: its last turn
     rewards = "  ".join(f"{name} {_number(value, '.3f')}" for name, value in row["rewards"].items())
     return (f"completion  step {row['step']}  advantage {_number(row['advantage'], '+.3f')}  {rewards}  "
-            f"{_shorten(prompt, width)} -> {_shorten(row['completion'], width)}")
+            f"{_shorten(prompt, width)} -> {_shorten(completion, width)}")
 
 
 def _number(value: Any, fmt: str) -> str:

@@ -2,12 +2,13 @@
 
 Standard library only, and nothing from hpcrl.login or hpcrl.compute: the login node builds a
 JobSpec from these types and writes it to <run_dir>/job.json; every task of the job loads it back.
-The layering test (tests/test_layering.py) holds the wall.
+The layering test (tests/architecture/test_layering.py) holds the wall.
 
 errors.py      UserError: a user's mistake, one line naming the field
 config.py      typed dataclasses from plain mappings (YAML, TOML, JSON), with field-named errors
 recipe.py      what a user writes: model, data, rewards, inference, trainer, checkpoint, launch, ...
 grpo_config.py the recipe's grpo section: TRL's GRPOConfig names, defaults and checks; the demo's values
+agent_config.py  the recipe's agent section: tools and environments as import paths (TRL's GRPOTrainer arguments)
 site.py        a site profile as data (finding the TOML files is hpcrl.login.profiles)
 spec.py        JobSpec: recipe + site + resources, validated and frozen; to_json / load
 placement.py   which task trains or serves, on which GPUs and cores, who sends the weights

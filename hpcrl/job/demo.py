@@ -9,6 +9,8 @@ from __future__ import annotations
 
 DEMO_MODEL_PREFIX = "demo:"
 RANDOM_SUFFIX = ":random"
+# Whether the demo models' chat template renders tools (an agent recipe needs one that does).
+DEMO_CHAT_TEMPLATE_HAS_TOOLS = False
 
 
 def is_demo(model_path: str) -> bool:

@@ -66,6 +66,9 @@ class GRPOConfig:
     # TRL's booleans too: true = "group", false = "none" (normalized in __post_init__).
     scale_rewards: Union[Literal["group", "batch", "none"], bool] = "group"
     mask_truncated_completions: bool = False
+    # An agent's tool-calling turns per completion (the recipe's agent section); None = no bound:
+    # a completion ends at a turn without a tool call, or at max_completion_length.
+    max_tool_calling_iterations: Optional[int] = None
     importance_sampling_level: Literal["token", "sequence"] = "token"    # "sequence": GSPO
     delta: Optional[float] = None           # two-sided clipping (INTELLECT-2): the ratio is capped at delta
     off_policy_mask_threshold: Optional[float] = None    # DeepSeek-V3.2's off-policy sequence mask
@@ -149,6 +152,9 @@ class GRPOConfig:
         for name in ("beta", "epsilon", "weight_decay", "max_grad_norm", "top_k", "save_steps"):
             if getattr(self, name) < 0:
                 raise UserError(f"{where}.{name}: must be >= 0, got {getattr(self, name)}")
+        if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0:
+            raise UserError(f"{where}.max_tool_calling_iterations: must be >= 0, or null for no bound, "
+                            f"got {self.max_tool_calling_iterations}")
         if self.router_aux_loss_coef is not None and self.router_aux_loss_coef < 0:
             raise UserError(f"{where}.router_aux_loss_coef: must be >= 0 or null, got {self.router_aux_loss_coef}")
         if self.epsilon_high is not None and self.epsilon_high < 0:

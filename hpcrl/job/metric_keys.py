@@ -45,6 +45,8 @@ SAMPLING_LOGP_DIFFERENCE_MAX = "sampling/sampling_logp_difference/max"
 IMPORTANCE_SAMPLING_RATIO_MIN = "sampling/importance_sampling_ratio/min"
 IMPORTANCE_SAMPLING_RATIO_MEAN = "sampling/importance_sampling_ratio/mean"
 IMPORTANCE_SAMPLING_RATIO_MAX = "sampling/importance_sampling_ratio/max"
+TOOLS_CALL_FREQUENCY = "tools/call_frequency"          # tool calls per completion
+TOOLS_FAILURE_FREQUENCY = "tools/failure_frequency"    # failed calls per call (0 without calls)
 LOSS = "loss"
 GRAD_NORM = "grad_norm"
 AUX_LOSS = "aux_loss"                   # a mixture of experts' load-balancing loss (router_aux_loss_coef)
@@ -75,6 +77,8 @@ def eval_key(key: str) -> str:
 # -- hpcrl's own -----------------------------------------------------------------------------
 STEP = "step"
 MAX_STEPS = "max_steps"
+TOOLS_TURNS_MEAN = "tools/turns_mean"                  # assistant turns per rollout (1: no tool called)
+TOOLS_TIME_S = "tools/time_s"                          # seconds of tool calls per rollout, on average
 TIME = "time"
 LEARNING_RATE_USED = "learning_rate_used"   # the rate this step's update was taken with
 ADVANTAGE_MEAN = "advantage_mean"

@@ -11,13 +11,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
+from hpcrl.job.agent_config import IMPORT_PATH, AgentConfig
 from hpcrl.job.config import closest
 from hpcrl.job.demo import demo_name
 from hpcrl.job.errors import UserError
 from hpcrl.job.grpo_config import GRPOConfig
-
-# A reward function or other import path: "package.module:function" or "package.module.function".
-IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?$")
 
 
 @dataclass(frozen=True)
@@ -234,12 +232,16 @@ class RewardSpec:
 
 def expand_shorthands(data: dict) -> dict:
     """A raw recipe with its shorthands written out: `rewards:` may be a list of bare import paths
-    or TRL names (as TRL's reward_funcs), or a single one."""
+    or TRL names (as TRL's reward_funcs), or a single one. An agent recipe that names no rewards has
+    none (its environment's get_reward may score it, as in TRL), not the demo task's."""
     rewards = data.get("rewards")
     if isinstance(rewards, str):
         rewards = [rewards]
     if isinstance(rewards, list):
         data = {**data, "rewards": [{"func": r} if isinstance(r, str) else r for r in rewards]}
+    agent = data.get("agent")
+    if "rewards" not in data and isinstance(agent, dict) and (agent.get("tools") or agent.get("environment_factory")):
+        data = {**data, "rewards": []}
     return data
 
 
@@ -447,6 +449,8 @@ class Recipe:
     data: DataConfig = field(default_factory=DataConfig)
     rewards: tuple[RewardSpec, ...] = field(default_factory=_default_rewards)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    # Multi-turn tool calling (hpcrl.job.agent_config): tools, environments, their bounds.
+    agent: AgentConfig = field(default_factory=AgentConfig)
     inference: InferenceConfig = field(default_factory=InferenceConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -457,8 +461,12 @@ class Recipe:
     site: dict[str, Any] = field(default_factory=dict)
 
     def validate(self, where: str) -> None:
-        if not self.rewards:
-            raise UserError("rewards: at least one reward function is required")
+        if not self.rewards and not self.agent.environment_factory:
+            raise UserError("rewards: at least one reward function is required (an agent recipe may leave them "
+                            "out only with agent.environment_factory, whose environment scores with get_reward)")
+        if self.grpo.max_tool_calling_iterations is not None and not self.agent.enabled:
+            raise UserError("grpo.max_tool_calling_iterations: bounds an agent's tool calls; it needs agent.tools "
+                            "or agent.environment_factory (leave it unset otherwise)")
         if self.checkpoint.save_merged_model and not self.model.use_peft:
             raise UserError("checkpoint.save_merged_model: only with model.use_peft (without LoRA the model "
                             "directory is the whole model already)")

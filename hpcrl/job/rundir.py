@@ -44,7 +44,8 @@ DEEPSPEED_STATE_DIR = "deepspeed"
 TRAINING_CHECKPOINT_STATE = (DCP_INDEX, DEEPSPEED_STATE_DIR)
 # One health file per engine (node-<n>-engine-<e>.json), read by the trainers into the heartbeat.
 SERVERS_DIR = ".servers"
-# Copies of the recipe's own reward modules (JobSpec.reward_modules): first on the trainers' sys.path.
+# Copies of the recipe's own reward, tool and environment modules (JobSpec.reward_modules): first on
+# the trainers' sys.path.
 REWARDS_DIR = "rewards"
 # Per-launch meeting files, removed once every task has met; then who is who in the latest launch.
 LAUNCH_DIR = ".launch"

@@ -32,9 +32,10 @@ class JobSpec:
     recipe: Recipe
     time_s: int
     python: str             # the interpreter the tasks run
-    # Reward modules found beside the recipe or in the current directory (files, or package
-    # directories), as compose found them: the run directory keeps copies (rundir.REWARDS_DIR),
-    # which the trainers import, so a job runs the code it was submitted with.
+    # The recipe's own modules (rewards', and an agent's tools' and environments') found beside the
+    # recipe or in the current directory (files, or package directories), as compose found them: the
+    # run directory keeps copies (rundir.REWARDS_DIR), which the trainers import, so a job runs the
+    # code it was submitted with.
     reward_modules: tuple[str, ...] = ()
     # The model directory the job copies to each node's site.stage.model_dest before the run, as
     # compose resolved model.path on the login node ("" = not staged: the demo, or no model_dest).

@@ -10,6 +10,7 @@ trl_config.py  a `trl grpo --config` YAML as a recipe: TRL's flat keys -> hpcrl'
 strict_yaml.py YAML as a recipe's author means it (a key given twice is an error, no YAML 1.1 slips)
 inputs.py      the recipe's model, tokenizer and dataset checked before a job waits in a queue
 data_rows.py   every row's prompt checked (an empty one fails here, not on the compute nodes)
+agent_inputs.py  the agent section checked: tools' and environments' source (read, not imported), the chat template
 deepspeed_inputs.py  trainer.engine=deepspeed: a user's DeepSpeed or accelerate config read and checked
 write_dirs.py  the run, checkpoint and output directories: writable from compute nodes, not another run's
 profiles.py    finding site profiles: shipped, $HPCRL_SITES_PATH, ~/.config/hpcrl/sites, `extends`

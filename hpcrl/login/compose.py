@@ -27,7 +27,7 @@ from hpcrl.job.recipe import TRL_REWARDS_MATH_VERIFY, expand_shorthands, reward_
 from hpcrl.job.site import Site
 from hpcrl.job.slurm_time import parse_walltime
 from hpcrl.job.spec import SPEC_VERSION, JobSpec
-from hpcrl.login import deepspeed_inputs, profiles, trl_config, write_dirs
+from hpcrl.login import agent_inputs, deepspeed_inputs, profiles, trl_config, write_dirs
 from hpcrl.login.trl_config import Translation
 
 # Job names, accounts, partitions and QOS land on #SBATCH lines: one plain token only.
@@ -455,31 +455,36 @@ def _check_fit(spec: JobSpec, plan: Plan) -> None:
 
 
 def _reward_modules(recipe, recipe_path: str | None, check_installed: bool) -> tuple[str, ...]:
-    """The recipe's own reward modules, to copy into the run directory: those in the current
-    directory (TRL's CLI puts it on sys.path) or beside the recipe, unless an installed package
-    provides the name. Where the tasks run this very interpreter, every other module must be
-    importable here: it fails now, not minutes into the job. Only top-level names are looked up,
-    which executes no code (a reward module may import torch, which the login side never does);
-    the module itself and its function are checked when the trainer starts."""
+    """The recipe's own modules (its rewards', tools' and environments'), to copy into the run
+    directory: those in the current directory (TRL's CLI puts it on sys.path) or beside the recipe,
+    unless an installed package provides the name. Where the tasks run this very interpreter, every
+    other module must be importable here: it fails now, not minutes into the job. Only top-level
+    names are looked up, which executes no code (a reward module may import torch, which the login
+    side never does); the module itself and its function are checked when the trainer starts, and a
+    tool's or environment's source is read before (hpcrl.login.agent_inputs)."""
     dirs = [str(Path.cwd())]
     if recipe_path and str(Path(recipe_path).absolute().parent) not in dirs:
         dirs.append(str(Path(recipe_path).absolute().parent))
     local: dict[str, None] = {}         # in order, once each
+    own: dict[str, str] = {}            # top-level module -> its file or package directory
     needs_math_verify = {f"trl.rewards.{name}" for name in TRL_REWARDS_MATH_VERIFY}
-    for i, reward in enumerate(recipe.rewards):
-        if reward.model:
-            continue            # a model's directory, looked at with the policy's (hpcrl.login.inputs)
-        path = reward_import_path(reward.func)
+    # A reward model's directory is looked at with the policy's (hpcrl.login.inputs).
+    named = [(f"rewards[{i}].func", reward_import_path(r.func), r.func) for i, r in enumerate(recipe.rewards)
+             if not r.model]
+    named += [(where, path, path) for where, path in agent_inputs.import_paths(recipe.agent)]
+    for where, path, shown in named:
         top = path.partition(":")[0].split(".")[0]
-        own = _own_module(top, dirs)
-        if own:
-            local[own] = None
+        found = _own_module(top, dirs)
+        if found:
+            local[found] = None
+            own[top] = found
         elif check_installed and not _importable(top):
-            raise UserError(f"rewards[{i}].func: no module named {top!r} in {' or '.join(dirs)}, nor in "
-                            f"{sys.executable} (the tasks would fail to import {reward.func!r})")
+            raise UserError(f"{where}: no module named {top!r} in {' or '.join(dirs)}, nor in "
+                            f"{sys.executable} (the tasks would fail to import {shown!r})")
         elif check_installed and path.replace(":", ".") in needs_math_verify and not _importable("math_verify"):
-            raise UserError(f"rewards[{i}].func: {reward.func} needs the math_verify package, which "
+            raise UserError(f"{where}: {shown} needs the math_verify package, which "
                             f"{sys.executable} lacks: {sys.executable} -m pip install math-verify")
+    agent_inputs.check_sources(recipe, own, installed=check_installed)
     return tuple(local)
 
 

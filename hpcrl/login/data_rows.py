@@ -25,6 +25,9 @@ Positions in the messages: a text file's line (JSON lines, CSV), counted from 1 
 (a CSV's header is line 1); a table's row (a JSON array, parquet, a saved dataset's arrow file),
 counted from 0 as dataset[i] counts.
 
+While `also_checking` is in force, the same rows are read again for each NamesColumn given: a column
+every row must name one of a few names in (agent.environment_factory's environments).
+
 Lines that are not JSON objects are not this module's: the job's loader names the first of them in
 one line (hpcrl.compute.train.data). No torch, no datasets: pyarrow reads parquet and arrow files
 where it is importable (it comes with datasets); elsewhere those files are left to the job.
@@ -33,11 +36,14 @@ where it is importable (it comes with datasets); elsewhere those files are left 
 from __future__ import annotations
 
 import bisect
+import contextlib
+import contextvars
 import csv
 import itertools
 import json
 import time
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from hpcrl.job.errors import UserError
@@ -56,10 +62,45 @@ MISSING = object()                      # a row without the prompt's key
 NEEDED = "every row needs a prompt to generate from"
 
 
+@dataclass(frozen=True)
+class NamesColumn:
+    """A column whose every row holds one of `names`, which the field `owner` gives."""
+    column: str
+    names: tuple[str, ...]
+    owner: str
+
+    def problem(self, value) -> str | None:
+        if isinstance(value, str) and not isinstance(value, _NaWord) and value in self.names:
+            return None
+        found = "is missing" if value is MISSING else "is null" if value is None or isinstance(value, _NaWord) \
+            else f"is {_short(value)}"
+        return f"{found}, not one of {self.owner}'s names ({', '.join(self.names)}): every row picks one"
+
+
+# The NamesColumn checks check_prompts also makes, while hpcrl.login.inputs checks a recipe's data.
+_ALSO: contextvars.ContextVar[tuple[NamesColumn, ...]] = contextvars.ContextVar("also_checking", default=())
+
+
+@contextlib.contextmanager
+def also_checking(columns: tuple[NamesColumn, ...]):
+    """Within the block, check_prompts also checks `columns` in the same files, as it reads prompts."""
+    token = _ALSO.set(tuple(columns))
+    try:
+        yield
+    finally:
+        _ALSO.reset(token)
+
+
 def check_prompts(files: list[Path], column: str, where: str, split: str = "train") -> None:
     """The prompts in `column` of a split's data files (read by suffix; a file that cannot be read
     here is skipped), within the bound above. A bad one is a UserError naming `where`, the file,
-    the position and what was found."""
+    the position and what was found. So are the columns also_checking gives."""
+    _check_column(files, column, where, split, problem)
+    for extra in _ALSO.get():
+        _check_column(files, extra.column, where, split, extra.problem)
+
+
+def _check_column(files: list[Path], column: str, where: str, split: str, judge) -> None:
     shown_split = "" if split == "train" else f" (split {split!r})"
 
     def bad(reader, position, found: str) -> UserError:
@@ -73,7 +114,7 @@ def check_prompts(files: list[Path], column: str, where: str, split: str = "trai
             reader = _reader(file, column, where)
             if reader is None:
                 continue
-            read, finished = _check_rows(reader.head(), reader, budget, deadline, bad)
+            read, finished = _check_rows(reader.head(), reader, budget, deadline, bad, judge)
             budget -= read
             if finished:
                 continue
@@ -90,7 +131,7 @@ def check_prompts(files: list[Path], column: str, where: str, split: str = "trai
         if isinstance(reader, Path):
             reader = _reader(reader, column, where)
         if reader is not None:
-            _check_rows(reader.spread(SAMPLE_ROWS // len(chosen)), reader, SAMPLE_ROWS, deadline, bad)
+            _check_rows(reader.spread(SAMPLE_ROWS // len(chosen)), reader, SAMPLE_ROWS, deadline, bad, judge)
 
 
 def saved_files(directory: Path) -> list[Path]:
@@ -143,15 +184,16 @@ def _short(value, limit: int = 40) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
-def _check_rows(rows: Iterator, reader, limit: int, deadline: float, bad) -> tuple[int, bool]:
-    """Check `rows` ((position, prompt) pairs of `reader`) up to `limit` of them or the deadline;
-    (rows read, whether `rows` ran out). A bad prompt raises bad(reader, position, what)."""
+def _check_rows(rows: Iterator, reader, limit: int, deadline: float, bad, judge) -> tuple[int, bool]:
+    """Check `rows` ((position, value) pairs of `reader`) up to `limit` of them or the deadline;
+    (rows read, whether `rows` ran out). A value judge() finds bad raises bad(reader, position, what)."""
     read = 0
+    every = judge is not problem
     try:
         for position, value in rows:
-            # Text with something in it is nearly every row: no call for it.
-            if value.__class__ is not str or not value or value.isspace():
-                found = problem(value)
+            # Text with something in it is nearly every prompt: no call for it.
+            if every or value.__class__ is not str or not value or value.isspace():
+                found = judge(value)
                 if found:
                     raise bad(reader, position, found)
             read += 1
@@ -167,7 +209,8 @@ def _check_rows(rows: Iterator, reader, limit: int, deadline: float, bad) -> tup
 # ---------------------------------------------------------------------------- one file's rows
 def _reader(file: Path, column: str, where: str):
     """The reader for `file`'s format; None where there is nothing to read here (an unknown suffix,
-    no such column, pyarrow missing for a binary format, a JSON document too big to parse)."""
+    pyarrow missing for a binary format, a JSON document too big to parse, a saved dataset's arrow
+    file without the column)."""
     try:
         if file.suffix == ".jsonl":
             return _JsonLines(file, column)
@@ -259,8 +302,9 @@ def _json_file(file: Path, column: str):
     if isinstance(whole, list) and whole and isinstance(whole[0], dict):
         return _Table(file, len(whole), lambda a, b: [r.get(column, MISSING) if isinstance(r, dict) else MISSING
                                                      for r in whole[a:b]])
-    if isinstance(whole, dict) and whole and all(isinstance(v, list) for v in whole.values()) and column in whole:
-        values = whole[column]
+    if isinstance(whole, dict) and whole and all(isinstance(v, list) for v in whole.values()):
+        # A column that is not there at all is missing from every row: the first one says so.
+        values = whole[column] if column in whole else [MISSING] * min(1, len(next(iter(whole.values()))))
         return _Table(file, len(values), lambda a, b: values[a:b])
     return None
 
@@ -276,12 +320,15 @@ class _Csv:
         with open(self.file, newline="", encoding="utf-8") as f:
             reader = csv.reader(f)
             header = next(reader, None)
-            if not header or self.column not in header:
+            if not header:
                 return
-            index = header.index(self.column)
+            index = header.index(self.column) if self.column in header else None
             line = reader.line_num + 1
             for fields in reader:
                 if fields:                      # pandas skips blank lines
+                    if index is None:           # no such column: every row lacks it, the first one says so
+                        yield line, MISSING
+                        return
                     value = fields[index] if index < len(fields) else ""
                     yield line, _NaWord(value) if value and value in CSV_MISSING else value
                 line = reader.line_num + 1
@@ -333,7 +380,7 @@ def _parquet(file: Path, column: str, where: str) -> _Table | None:
     except Exception as e:                # noqa: BLE001 - any unreadable file, in one line
         raise _unreadable_parquet(where, file, e) from None
     if column not in parquet.schema_arrow.names:
-        return None
+        return _Table(file, min(1, parquet.metadata.num_rows), lambda a, b: [MISSING] * (b - a))
     sizes = [parquet.metadata.row_group(g).num_rows for g in range(parquet.num_row_groups)]
     starts = [0, *itertools.accumulate(sizes)][:-1]
     held: dict[int, object] = {}         # the row group read last: its prompt column

@@ -33,7 +33,7 @@ from hpcrl.job.lora import ALL_LINEAR, DECODER_LINEARS, decoder_linear_path, lor
 from hpcrl.job.model_shape import read_safetensors_header
 from hpcrl.job.recipe import DATASET_BUILDERS, DataSource, ModelConfig, Recipe
 from hpcrl.job.site import Site
-from hpcrl.login import data_rows
+from hpcrl.login import agent_inputs, data_rows
 
 DEMO_DATA = "demo"
 # Split names datasets infers from file names, beyond the split's own name.
@@ -48,8 +48,10 @@ SAFETENSORS_HEADER_MAX_BYTES = 256 << 20
 def check_inputs(recipe: Recipe, site: Site) -> None:
     env = _job_env(site)
     _check_model(recipe, env)
+    agent_inputs.check_chat_template(recipe, lambda name, where: _model_dir(name, where, env))
     _check_reward_models(recipe, env)
-    _check_data(recipe, env)
+    with data_rows.also_checking(agent_inputs.environment_columns(recipe)):
+        _check_data(recipe, env)
 
 
 def model_to_stage(recipe: Recipe, site: Site) -> str:

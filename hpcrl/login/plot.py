@@ -176,10 +176,14 @@ def write_plot(run_dir: str | Path, output: Optional[str | Path] = None) -> Path
     with plt.rc_context(style):
         has_kl = any(not math.isnan(v) for v in col[mk.KL])
         logged = logged_metric_names(steps)
-        ratios = (1.7, *((1.1,) if logged else ()), 0.9 if has_kl else 0.28, 0.9, 1.1, 0.9)
-        fig, (ax_r, *ax_logged, ax_kl, ax_len, ax_t, ax_tok) = plt.subplots(
-            len(ratios), 1, sharex=True, figsize=(11, (12.5 if has_kl else 11.4) + (1.8 if logged else 0)), dpi=100,
+        has_tools = any(mk.TOOLS_CALL_FREQUENCY in rec for rec in steps)       # an agent's run
+        ratios = (1.7, *((1.1,) if logged else ()), *((0.9,) if has_tools else ()), 0.9 if has_kl else 0.28, 0.9,
+                  1.1, 0.9)
+        fig, (ax_r, *middle, ax_kl, ax_len, ax_t, ax_tok) = plt.subplots(
+            len(ratios), 1, sharex=True,
+            figsize=(11, (12.5 if has_kl else 11.4) + (1.8 if logged else 0) + (1.5 if has_tools else 0)), dpi=100,
             layout="constrained", height_ratios=ratios)
+        ax_logged, ax_tools = middle[:len(middle) - has_tools], middle[len(middle) - has_tools:]
 
         def line(ax, ys, color, label=None, lw=2.0, raw_too=True, z=3.0):
             """Raw points (faint when smoothed) and, with many steps, the moving average on top."""
@@ -238,6 +242,16 @@ def write_plot(run_dir: str | Path, output: Optional[str | Path] = None) -> Path
                 ax.legend(loc="best", ncol=min(4, len(logged)))
             else:
                 _note(ax, "no values logged")
+
+        # -- an agent's tool use (TRL's tools/ metrics, hpcrl's turns per rollout)
+        for ax in ax_tools:
+            ax.set_title("Tool use")
+            for i, (key, label) in enumerate([(mk.TOOLS_CALL_FREQUENCY, "calls per completion"),
+                                              (mk.TOOLS_FAILURE_FREQUENCY, "failed calls per call"),
+                                              (mk.TOOLS_TURNS_MEAN, "turns per rollout")]):
+                line(ax, [_num(rec.get(key)) for rec in steps], C_FUNCS[i % len(C_FUNCS)], label=label, lw=1.6)
+            ax.set_ylim(bottom=0)
+            ax.legend(loc="best", ncol=3)
 
         # -- KL
         ax_kl.set_title("KL to the reference model")

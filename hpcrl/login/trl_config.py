@@ -50,6 +50,9 @@ RENAMED = {
     "run_name": "name",
     # TRL's deprecated name, which its GRPOConfig still takes for vllm_importance_sampling_clip_max.
     "vllm_importance_sampling_cap": "grpo.vllm_importance_sampling_clip_max",
+    # GRPOTrainer's arguments (not GRPOConfig fields, so not in trl_fields.json), as import paths.
+    "tools": "agent.tools",
+    "environment_factory": "agent.environment_factory",
 }
 
 _LOGGED = "hpcrl logs every step to metrics.jsonl"
@@ -123,7 +126,13 @@ NOT_IMPLEMENTED = {
                             "log-probabilities are taken in fp32 from those logits)",
     "log_completions": "set logging.log_completions to the number of completions to print",
     "report_to": 'hpcrl reports to "wandb" (offline) and "tensorboard"',
+    "rollout_func": "not supported yet: hpcrl runs TRL's tool loop itself (tools, environment_factory); a rollout "
+                    "function that drives generation itself has no hpcrl form yet",
 }
+# GRPOTrainer's arguments a configuration may name beside reward_funcs; TRL's own CLI takes none of them.
+TRAINER_ARGUMENTS = ("tools", "environment_factory", "rollout_func")
+# The recipe fields they set: lists or mappings of import paths, whose errors name an item.
+_PATH_ITEMS = ("agent.tools", "agent.environment_factory")
 _REPORTERS = {"wandb": "logging.wandb", "tensorboard": "logging.tensorboard"}
 
 
@@ -228,6 +237,16 @@ def _rewards(data: dict, t: Translation, out: dict) -> None:
         t.moved["reward_weights"] = "rewards[].weight"
 
 
+def _trainer_argument(key: str, value: Any, t: Translation, out: dict) -> None:
+    """tools, environment_factory (import paths) -> the agent section; rollout_func is refused."""
+    if value in (None, "", []):
+        t.inert[key] = "GRPOTrainer's default (none)"
+    elif key in RENAMED:
+        _put(out, RENAMED[key], [value] if key == "tools" and isinstance(value, str) else value, key, t)
+    else:
+        t.problems.append(f"{key}: {NOT_IMPLEMENTED[key]}")
+
+
 def _report_to(value: Any, t: Translation, out: dict) -> None:
     names = [value] if isinstance(value, str) else value
     if not isinstance(names, list):
@@ -326,7 +345,9 @@ def in_trl_terms(message: str, t: Translation) -> str:
     key first: "vllm_max_model_length (inference.max_model_len): ..." (the user wrote the TRL key)."""
     field_name, sep, rest = message.partition(": ")
     by_field = {dotted: key for key, dotted in t.moved.items()}
-    key = by_field.get(field_name)
+    # An item of a list or mapping of import paths (agent.tools[1], agent.environment_factory.wordle) is its key's.
+    owner = next((f for f in _PATH_ITEMS if field_name.startswith((f + "[", f + "."))), field_name)
+    key = by_field.get(owner)
     if not sep or key is None or key == field_name:
         return message
     return f"{key} ({field_name}): {rest}"
@@ -355,6 +376,9 @@ def translate(data: dict, whole: bool = True) -> Translation:
     mixture = bool(_switch_value("datasets", flat, out, whole=False) not in (_UNKNOWN, None, []))
     for key, value in flat.items():
         if key in ("reward_funcs", "reward_weights", "reward_model_name_or_path"):
+            continue
+        if key in TRAINER_ARGUMENTS:
+            _trainer_argument(key, value, t, out)
             continue
         if mixture and key in _MIXTURE_IGNORES:
             t.inert[key] = "TRL loads `datasets` and ignores it when both are given"

@@ -52,8 +52,10 @@ class SyncPeer:
     node_of_rank: dict[int, int]    # the plan's node of every trainer rank (the gathers' traffic)
 
     def wire_dtype(self):
-        """The engines' dtype as the torch dtype the gathers cast to; None where they gave none
-        a torch dtype is named by."""
+        """The wire dtype of this trainer's side of the sync: the engines' dtype as a torch dtype
+        (None where they gave none a torch dtype is named by: each tensor as stored). Decided here
+        for every engine and transport; the sync's trainers agree on it once when it is built
+        (sync.gather.agree_wire_dtype), and no transport asks the engine again."""
         import torch        # here, not at the top: choosing an engine must not import torch
 
         dtype = getattr(torch, self.engine_dtype or "", None)

@@ -56,7 +56,7 @@ class TransformersEngine(InferenceEngine):
         inf = peer.ctx.spec.recipe.inference
         return ChannelWeightSync(model, peer.request or _no_request, is_sender=peer.request is not None,
                                  bucket_bytes=inf.sync_bucket_mb << 20, timeout_s=inf.request_timeout_s,
-                                 cast_to=peer.wire_dtype(), node_of_rank=peer.node_of_rank)
+                                 wire_dtype=peer.wire_dtype(), node_of_rank=peer.node_of_rank)
 
     def weight_receiver(self):
         from hpcrl.compute.sync.channel_sync import ChannelReceiver

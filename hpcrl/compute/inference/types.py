@@ -41,6 +41,17 @@ class Completion:
     text: str
     truncated: bool             # stopped at max_tokens, not at end-of-sequence
     weight_version: int
+    # A multi-turn rollout's (hpcrl.compute.agents): 1 where the model sampled the token, 0 where a
+    # tool's result put it there (no loss, no length); None: every token is the model's.
+    tool_mask: tuple[int, ...] | None = None
+    # Its messages, as TRL hands a tool conversation to reward functions: assistant turns, tool results.
+    messages: tuple[dict, ...] | None = None
+    tool_use: Any = None        # hpcrl.compute.agents.agent_rollouts.ToolUse: calls, failures, turns, time
+
+    @property
+    def model_tokens(self) -> int:
+        """The tokens the model sampled (TRL's completion length: tool results do not count)."""
+        return len(self.token_ids) if self.tool_mask is None else sum(self.tool_mask)
 
 
 class StaleWeights(RuntimeError):

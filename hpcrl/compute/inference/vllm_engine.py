@@ -69,23 +69,21 @@ def transport_options(backend: str, is_sender: bool, server_gpus: int, wire_dtyp
     """What TrainerWeightSync needs for `backend` beyond the model and the channel: the transport's
     own options (sync.api) and the wire dtype.
 
-    nccl (RCCL on ROCm): the sender hosts the group's rendezvous (a TCPStore) and the server's
-    workers join it. Both are on this node, so it listens on loopback, on a port free now (the
-    store binds it moments later). The group is the sender plus the server's tensor-parallel
-    workers; the node's other trainers only take part in the gathers. Weights travel in the
-    engine's dtype (the trainer keeps fp32 masters: half the bytes for a bf16 engine); every
-    trainer knows it from the server's health reply (``wire_dtype``, a torch dtype; None: not known,
-    "auto" to the sync), and casts its shards before the gathers. ipc: the same dtype; it has no
-    rendezvous. hpcrl_shm learns the engine's dtype in its own handshake, and TrainerWeightSync
-    hands it to the other trainers; its region is named by ``job_token``, and either side waits
-    ``stall_timeout_s`` for the other."""
+    Weights travel in the engine's dtype (the trainer keeps fp32 masters: half the bytes for a bf16
+    engine), whatever the backend: every trainer knows it from the engines' health replies
+    (``wire_dtype``: SyncPeer.wire_dtype(), a torch dtype, or None: each tensor as stored), and
+    casts its shards before the gathers. nccl (RCCL on ROCm): the sender hosts the group's
+    rendezvous (a TCPStore) and the server's workers join it. Both are on this node, so it listens
+    on loopback, on a port free now (the store binds it moments later). The group is the sender
+    plus the server's tensor-parallel workers; the node's other trainers only take part in the
+    gathers. ipc has no rendezvous. hpcrl_shm's region is named by ``job_token``, and either side
+    waits ``stall_timeout_s`` for the other."""
     if backend == SHM_BACKEND:
-        return {"transport": ShmOptions(job_token=job_token, stall_timeout_s=stall_timeout_s)}
-    cast_to = wire_dtype or "auto"
+        return {"transport": ShmOptions(job_token=job_token, stall_timeout_s=stall_timeout_s), "wire_dtype": wire_dtype}
     if backend == "nccl":
         master = ("127.0.0.1", _free_port()) if is_sender else None
-        return {"transport": NcclOptions(master=master, server_world_size=server_gpus), "cast_to": cast_to}
-    return {"transport": IpcOptions(), "cast_to": cast_to}
+        return {"transport": NcclOptions(master=master, server_world_size=server_gpus), "wire_dtype": wire_dtype}
+    return {"transport": IpcOptions(), "wire_dtype": wire_dtype}
 
 
 def _free_port() -> int:

@@ -9,7 +9,7 @@ thread that asks for the GIL once Python is finalizing is ended by pthread_exit,
 through a noexcept C++ destructor aborts the whole process: "terminate called without an active
 exception", SIGABRT, after the model had been written. Two FSDP2 gloo ranks that train a step,
 barrier, destroy their group and return aborted in 12 of 60 runs here; ending through
-`exit_finished` instead, 0 of 40 (see tests/test_launch_exit.py for the parts that a test can
+`exit_finished` instead, 0 of 40 (see tests/compute/launch/test_launch_exit.py for the parts that a test can
 check every time).
 """
 

@@ -4,7 +4,7 @@ trainers (and inside each mesh dimension) and a round trip with its node's serve
 
 recipe.mode = "control": the same line from the control plane alone, with no torch anywhere
 (40-55 MB a task on the dev VM, where importing torch alone takes 230 MB, so hundreds of ranks fit
-one machine: tests/test_scale.py, scripts/bench_scale.py): the round trip carries bytes, the trainers'
+one machine: tests/compute/launch/test_launch_scale.py, scripts/bench_scale.py): the round trip carries bytes, the trainers'
 check is an MPI allreduce over their communicator, and the launch joins no torch group. Every
 task then waits for all the others (an MPI barrier) before its line, so a rank lost on the way
 is named by every other one (the watchdog's verdict) instead of some ranks ending cleanly."""

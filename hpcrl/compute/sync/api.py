@@ -155,7 +155,9 @@ class SenderSetup:
     client: Any                     # NotifyClient to the server; None on the trainers that do not send
     is_sender: bool
     bucket_bytes: int
-    cast_to: Any                    # "auto", None or a torch dtype: see TrainerWeightSync
+    # The torch dtype of the floating tensors on the wire, agreed by every trainer rank, or None
+    # (each tensor as stored); fixed for the transport's life (see TrainerWeightSync).
+    wire_dtype: Any
     options: TransportOptions
     tracker: Any = None             # gather.LiveBytes, or None
     traffic: Any = None             # gather.GatherTraffic, or None
@@ -168,13 +170,9 @@ class SenderTransport(Protocol):
     ``send(version)`` runs one sync: the gathers on every rank, the hand-off to the server on the
     sender. It returns the sender's stats (None elsewhere) and the hand-off's error, which it
     returns rather than raises: every rank must first finish the gathers the others are inside,
-    then all of them agree on the outcome before any raises. ``cast_to`` is the dtype of the
-    floating tensors on the wire once the transport is built (None: as gathered). The gathers cast
-    before they gather, so every rank of a node must gather in the same dtype: ``TrainerWeightSync``
-    agrees on it across the ranks after building the transport and assigns the agreed dtype back.
+    then all of them agree on the outcome before any raises. It gathers in ``setup.wire_dtype``,
+    which the ranks agreed on before it was built, and sizes its buffers for it.
     """
-
-    cast_to: Any
 
     def send(self, version: str) -> tuple[Any, Exception | None]: ...
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Protocol
 
-from hpcrl.compute.sync.gather import GatherTraffic, iter_buckets, sync_named_params
+from hpcrl.compute.sync.gather import GatherTraffic, agree_wire_dtype, iter_buckets, sync_named_params
 
 __all__ = ["ChannelWeightSync", "ChannelReceiver"]
 
@@ -21,17 +21,18 @@ Request = Callable[[dict, float], dict]
 class ChannelWeightSync:
     """The trainers' side: every trainer gathers (a collective), the sender sends each bucket.
     ``request`` is the sender's conversation with the server; a refusal raises on the sender.
-    ``cast_to``: the engine's dtype, which every trainer casts its shards to before the gathers
-    (all of them must pass the same; the server's health reply tells each); None: as stored."""
+    ``wire_dtype``: the engine's dtype (its health reply tells each trainer), which every trainer
+    casts its shards to before the gathers; None: as stored. The trainers agree on it here, as
+    TrainerWeightSync's do (a collective over the default group: build it on every trainer)."""
 
     def __init__(self, model, request: Request, *, is_sender: bool, bucket_bytes: int, timeout_s: float,
-                 cast_to=None, node_of_rank: dict[int, int] | None = None):
+                 wire_dtype=None, node_of_rank: dict[int, int] | None = None):
         self.request = request
         self.is_sender = is_sender
         self.params = sync_named_params(model)
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
-        self.cast_to = cast_to
+        self.wire_dtype = agree_wire_dtype(wire_dtype)
         # With the plan's node of every trainer rank, each sync counts its gathers' bytes inside a
         # node and between nodes, as TrainerWeightSync does (the job's totals: last_traffic).
         self.traffic = GatherTraffic(node_of_rank) if node_of_rank else None
@@ -43,7 +44,7 @@ class ChannelWeightSync:
             self.traffic.reset()
         if sender:
             self._call({"op": "weights_start", "version": version})
-        for bucket in iter_buckets(self.params, self.bucket_bytes, keep=sender, cast_to=self.cast_to,
+        for bucket in iter_buckets(self.params, self.bucket_bytes, keep=sender, cast_to=self.wire_dtype,
                                    traffic=self.traffic):
             self._call({"op": "weights_bucket", "tensors": [(n, t) for n, t in bucket]})
         if sender:

@@ -11,10 +11,11 @@ torn weights, a sender out of memory):
 - Bounded memory: a bucket is yielded BEFORE the next tensor is gathered, and the yielded list is
   emptied when the generator resumes, so the sender holds at most one bucket of gathered tensors
   (plus the one all-gather in flight), never the model.
-- The wire dtype before the gather: with ``cast_to`` each rank casts its local shard and the
-  all-gather moves the wire dtype (half the bytes of fp32 masters for a bf16 engine). A cast is
-  elementwise, so this is bit-identical to gathering the master and casting the result; every
-  rank of a gather must then use the same ``cast_to`` (``TrainerWeightSync`` agrees on it).
+- The wire dtype before the gather: with ``cast_to`` (the sync's wire dtype) each rank casts its
+  local shard and the all-gather moves the wire dtype (half the bytes of fp32 masters for a bf16
+  engine). A cast is elementwise, so this is bit-identical to gathering the master and casting
+  the result; every rank of a gather must then use the same one: a trainer-side sync takes it
+  through ``agree_wire_dtype`` once, when it is built, and never changes it.
 
 Names are mapped to Hugging Face checkpoint names, which is what vLLM's ``model.load_weights``
 takes: wrapper prefixes are stripped and a tied ``lm_head.weight`` is skipped, as HF checkpoints do.
@@ -41,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from hpcrl.compute.partitioned import PartitionedParam, partitioned
+from hpcrl.compute.sync.api import SyncError
 
 __all__ = [
     "WRAPPER_PREFIXES",
@@ -49,6 +51,9 @@ __all__ = [
     "lora_layers",
     "GatherTraffic",
     "LiveBytes",
+    "WIRE_DTYPES",
+    "all_reduce_sum",
+    "agree_wire_dtype",
     "hf_name",
     "sync_named_params",
     "changing_params",
@@ -163,7 +168,40 @@ def changing_params(named_params: list[tuple[str, torch.Tensor]]) -> list[tuple[
 
 def param_specs(named_params: Iterable[tuple[str, torch.Tensor]], cast_to: torch.dtype | None = None) -> list[ParamSpec]:
     """Global name/dtype/shape of each parameter; reads DTensor metadata, gathers nothing."""
-    return [ParamSpec(name, _wire_dtype(p.dtype, cast_to), tuple(p.shape)) for name, p in named_params]
+    return [ParamSpec(name, _on_wire(p.dtype, cast_to), tuple(p.shape)) for name, p in named_params]
+
+
+# The dtypes a sync may put on the wire, by position: the ranks agree on one by its index (0: none
+# known, each tensor as stored).
+WIRE_DTYPES: tuple[torch.dtype | None, ...] = (None, torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def all_reduce_sum(values: list[int], group=None) -> list[int]:
+    """``values`` summed over ``group``: a collective; unchanged where torch.distributed is not set up."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return values
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    t = torch.tensor(values, dtype=torch.int64, device=device)
+    dist.all_reduce(t, group=group)
+    return [int(v) for v in t.tolist()]
+
+
+def agree_wire_dtype(mine: torch.dtype | None, group=None) -> torch.dtype | None:
+    """The wire dtype every rank of ``group`` gathers in: the one any of them was given (None: each
+    tensor as stored). A collective, run once when a trainer-side sync is built. A rank that
+    gathered fp32 while another gathered bf16 would meet it in an all-gather of mismatched sizes
+    (a hang or garbage), so two ranks given different dtypes raise together, before any gather."""
+    if mine not in WIRE_DTYPES:
+        raise ValueError(f"wire_dtype={mine!r}: the wire dtype must be None or one of {WIRE_DTYPES[1:]}")
+    votes = [0] * len(WIRE_DTYPES)
+    votes[WIRE_DTYPES.index(mine)] = 1
+    known = [d for d, n in zip(WIRE_DTYPES, all_reduce_sum(votes, group)) if n and d is not None]
+    if len(known) > 1:
+        raise SyncError(f"the trainers disagree on the weight sync's wire dtype: {known}; "
+                        f"the node's engines must all compute in one dtype")
+    return known[0] if known else None
 
 
 class LiveBytes:
@@ -216,15 +254,7 @@ class GatherTraffic:
 
     def job_totals(self, group=None) -> dict[str, int]:
         """The sync's bytes over every trainer (a collective over ``group``), as the step logs them."""
-        import torch.distributed as dist
-
-        values = [self.in_node, self.cross_node]
-        if dist.is_available() and dist.is_initialized():
-            device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl"
-                      else "cpu")
-            t = torch.tensor(values, dtype=torch.int64, device=device)
-            dist.all_reduce(t, group=group)
-            values = [int(v) for v in t.tolist()]
+        values = all_reduce_sum([self.in_node, self.cross_node], group)
         return {"gathered_bytes_in_node": values[0], "gathered_bytes_cross_node": values[1]}
 
     def count(self, param: torch.Tensor, dtype: torch.dtype | None = None) -> None:
@@ -255,7 +285,7 @@ class GatherTraffic:
             self.in_node += received
 
 
-def _wire_dtype(dtype: torch.dtype, cast_to: torch.dtype | None) -> torch.dtype:
+def _on_wire(dtype: torch.dtype, cast_to: torch.dtype | None) -> torch.dtype:
     return cast_to if cast_to is not None and dtype.is_floating_point else dtype
 
 
@@ -265,7 +295,7 @@ def full_tensor(param: torch.Tensor, cast_to: torch.dtype | None = None, tracker
     """The whole tensor behind ``param`` in the wire dtype: ``full_tensor()`` for a DTensor (a
     collective: every rank of its mesh must call it, in the same order, with the same ``cast_to``),
     the tensor itself otherwise (no copy unless cast)."""
-    wire = _wire_dtype(param.dtype, cast_to)
+    wire = _on_wire(param.dtype, cast_to)
     if isinstance(param, MergedWeight):
         return param.merge(wire, tracker, traffic)
     if traffic is not None:
@@ -319,7 +349,7 @@ def iter_buckets(named_params: Iterable[tuple[str, torch.Tensor]], bucket_bytes:
     for name, param in named_params:
         # The size is known from the (global) shape before gathering: flush first, then gather,
         # so the previous bucket and this tensor are never alive together.
-        nbytes = param.numel() * _wire_dtype(param.dtype, cast_to).itemsize
+        nbytes = param.numel() * _on_wire(param.dtype, cast_to).itemsize
         if bucket and size + nbytes > bucket_bytes:
             yield bucket
             bucket.clear()  # drops our (and the consumer's list's) references to the tensors

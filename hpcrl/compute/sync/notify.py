@@ -21,14 +21,11 @@ class NotifyClient:
     Works for every backend: ``ShmWeightSender`` and vLLM's own trainer engines (``nccl``, ``ipc``)
     call these four methods (plus ``abort_weight_update`` where they can). ``pending_version`` is
     sent with the start and the finish of the next sync (vLLM's engines pass no version).
-    ``server_info`` keeps the server's answer to the init (its engine's ``dtype`` and ``workers``):
-    vLLM's trainer engines drop it, and the sender needs the dtype to cast to.
     """
 
     def __init__(self, notify: Notify) -> None:
         self.notify = notify
         self.pending_version: str | None = None
-        self.server_info: dict = {}
 
     def _call(self, msg: dict) -> dict:
         reply = self.notify(msg)
@@ -38,8 +35,7 @@ class NotifyClient:
         return reply
 
     def init_weight_transfer_engine(self, init_info: dict) -> dict:
-        self.server_info = self._call({"op": "weights_init", "init_info": init_info})
-        return self.server_info
+        return self._call({"op": "weights_init", "init_info": init_info})
 
     def start_weight_update(self) -> None:
         self._call({"op": "weights_start", "version": self.pending_version})

@@ -54,12 +54,13 @@ class WeightReceiver:
 
     def init(self, init_info: dict) -> dict:
         """Set up the transport (hpcrl_shm: map the region; nccl: join the trainer's group).
-        Returns what the sender adapts to: the engine's dtype (it casts before sending) and its
-        number of workers (hpcrl_shm's stream mode needs exactly one)."""
+        Returns what the sender adapts to: the engine's number of workers (hpcrl_shm's stream mode
+        needs exactly one). Not its dtype: the trainers took that from its health reply before
+        building their side, and agreed on it then."""
         self.llm.init_weight_transfer_engine({"init_info": init_info})
         config = getattr(getattr(self.llm, "llm_engine", None), "vllm_config", None)
         workers = getattr(getattr(config, "parallel_config", None), "world_size", None)
-        return {"dtype": llm_dtype(self.llm), "workers": workers}
+        return {"workers": workers}
 
     def begin(self, version: str | None = None) -> None:
         if self.state == "open":

@@ -376,15 +376,12 @@ class ShmWeightSender:
         self._rpc = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpcrl-sync-rpc")
         self._seq = 0
         self.signals: SignalPipe | None = None
-        self.server_dtype: str | None = None  # the engine's dtype, when the server tells it
         try:
             done_fd = SignalPipe.open_sender_read(self.region.path)
             reply = self._call(self.client.init_weight_transfer_engine, {**self.region.init_info(), "signals": True})
             self.signals = SignalPipe.open_sender(self.region.path, done_fd)
-            if isinstance(reply, dict):
-                self.server_dtype = reply.get("dtype")
-                if (reply.get("workers") or 1) > 1:
-                    self.mode = "rpc"  # stream mode signals one worker; rpc reaches all of them
+            if isinstance(reply, dict) and (reply.get("workers") or 1) > 1:
+                self.mode = "rpc"  # stream mode signals one worker; rpc reaches all of them
         finally:
             self.region.unlink()  # mapped/opened on both sides now (or failed): no name left to leak
 
@@ -523,31 +520,27 @@ class ShmWeightSender:
 
 
 class ShmTransport:
-    """``hpcrl_shm`` inside ``TrainerWeightSync``: every rank gathers the buckets, the sender hands
-    them to the server through a ``ShmWeightSender`` (built here, so the region is sized for the
-    largest tensor). With ``cast_to="auto"`` the sender sends in the dtype the server reported at
-    init: fewer bytes, and no cast in the worker."""
+    """``hpcrl_shm`` inside ``TrainerWeightSync``: every rank gathers the buckets in the agreed
+    ``setup.wire_dtype``, the sender hands them to the server through a ``ShmWeightSender`` (built
+    here, so the region is sized for the largest tensor in that dtype)."""
 
     def __init__(self, setup: SenderSetup) -> None:
         self.params, self.client, self.is_sender = setup.params, setup.client, setup.is_sender
         self.bucket_bytes, self.tracker, self.traffic = setup.bucket_bytes, setup.tracker, setup.traffic
-        self.cast_to = None if setup.cast_to == "auto" else setup.cast_to
+        self.wire_dtype = setup.wire_dtype
         self.sender: ShmWeightSender | None = None
         # vLLM loads checkpoint names (per-expert MoE weights, not transformers' fused ones).
         self.layout = CheckpointLayout(setup.model, self.params)
         if self.is_sender:
-            largest = max((s.nbytes for s in self.layout.specs(param_specs(self.params, self.cast_to))), default=0)
+            largest = max((s.nbytes for s in self.layout.specs(param_specs(self.params, self.wire_dtype))), default=0)
             shm = setup.options
             self.sender = ShmWeightSender(self.client, self.bucket_bytes, largest, shm_dir=shm.shm_dir,
                                           job_token=shm.job_token, mode=shm.mode, stall_timeout_s=shm.stall_timeout_s)
-            if setup.cast_to == "auto":
-                dtype = getattr(torch, self.sender.server_dtype or "", None)
-                self.cast_to = dtype if isinstance(dtype, torch.dtype) else None
 
     def send(self, version: str) -> tuple[SendStats | None, Exception | None]:
         if self.traffic is not None:
             self.traffic.reset()
-        buckets = iter_buckets(self.params, self.bucket_bytes, keep=self.is_sender, cast_to=self.cast_to,
+        buckets = iter_buckets(self.params, self.bucket_bytes, keep=self.is_sender, cast_to=self.wire_dtype,
                                tracker=self.tracker, traffic=self.traffic)
         try:
             if self.is_sender:

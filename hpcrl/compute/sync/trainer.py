@@ -1,7 +1,8 @@
 """The trainer side of the vLLM backends: ``TrainerWeightSync``, one per trainer rank of a node.
 
 What every backend shares lives here: the parameters in sync order, the channel client, the count
-of the gathers' traffic, and the agreement of all the node's trainers on a sync's outcome. What
+of the gathers' traffic, and the agreement of all the node's trainers on the wire dtype (once,
+before the transport is built) and on each sync's outcome. What
 differs (the hand-off itself) is the backend's transport, picked by name from ``api.TRANSPORTS``:
 ``shm.ShmTransport`` (hpcrl_shm), ``vllm_engines.NcclTransport`` and ``vllm_engines.IpcTransport``.
 """
@@ -11,18 +12,13 @@ from __future__ import annotations
 import importlib
 
 import torch
-import torch.distributed as dist
 
 from hpcrl.compute.sync.api import (BACKENDS, TRANSPORTS, Notify, SenderSetup, SenderTransport, ShmOptions, SyncError,
                                    TransportOptions)
-from hpcrl.compute.sync.gather import GatherTraffic, changing_params, sync_named_params
+from hpcrl.compute.sync.gather import GatherTraffic, agree_wire_dtype, all_reduce_sum, changing_params, sync_named_params
 from hpcrl.compute.sync.notify import NotifyClient
 
-__all__ = ["TrainerWeightSync", "transport_class", "WIRE_DTYPES"]
-
-# The dtypes a sync may put on the wire, by position: the ranks agree on one by its index (0: none
-# known, gather as stored).
-WIRE_DTYPES: tuple[torch.dtype | None, ...] = (None, torch.float32, torch.bfloat16, torch.float16, torch.float64)
+__all__ = ["TrainerWeightSync", "transport_class"]
 
 
 def transport_class(backend: str) -> type[SenderTransport]:
@@ -43,11 +39,12 @@ class TrainerWeightSync:
     trainer GPU. ``group``: the process group of the node's trainers, used to agree on success so
     that all ranks raise together (default: the default group, if any).
 
-    ``cast_to``: dtype of the floating tensors on the wire; ``"auto"`` = the engine's dtype as the
-    server reports it at init (to the sender only), else as gathered. Each rank casts its shards
-    to it BEFORE the gathers, so the node's ranks must agree: after building the transport they
-    take the dtype any of them knows (a collective over ``group``), and refuse to start if two
-    of them know different ones.
+    ``wire_dtype``: dtype of the floating tensors on the wire, a torch dtype (the engine's: every
+    trainer knows it from the engines' health replies, inference.engine.SyncPeer) or None (each
+    tensor as stored). Each rank casts its shards to it BEFORE the gathers, so the ranks must
+    agree: before building the transport they take the dtype any of them was given (a collective
+    over ``group``, gather.agree_wire_dtype), and refuse to start if two were given different
+    ones. The transport gets the agreed dtype and keeps it: ``self.wire_dtype``.
 
     ``transport``: the transport's own options, whose type picks it (api.py):
     ``ShmOptions`` (hpcrl_shm): ``ShmWeightSender`` (CPU, tested).
@@ -58,7 +55,7 @@ class TrainerWeightSync:
     """
 
     def __init__(self, model, notify: Notify | None, *, is_sender: bool, transport: TransportOptions = ShmOptions(),
-                 bucket_bytes: int = 256 * 2**20, cast_to="auto", group=None, tracker=None,
+                 bucket_bytes: int = 256 * 2**20, wire_dtype: torch.dtype | None = None, group=None, tracker=None,
                  node_of_rank: dict[int, int] | None = None, log=None) -> None:
         backend = transport.backend
         if is_sender and notify is None:
@@ -76,10 +73,10 @@ class TrainerWeightSync:
         self.synced_once = False
         self.client = NotifyClient(notify) if notify is not None else None
         self.last_stats = None
+        self.wire_dtype = agree_wire_dtype(wire_dtype, group)
         self.transport: SenderTransport = transport_class(backend)(SenderSetup(
             model=model, params=self.params, client=self.client, is_sender=is_sender, bucket_bytes=bucket_bytes,
-            cast_to=cast_to, options=transport, tracker=tracker, traffic=self.traffic, log=log))
-        self.cast_to = self.transport.cast_to = self._agree_on_wire_dtype(self.transport.cast_to)
+            wire_dtype=self.wire_dtype, options=transport, tracker=tracker, traffic=self.traffic, log=log))
 
     def sync(self, version: str | int):
         """Send the current weights as ``version``. Returns the sender's stats (None elsewhere).
@@ -89,7 +86,8 @@ class TrainerWeightSync:
         if stats is not None:
             self.last_stats = stats
         traffic = (self.traffic.in_node, self.traffic.cross_node) if self.traffic is not None else (0, 0)
-        failed, in_node, cross_node = self._all_reduce_sum([0 if error is None else 1, *traffic])
+        # Agree on success (any failure counts) and total the gather traffic, in one collective.
+        failed, in_node, cross_node = all_reduce_sum([0 if error is None else 1, *traffic], self.group)
         if failed:
             if error is not None:
                 raise error if isinstance(error, SyncError) else SyncError(f"weight sync {version} failed: {error!r}") from error
@@ -101,29 +99,6 @@ class TrainerWeightSync:
             # The transport walks this very list (SenderSetup.params): from now on, the changing part.
             self.params[:] = self.changing
         return self.last_stats
-
-    def _agree_on_wire_dtype(self, mine):
-        """The wire dtype every rank gathers in. Only the sender may have learnt the engine's dtype
-        (hpcrl_shm's handshake); a rank that gathered fp32 while another gathered bf16 would meet
-        it in an all-gather of mismatched sizes (a hang or garbage), so all take the known one."""
-        if mine not in WIRE_DTYPES:
-            raise ValueError(f"cast_to={mine!r}: the wire dtype must be one of {WIRE_DTYPES[1:]}")
-        votes = [0] * len(WIRE_DTYPES)
-        votes[WIRE_DTYPES.index(mine)] = 1
-        known = [d for d, n in zip(WIRE_DTYPES, self._all_reduce_sum(votes)) if n and d is not None]
-        if len(known) > 1:
-            raise SyncError(f"the trainers disagree on the weight sync's wire dtype: {known}; "
-                            f"the node's engines must all compute in one dtype")
-        return known[0] if known else None
-
-    def _all_reduce_sum(self, values: list[int]) -> list[int]:
-        """Agree on success (any failure counts) and total the gather traffic, in one collective."""
-        if not dist.is_available() or not dist.is_initialized():
-            return values
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" else "cpu"
-        t = torch.tensor(values, dtype=torch.int64, device=device)
-        dist.all_reduce(t, group=self.group)
-        return [int(v) for v in t.tolist()]
 
     def close(self) -> None:
         self.transport.close()

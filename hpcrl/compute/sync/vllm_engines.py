@@ -39,28 +39,28 @@ class HFWeightSource(WeightSource):
     """A trainer model as vLLM's ``WeightSource``: HF checkpoint names, tied ``lm_head`` skipped,
     one ``full_tensor()`` at a time in ``named_parameters()`` order (the same on every rank).
 
-    ``cast_to``: the wire dtype, which each shard is cast to before its gather (assignable until
-    the first send: ``TrainerWeightSync`` sets the dtype the ranks agreed on). ``traffic``: the
+    ``wire_dtype``: the dtype each floating shard is cast to before its gather, the one the ranks
+    agreed on (None: as stored). ``traffic``: the
     sync's ``GatherTraffic``, counted by every pass over the source, the gathers a failed send
     left included, as hpcrl_shm's ``iter_buckets`` counts them.
     """
 
-    def __init__(self, model: torch.nn.Module, cast_to: torch.dtype | None = None, traffic=None,
+    def __init__(self, model: torch.nn.Module, wire_dtype: torch.dtype | None = None, traffic=None,
                  params: list | None = None) -> None:
         self._params = params if params is not None else sync_named_params(model)
         # vLLM loads checkpoint names (per-expert MoE weights, not transformers' fused ones); each
         # tensor converts alone (CheckpointLayout checks it), so one at a time is fine.
         self.layout = CheckpointLayout(model, self._params)
-        self.cast_to = cast_to
+        self.wire_dtype = wire_dtype
         self.traffic = traffic
         self._current: Iterator[tuple[str, torch.Tensor]] | None = None
 
     def metadata(self) -> list[ParamMeta]:
         return [ParamMeta(s.name, s.dtype, s.shape)
-                for s in self.layout.specs(param_specs(self._params, self.cast_to))]
+                for s in self.layout.specs(param_specs(self._params, self.wire_dtype))]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        tensors = iter_full_tensors(self._params, self.cast_to, traffic=self.traffic)
+        tensors = iter_full_tensors(self._params, self.wire_dtype, traffic=self.traffic)
         self._current = tensors if self.layout.identity else self._converted(tensors)
         return self._current
 
@@ -87,23 +87,10 @@ class _VLLMTransport:
     def __init__(self, setup: SenderSetup) -> None:
         self.is_sender, self.client, self.traffic = setup.is_sender, setup.client, setup.traffic
         self.log = setup.log or log.warning
-        self.source = HFWeightSource(setup.model, None if setup.cast_to == "auto" else setup.cast_to, setup.traffic,
-                                     setup.params)
+        self.source = HFWeightSource(setup.model, setup.wire_dtype, setup.traffic, setup.params)
         info = self._init_info(setup, 0 if self.is_sender else 1)
         client = self.client if self.client is not None else NotifyClient(lambda msg: {"ok": True})
         self.engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=self.source)
-        if setup.cast_to == "auto" and self.client is not None:
-            # The sender's handshake (inside trainer_init) told it the engine's dtype.
-            dtype = getattr(torch, self.client.server_info.get("dtype") or "", None)
-            self.cast_to = dtype if isinstance(dtype, torch.dtype) else None
-
-    @property
-    def cast_to(self) -> torch.dtype | None:
-        return self.source.cast_to
-
-    @cast_to.setter
-    def cast_to(self, dtype: torch.dtype | None) -> None:
-        self.source.cast_to = dtype
 
     def _init_info(self, setup: SenderSetup, rank: int) -> TrainerInitInfo:
         raise NotImplementedError
@@ -150,13 +137,12 @@ class NcclTransport(_VLLMTransport):
                                    packed_buffer_size_bytes=setup.bucket_bytes, rank=rank)
 
 
-def ipc_buffer_bytes(bucket_bytes: int, params, cast_to: torch.dtype | None) -> tuple[int, str | None]:
-    """The packed IPC buffer: the bucket, or the largest tensor when that is larger (vLLM's
-    ``packed_ipc_producer`` raises on a tensor larger than its buffer; a 14B model's embedding
-    is 1.5 GB against a 256 MiB bucket). Returns the size and the tensor that set it (None: the
-    bucket did). With the wire dtype unknown yet (``None``), tensors count as stored: an upper
-    bound, since the buffer is fixed at init and the dtype may be learnt after."""
-    specs = param_specs(params, cast_to)
+def ipc_buffer_bytes(bucket_bytes: int, params, wire_dtype: torch.dtype | None) -> tuple[int, str | None]:
+    """The packed IPC buffer: the bucket, or the largest tensor in ``wire_dtype`` (None: as stored)
+    when that is larger (vLLM's ``packed_ipc_producer`` raises on a tensor larger than its buffer;
+    a 14B model's embedding is 1.5 GB against a 256 MiB bucket). Returns the size and the tensor
+    that set it (None: the bucket did)."""
+    specs = param_specs(params, wire_dtype)
     largest = max(specs, key=lambda s: s.nbytes, default=None)
     if largest is None or largest.nbytes <= bucket_bytes:
         return bucket_bytes, None
@@ -170,7 +156,7 @@ class IpcTransport(_VLLMTransport):
     def _init_info(self, setup: SenderSetup, rank: int) -> TrainerInitInfo:
         from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 
-        size, name = ipc_buffer_bytes(setup.bucket_bytes, setup.params, self.cast_to)
+        size, name = ipc_buffer_bytes(setup.bucket_bytes, setup.params, setup.wire_dtype)
         if name is not None and self.is_sender:
             self.log(f"weight sync (ipc): the packed buffer grows from the bucket's {setup.bucket_bytes / 2**20:.0f} MiB "
                      f"to {size / 2**20:.0f} MiB, the size of the largest tensor ({name})")

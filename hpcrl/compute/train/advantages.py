@@ -1,7 +1,7 @@
 """Group-relative advantages from the reward functions' rewards, as TRL's GRPOTrainer computes them.
 
 One job: rewards ``[B, F]`` (B completions, F reward functions, NaN where a function returned None)
-in, advantages ``[B]`` and the group statistics out; tests/test_grpo_math.py holds them against TRL's
+in, advantages ``[B]`` and the group statistics out; tests/compute/train/test_grpo_math.py holds them against TRL's
 own ``_generate_and_score_completions`` on identical inputs.
 
 Advantages are computed on the batch they are given, which must hold whole groups of G. The trainer

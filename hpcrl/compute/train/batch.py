@@ -20,7 +20,10 @@ def pack_batch(prompt_ids: list[list[int]], completions: list[Completion], pad_i
                mask_truncated: bool = False):
     """prompt (left padded) + completion (right padded) -> tensors for the forward pass. With
     ``mask_truncated`` (grpo.mask_truncated_completions) a completion cut at the length limit is left
-    out of attention and loss, as TRL multiplies its completion_mask by ``~is_truncated``."""
+    out of attention and loss, as TRL multiplies its completion_mask by ``~is_truncated``.
+
+    ``loss_mask`` is the completion mask less the tokens a tool's result put in a multi-turn rollout
+    (Completion.tool_mask 0): they are attended to, but take no loss (TRL's completion_mask * tool_mask)."""
     p_len = max(len(p) for p in prompt_ids)
     c_len = max(1, max(len(c.token_ids) for c in completions))
     b = len(completions)
@@ -29,6 +32,7 @@ def pack_batch(prompt_ids: list[list[int]], completions: list[Completion], pad_i
     comp = torch.full((b, c_len), pad_id, dtype=torch.long)
     c_mask = torch.zeros((b, c_len), dtype=torch.long)
     sampling_logps = torch.zeros((b, c_len), dtype=torch.float32)
+    tool_mask = torch.ones((b, c_len), dtype=torch.long)
     for i, (p, c) in enumerate(zip(prompt_ids, completions)):
         prompt[i, p_len - len(p):] = torch.tensor(p)
         p_mask[i, p_len - len(p):] = 1
@@ -37,12 +41,14 @@ def pack_batch(prompt_ids: list[list[int]], completions: list[Completion], pad_i
             c_mask[i, :len(c.token_ids)] = 0 if mask_truncated and c.truncated else 1
             if c.logprobs:
                 sampling_logps[i, :len(c.logprobs)] = torch.tensor(c.logprobs)
+            if c.tool_mask is not None:
+                tool_mask[i, :len(c.tool_mask)] = torch.tensor(c.tool_mask)
     ids = torch.cat([prompt, comp], 1)
     mask = torch.cat([p_mask, c_mask], 1)
     # Positions count real tokens only, as the engines did while sampling (left padding shifts them).
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     return {k: v.to(device) for k, v in dict(input_ids=ids, attention_mask=mask, position_ids=positions,
-                                             completion_ids=comp, completion_mask=c_mask,
+                                             completion_ids=comp, completion_mask=c_mask, loss_mask=c_mask * tool_mask,
                                              sampling_logps=sampling_logps).items()}
 
 

@@ -17,10 +17,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hpcrl.compute.inference.types import Generator, Sampling
+from hpcrl.compute.inference.types import Sampling
 from hpcrl.compute.train import data as data_mod
-from hpcrl.compute.train.rewards import (RewardFunction, RewardLog, as_completions, reward_statistics,
-                                         reward_sums, score_completions)
+from hpcrl.compute.train.rewards import (RewardFunction, RewardLog, reward_inputs, reward_statistics, reward_sums,
+                                         score_completions)
+from hpcrl.compute.train.rollouts import Rollouts
 from hpcrl.job import metric_keys as mk
 from hpcrl.job.recipe import GRPOConfig
 
@@ -58,7 +59,7 @@ def eval_due(grpo: GRPOConfig, step: int, epochs_per_step: float = 0.0) -> bool:
 class Evaluator:
     dataset: Any                    # the eval split (hpcrl.compute.train.sources.load_eval_dataset)
     tokenizer: Any
-    generator: Generator
+    rollouts: Rollouts              # the training's own: an agent is evaluated through the same tool loop
     rewards: list[RewardFunction]
     grpo: GRPOConfig
     trainer_rank: int
@@ -83,16 +84,17 @@ class Evaluator:
             idx = rows[start:start + per_request]
             batch = data_mod.make_batch(self.dataset, idx, self.tokenizer, **(g.chat_template_kwargs or {}))
             sampling = Sampling.of(g, n, seed=g.seed * 100_003 + 7_919 + idx[0])
-            completions = self.generator.submit(batch.prompt_ids, sampling).result()
-            batch = batch.repeat(n)
+            batch, pending = self.rollouts.submit(batch, sampling)
+            completions = pending.result()
+            shown, extra = reward_inputs(batch.prompts, completions)
             per_func = score_completions(
-                self.rewards, batch.prompts, as_completions(batch.prompts, [c.text for c in completions]),
-                [list(c.token_ids) for c in completions], batch.columns, trainer_state=trainer_state,
-                log_extra=RewardLog().log_extra, log_metric=RewardLog().log_metric).double()
+                self.rewards, batch.prompts, shown, [list(c.token_ids) for c in completions], batch.columns,
+                trainer_state=trainer_state, log_extra=RewardLog().log_extra, log_metric=RewardLog().log_metric,
+                **extra).double()
             kept = max(0, min(len(idx), real - start)) * n      # this request's rows that are no padding
             per_func, completions = per_func[:kept], completions[:kept]
             sums += torch.tensor(reward_sums(per_func, weights) + [
-                len(completions), sum(len(c.token_ids) for c in completions), sum(c.truncated for c in completions)],
+                len(completions), sum(c.model_tokens for c in completions), sum(c.truncated for c in completions)],
                 dtype=torch.float64)
         if self.num_trainers > 1:
             dist.all_reduce(sums, group=self.group)

@@ -25,6 +25,11 @@ class Requested:
     pending: PendingGeneration | None
     completions: list[Completion] | None = None
     wait_s: float = 0.0         # time the trainer was blocked on it: the generation it could not hide
+    # A row per rollout, as rolled out (an environment may add to a prompt); None: each prompt n times.
+    rows: data_mod.PromptBatch | None = None
+
+    def rollout_rows(self, n: int) -> data_mod.PromptBatch:
+        return self.rows if self.rows is not None else self.batch.repeat(n)
 
     def take(self) -> list[Completion]:
         if self.completions is None:
@@ -37,11 +42,12 @@ class Requested:
 
     def state_dict(self) -> dict:
         assert self.completions is not None, "a generation in flight cannot be checkpointed: take() it first"
-        return {"batch": self.batch, "version": self.version, "completions": self.completions}
+        return {"batch": self.batch, "version": self.version, "completions": self.completions, "rows": self.rows}
 
     @classmethod
     def from_state(cls, state: dict | None) -> "Requested | None":
-        return None if state is None else cls(state["batch"], state["version"], None, state["completions"])
+        return None if state is None else cls(state["batch"], state["version"], None, state["completions"],
+                                              rows=state.get("rows"))
 
 
 @dataclass(frozen=True)

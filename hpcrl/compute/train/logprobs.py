@@ -2,7 +2,7 @@
 
 One job: the per-token log-probabilities (and entropies) of completions, computed in fp32 a chunk of
 tokens at a time in forward and backward (:class:`_ChunkedLogprobs`), so that no fp32
-``[tokens x vocabulary]`` tensor of all the tokens ever exists. tests/test_grpo_math.py holds them
+``[tokens x vocabulary]`` tensor of all the tokens ever exists. tests/compute/train/test_grpo_math.py holds them
 against TRL's ``selective_log_softmax`` and ``entropy_from_logits`` on identical inputs.
 """
 
@@ -66,7 +66,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
     The backward performs the operations autograd performs on the unchunked expression, in the same
     order: ``(-g) * exp(z - lse)``, then ``+ g`` at the target (the gather's scatter), then ``/ T``,
     then the cast to the logits' dtype; so the gradient of the log-probabilities equals the
-    unchunked one, not merely to a tolerance (tests/test_grpo_math.py checks it on the CPU). The
+    unchunked one, not merely to a tolerance (tests/compute/train/test_grpo_math.py checks it on the CPU). The
     gradient with the entropy's, ``g_lp * onehot - p * (g_H * (log p + H) + g_lp)`` with
     ``log p = z - lse``, is autograd's quantity in another order of operations: equal to rounding.
 

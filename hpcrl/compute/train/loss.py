@@ -3,7 +3,7 @@
 One job: per-token log-probabilities (:mod:`hpcrl.compute.train.logprobs`) and advantages
 (:mod:`hpcrl.compute.train.advantages`) in, a loss ready for ``backward()`` and its metrics out.
 The loss's settings come in one frozen :class:`LossConfig`, built once from the recipe
-(:meth:`LossConfig.from_grpo`); everything else is a tensor of the micro-batch. tests/test_grpo_math.py
+(:meth:`LossConfig.from_grpo`); everything else is a tensor of the micro-batch. tests/compute/train/test_grpo_math.py
 holds loss, gradients and metrics against TRL's own ``_compute_loss`` on identical inputs.
 
 Conventions (TRL's): B sequences, T completion tokens (right padded). ``completion_mask`` is the loss

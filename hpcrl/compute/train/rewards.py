@@ -44,6 +44,7 @@ __all__ = [
     "new_trainer_state",
     "score_completions",
     "as_completions",
+    "reward_inputs",
     "completion_text",
     "demo_correct",
     "demo_format",
@@ -288,6 +289,20 @@ def as_completions(prompts: list, texts: list[str]) -> list:
     if prompts and is_conversational(prompts[0]):
         return [[{"role": "assistant", "content": t}] for t in texts]
     return list(texts)
+
+
+def reward_inputs(prompts: list, completions: Sequence[Any]) -> tuple[list, dict[str, Any]]:
+    """Completions (hpcrl.compute.inference.types.Completion) in the form TRL hands to reward
+    functions, and the keyword arguments only a run with environments adds: a multi-turn rollout is
+    its messages (assistant turns and tool results), and ``environments`` holds each rollout's."""
+    if not any(c.messages is not None for c in completions):
+        return as_completions(prompts, [c.text for c in completions]), {}
+    shown = [list(c.messages) if c.messages is not None else [{"role": "assistant", "content": c.text}]
+             for c in completions]
+    if not any(c.tool_use is not None and c.tool_use.environment is not None for c in completions):
+        return shown, {}
+    return shown, {"environments": [c.tool_use.finished_environment() if c.tool_use is not None else None
+                                    for c in completions]}
 
 
 def completion_text(completion: str | list[dict]) -> str:

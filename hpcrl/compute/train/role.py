@@ -80,6 +80,7 @@ def run_trainer(ctx: LaunchContext) -> int:
     try:
         outcome = trainer.run()
     finally:
+        trainer.rollouts.close()        # an agent's tool workers
         generator.close()
     if rank0:
         writer.heartbeat(trainer.step, outcome, servers=_server_health(ctx.run_dir))

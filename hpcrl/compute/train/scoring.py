@@ -18,12 +18,12 @@ import torch.distributed as dist
 from hpcrl.compute.metrics import format_completion
 from hpcrl.compute.train.advantages import compute_advantages
 from hpcrl.compute.train.rank_metrics import global_sum
-from hpcrl.compute.train.rewards import (RewardFunction, RewardLog, as_completions, reward_statistics, reward_sums,
+from hpcrl.compute.train.rewards import (RewardFunction, RewardLog, reward_inputs, reward_statistics, reward_sums,
                                          score_completions)
 from hpcrl.job import metric_keys as mk
 from hpcrl.job.recipe import Recipe
 
-__all__ = ["Scorer", "length_stats"]
+__all__ = ["Scorer", "length_stats", "tool_stats"]
 
 
 class Scorer:
@@ -48,21 +48,23 @@ class Scorer:
         """This rank's advantages of a generation trained on from optimizer step ``step + 1``, and
         its statistics over all trainers."""
         grpo = self.recipe.grpo
-        texts = [c.text for c in completions]
         log = RewardLog()
+        shown, extra = reward_inputs(batch.prompts, completions)
         per_func = score_completions(
-            self.rewards, batch.prompts, as_completions(batch.prompts, texts),
-            [list(c.token_ids) for c in completions], batch.columns,
+            self.rewards, batch.prompts, shown, [list(c.token_ids) for c in completions], batch.columns,
             trainer_state=self._trainer_state(batch, completions, step), log_extra=log.log_extra,
-            log_metric=log.log_metric)
+            log_metric=log.log_metric, **extra)
         self.completion_extra = dict(log.extra)
         self._warn_all_none(per_func, step)
         # Whole groups live on one rank (spec validation), so advantages are local.
         advantages, local = compute_advantages(per_func, grpo.num_generations, [rf.weight for rf in self.rewards],
                                                grpo.scale_rewards, grpo.multi_objective_aggregation)
         stats = {**self._logged_metrics(log.metrics), **self._reward_stats(per_func, local["frac_reward_zero_std"])}
-        self.log_completions(batch.prompts, texts, per_func, advantages, step)
+        logged = [list(c.messages) if c.messages is not None else c.text for c in completions]
+        self.log_completions(batch.prompts, logged, per_func, advantages, step)
         stats.update(length_stats(completions, self.setup.group))
+        if any(c.tool_use is not None for c in completions):
+            stats.update(tool_stats(completions, self.setup.group))
         return advantages, stats
 
     def counts(self, completions, loss_tokens: float) -> tuple[float, float, float, float]:
@@ -70,9 +72,9 @@ class Scorer:
         and truncated completions, over all trainers."""
         cap = self.recipe.grpo.max_completion_length
         tokens, loss_tokens, count, truncated, cut = global_sum(
-            [sum(len(c.token_ids) for c in completions), loss_tokens, len(completions),
+            [sum(c.model_tokens for c in completions), loss_tokens, len(completions),
              sum(c.truncated for c in completions),
-             sum(c.truncated and len(c.token_ids) < cap for c in completions)], self.setup.group)
+             sum(c.truncated and c.model_tokens < cap and c.tool_mask is None for c in completions)], self.setup.group)
         if cut and not self.warned_context_cut and self.setup.trainer_rank == 0:
             # The engine stops a sequence at its context: such a completion looks truncated like one
             # at max_completion_length, and would train on silently.
@@ -94,7 +96,7 @@ class Scorer:
                                + (" (no reward function scored them: they train on nothing)"
                                   if torch.isnan(per_func).all() else ""))
 
-    def log_completions(self, prompts: list, texts: list[str], per_func: torch.Tensor, advantages: torch.Tensor,
+    def log_completions(self, prompts: list, texts: list, per_func: torch.Tensor, advantages: torch.Tensor,
                         step: int) -> None:
         """logging.log_completions (TRL's log_completions): every trainer's completions of this
         generation, with prompt, rewards and advantage, go to rank 0, which hands them to
@@ -125,7 +127,7 @@ class Scorer:
         """TRL's self.state as its reward functions see it, before optimizer step ``step + 1``:
         num_input_tokens_seen counts this generation's prompts and completions on every trainer."""
         state = self.trainer_state
-        tokens = sum(len(p) for p in batch.prompt_ids) + sum(len(c.token_ids) for c in completions)
+        tokens = sum(len(p) for p in batch.prompt_ids) + sum(c.model_tokens for c in completions)
         state.num_input_tokens_seen += int(global_sum([tokens], self.setup.group)[0])
         state.global_step = step
         state.epoch = step * self.epochs_per_step
@@ -160,7 +162,7 @@ class Scorer:
 def length_stats(completions, group) -> dict[str, float]:
     """TRL's completions/min_length, max_length and the lengths of the completions that ended
     before max_completion_length (0 when none did, as TRL's), over all trainers."""
-    lengths = [len(c.token_ids) for c in completions]
+    lengths = [c.model_tokens for c in completions]
     ended = [n for n, c in zip(lengths, completions) if not c.truncated]
     # Minima as negated maxima: one reduction for all four extremes.
     extremes = torch.tensor([max(lengths, default=-math.inf), -min(lengths, default=math.inf),
@@ -172,3 +174,14 @@ def length_stats(completions, group) -> dict[str, float]:
             mk.COMPLETIONS_MEAN_TERMINATED_LENGTH: total / count if count else 0.0,
             mk.COMPLETIONS_MIN_TERMINATED_LENGTH: -low_ended if count else 0.0,
             mk.COMPLETIONS_MAX_TERMINATED_LENGTH: top_ended if count else 0.0}
+
+
+def tool_stats(completions, group) -> dict[str, float]:
+    """TRL's tools/call_frequency (calls per completion) and tools/failure_frequency (failed calls
+    per call), with hpcrl's turns per rollout and tool seconds per rollout, over all trainers."""
+    uses = [c.tool_use for c in completions if c.tool_use is not None]
+    calls, failures, turns, seconds, count = global_sum(
+        [sum(u.calls for u in uses), sum(u.failures for u in uses), sum(u.turns for u in uses),
+         sum(u.tool_s for u in uses), len(completions)], group)
+    return {mk.TOOLS_CALL_FREQUENCY: calls / max(1, count), mk.TOOLS_FAILURE_FREQUENCY: failures / calls if calls else 0.0,
+            mk.TOOLS_TURNS_MEAN: turns / max(1, count), mk.TOOLS_TIME_S: seconds / max(1, count)}

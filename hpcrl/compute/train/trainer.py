@@ -52,6 +52,7 @@ from hpcrl.compute.train.loss import (LossConfig, SamplerCorrection, grpo_loss, 
                                       sampling_importance_ratio)
 from hpcrl.compute.train.rank_metrics import Metric, global_sum, merge_metrics, reduce_metrics
 from hpcrl.compute.train.rewards import RewardFunction, load_reward_functions, new_trainer_state
+from hpcrl.compute.train.rollouts import make_rollouts
 from hpcrl.compute.train.scoring import Scorer
 
 
@@ -117,11 +118,14 @@ class Trainer:
         self.recipe = replace(setup.recipe, grpo=grpo)
         self.grpo = grpo
         self.generator = generator
+        # A rollout per completion: the engines' completion itself, or a conversation with tools.
+        self.rollouts = make_rollouts(self.recipe, generator, setup.tokenizer, setup.run_dir,
+                                      context_len(self.recipe, setup.policy), log=setup.log)
         self.rewards: list[RewardFunction] = load_reward_functions(
             [{"func": setup.reward_models[i], "weight": r.weight, "name": r.name} if r.model else
              {"func": r.func, "weight": r.weight, "name": r.name, "kwargs": r.kwargs}
              for i, r in enumerate(self.recipe.rewards)],
-            module_dir=setup.run_dir / rundir.REWARDS_DIR)
+            module_dir=setup.run_dir / rundir.REWARDS_DIR) + self.rollouts.reward_functions()
         self.epochs_per_step = (self.prompts_per_rank * setup.num_trainers
                                 / (self.steps_per_generation * max(1, len(setup.dataset))))
         # What the reward functions get as trainer_state (the scorer fills it in, a checkpoint keeps it).
@@ -150,7 +154,7 @@ class Trainer:
         self.ckpt_dir = Path(self.recipe.checkpoint.dir or setup.run_dir / rundir.CHECKPOINTS_DIR)
         self.logprob_chunk_tokens = self.recipe.trainer.logprob_chunk_tokens
         self.evaluator = None if setup.eval_dataset is None else Evaluator(
-            setup.eval_dataset, setup.tokenizer, generator, self.rewards, self.grpo, setup.trainer_rank,
+            setup.eval_dataset, setup.tokenizer, self.rollouts, self.rewards, self.grpo, setup.trainer_rank,
             setup.num_trainers, setup.group)
         self.flag = STOP
 
@@ -397,8 +401,8 @@ class Trainer:
         sampling = Sampling.of(self.grpo, self.grpo.num_generations,
                                seed=self.grpo.seed * 100_003 + first_step * 1_009 + self.setup.trainer_rank)
         t0 = time.perf_counter()
-        pending = self.generator.submit(batch.prompt_ids, sampling)
-        return Requested(batch, self.weight_version, pending, wait_s=time.perf_counter() - t0)
+        rows, pending = self.rollouts.submit(batch, sampling)
+        return Requested(batch, self.weight_version, pending, wait_s=time.perf_counter() - t0, rows=rows)
 
     def _ask_ahead(self, steps_left_in_generation: int) -> None:
         """Overlap: ask for the next generation now, if the run will train on it."""
@@ -415,13 +419,13 @@ class Trainer:
         self.next = None
         completions = requested.take()
         self._ask_ahead(self.steps_per_generation)
-        batch = requested.batch.repeat(self.grpo.num_generations)
+        batch = requested.rollout_rows(self.grpo.num_generations)
         lag = self.weight_version - requested.version
         advantages, reward_stats = self.scorer.score(batch, completions, self.step)
         tensors = pack_batch(batch.prompt_ids, completions, _pad_id(setup.tokenizer), setup.device,
                              mask_truncated=self.grpo.mask_truncated_completions)
         advantages = advantages.to(setup.device)
-        tokens, loss_tokens, count, truncated = self.scorer.counts(completions, tensors["completion_mask"].sum().item())
+        tokens, loss_tokens, count, truncated = self.scorer.counts(completions, tensors["loss_mask"].sum().item())
         t0 = time.perf_counter()
         old_logps, ref_logps = self._old_and_ref_logps(tensors)
         return Generation(tensors=tensors, advantages=advantages, old_logps=old_logps, ref_logps=ref_logps,
@@ -469,19 +473,19 @@ class Trainer:
             logps, entropies = out.logps, out.entropies
             entropy_mask = None
             if cfg.top_entropy_quantile < 1.0:
-                entropy_mask = high_entropy_mask(entropies.detach(), batch["completion_mask"][sl],
+                entropy_mask = high_entropy_mask(entropies.detach(), batch["loss_mask"][sl],
                                                  1 - cfg.top_entropy_quantile, self.setup.group)
             weights = None
             if cfg.vllm_importance_sampling_correction:
                 weights, is_metrics = sampling_importance_ratio(
                     old_logps[sl] if old_logps is not None else logps.detach(), batch["sampling_logps"][sl],
-                    batch["completion_mask"][sl], mode=cfg.vllm_importance_sampling_mode,
+                    batch["loss_mask"][sl], mode=cfg.vllm_importance_sampling_mode,
                     clip_min=cfg.vllm_importance_sampling_clip_min, clip_max=cfg.vllm_importance_sampling_clip_max)
                 merge_metrics(metrics, is_metrics)
             # The engines always return the sampled tokens' log-probabilities (TRL's with vLLM).
             loss, m = grpo_loss(
                 logps, None if old_logps is None else old_logps[sl], None if ref_logps is None else ref_logps[sl],
-                advantages[sl], batch["completion_mask"][sl], self.loss_config,
+                advantages[sl], batch["loss_mask"][sl], self.loss_config,
                 num_items_in_batch=generation.loss_tokens, entropies=entropies, entropy_mask=entropy_mask,
                 sampler=SamplerCorrection(batch["sampling_logps"][sl], weights))
             if out.aux_loss is not None:
@@ -577,6 +581,13 @@ class Trainer:
         self.weight_version = version
         self.last_sync_stats = stats
         return time.perf_counter() - t0
+
+
+def context_len(recipe, policy) -> int:
+    """The engines' context (prompt + completion): inference.max_model_len, else the model's own."""
+    config = getattr(policy, "config", None)
+    own = getattr(getattr(config, "text_config", None) or config, "max_position_embeddings", None)
+    return recipe.inference.max_model_len or own or 2**31
 
 
 def _pad_id(tokenizer) -> int:

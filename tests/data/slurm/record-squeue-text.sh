@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Records squeue-22.05.txt: `squeue -O hpcrl.login.slurm.SQUEUE_FORMAT` on the testbed for the jobs
-# tests/test_slurm.py reads (done, exit 3, held, cancelled, running, killed by SIGKILL, an -o
+# tests/login/test_slurm.py reads (done, exit 3, held, cancelled, running, killed by SIGKILL, an -o
 # pattern, a requeued job, a name holding '|').
 #   SLURM_CONF=/tmp/hpcrl-testbed/etc/slurm.conf bash tests/data/slurm/record-squeue-text.sh
 # Job ids and times are whatever the testbed hands out; the test looks jobs up by name.

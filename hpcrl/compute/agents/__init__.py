@@ -1,0 +1,8 @@
+"""Multi-turn agents: the model calls tools, reads their results and goes on (TRL's tools=, environment_factory=).
+
+conversation.py      the tokenizer's side: prompts rendered with tools, turns parsed, tool results as token ids (TRL's helpers)
+rollout.py           TRL's tool-calling loop over rollouts in progress: rounds of tool calls and continuations
+agent_rollouts.py    the trainer's multi-turn rollouts: sessions, environments' observations and rewards, the loop in a thread
+tool_pool.py         tools and environments run in worker processes: each call bounded, a hung or dead worker replaced
+tool_worker.py       what runs inside one tool worker process (the standard library and the user's modules, never torch)
+"""

@@ -1,0 +1,185 @@
+"""Multi-turn rollouts for the trainer: what a generation is when the recipe names tools or
+environments (agent.tools, agent.environment_factory), as TRL's GRPOTrainer runs them.
+
+``submit`` opens one tool session per rollout (an environment instance, reset with the prompt's row;
+a string it returns is appended to the last user message), renders each prompt with its tools, and
+asks the node's engines for the first turn; a thread then takes it and runs TRL's tool loop
+(hpcrl.compute.agents.rollout) over the same engines, so that with inference.overlap_generation the
+whole conversation, tool rounds included, overlaps training. An environment's get_reward() is read
+when its rollout is done, and the session is closed then: what is scored and checkpointed is plain
+data. The rounds are lockstep, as TRL's: every rollout of a round waits for the round's slowest.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from dataclasses import dataclass, replace
+from typing import Any
+
+from hpcrl.compute.agents.conversation import ToolChat
+from hpcrl.compute.agents.rollout import Rollout, tool_call_loop
+from hpcrl.compute.inference.types import Completion, Generator, Sampling
+from hpcrl.compute.train.data import PromptBatch, is_conversational
+
+__all__ = ["ToolUse", "FinishedEnvironment", "AgentRollouts", "AgentGeneration", "with_observation"]
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """What a rollout did with its tools: the step's tools/ metrics are made of these."""
+    calls: int
+    failures: int
+    turns: int                          # assistant turns (1: no tool was called)
+    tool_s: float                       # seconds its tool calls took
+    environment: str | None = None      # its environment's class name
+    environment_reward: float | None = None     # get_reward(), where the environment has one
+
+    def finished_environment(self) -> "FinishedEnvironment":
+        """What reward functions get as this rollout's ``environments`` entry."""
+        return FinishedEnvironment(self)
+
+
+class FinishedEnvironment:
+    """What reward functions get as ``environments`` (TRL passes the live instances): the instance
+    lived in a tool worker process and is gone when the rollout is scored, so only what TRL's own
+    environment reward reads is kept, get_reward()'s value."""
+
+    def __init__(self, use: ToolUse):
+        self.class_name = use.environment
+        self._reward = use.environment_reward
+
+    def get_reward(self) -> float | None:
+        return self._reward
+
+    def __getattr__(self, name: str):
+        raise AttributeError(f"{name!r}: hpcrl runs environments in tool worker processes, and a reward function "
+                             f"sees only their get_reward() values (environments[i].get_reward())")
+
+
+class AgentRollouts:
+    """Rollouts with tools through ``generator`` (the node's engines). ``pool``: the rank's
+    hpcrl.compute.agents.tool_pool.ToolPool; ``grpo``: the recipe's grpo section;
+    ``context_len``: the engines' context (prompt + completion), past which a tool result is rolled
+    back; ``by_column``: the rows choose their environment by their ``environment`` column."""
+
+    def __init__(self, generator: Generator, pool, chat: ToolChat, grpo, context_len: int, by_column: bool = False):
+        self.generator, self.pool, self.chat, self.grpo = generator, pool, chat, grpo
+        self.context_len = context_len
+        self.by_column = by_column
+        self.max_iterations = grpo.max_tool_calling_iterations
+        if self.max_iterations is None:
+            self.max_iterations = 2**62         # TRL's: no bound
+        self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hpcrl-rollouts")
+
+    def submit(self, batch: PromptBatch, sampling: Sampling) -> tuple[PromptBatch, "AgentGeneration"]:
+        """Start ``sampling.n`` rollouts of each prompt of ``batch``; returns the batch as rolled out
+        (a row per rollout, its prompt with the environment's observation) and the pending result."""
+        if batch.prompts and not is_conversational(batch.prompts[0]):
+            raise ValueError("agents need conversational prompts (a list of messages): a plain-text prompt has no "
+                             "chat template to render tools with")
+        rows = batch.repeat(sampling.n)
+        environments = rows.columns.get("environment") if self.by_column else [None] * len(rows)
+        sessions, prompts = [], []
+        for i, (prompt, environment) in enumerate(zip(rows.prompts, environments)):
+            session = self.pool.open(environment, self._reset_kwargs(rows, i))
+            sessions.append(session)
+            prompts.append(with_observation(prompt, getattr(session, "observation", None)))
+        tools = [self.pool.schemas(e) for e in environments]
+        ids = [self.chat.prompt_ids(p, t) for p, t in zip(prompts, tools)]
+        rows = PromptBatch(prompts, [self.chat.render(p, t) for p, t in zip(prompts, tools)], ids, rows.columns,
+                           rows.indices)
+        # One request of n per prompt where the rollouts of a prompt start alike (the engines sample a
+        # group at once); a request per rollout where an environment made them differ.
+        n = sampling.n
+        alike = all(ids[i] == ids[i - i % n] for i in range(len(ids)))
+        first = (self.generator.submit(ids[::n], sampling) if alike
+                 else self.generator.submit(ids, replace(sampling, n=1)))
+        future = self.executor.submit(self._finish, first, ids, tools, sessions, environments, sampling)
+        return rows, AgentGeneration(future)
+
+    def _reset_kwargs(self, rows: PromptBatch, i: int) -> dict:
+        # TRL's: reset(**row); in the mapping form without the column that chose the environment.
+        row = {"prompt": rows.prompts[i], **{k: v[i] for k, v in rows.columns.items()}}
+        if self.by_column:
+            row.pop("environment", None)
+        return row
+
+    def _finish(self, first, ids: list[list[int]], tools: list[list[dict]], sessions: list, environments: list,
+                sampling: Sampling) -> list[Completion]:
+        """The rollouts taken to their end (in the executor's thread), as completions."""
+        try:
+            turn = sorted(first.result(), key=lambda c: c.prompt_index)   # stable: a prompt's n keep their order
+            rollouts = [Rollout(prompt_ids=p, tools=t, session=s, completion_ids=list(c.token_ids),
+                                logprobs=list(c.logprobs), messages=[self.chat.parse(c.token_ids, p, t)],
+                                truncated=c.truncated)
+                        for p, t, s, c in zip(ids, tools, sessions, turn)]
+
+            def generate(prompt_ids: list[list[int]], round_: int):
+                seed = None if sampling.seed is None else sampling.seed * 7_919 + round_ + 1
+                out = self.generator.submit(prompt_ids, replace(sampling, n=1, seed=seed)).result()
+                return sorted(out, key=lambda c: c.prompt_index)
+
+            tool_call_loop(rollouts, self.chat, self.pool, generate, max_iterations=self.max_iterations,
+                           max_completion_length=self.grpo.max_completion_length, context_len=self.context_len)
+            return [self._completion(r, c, e) for r, c, e in zip(rollouts, turn, environments)]
+        finally:
+            for s in sessions:
+                self.pool.close_session(s)
+
+    def _completion(self, r: Rollout, first: Completion, environment: str | None) -> Completion:
+        stops = {self.chat.tokenizer.eos_token_id, self.chat.tokenizer.pad_token_id}
+        has_reward = self.pool.has_reward(environment)
+        use = ToolUse(calls=r.calls, failures=r.failures, turns=r.turns, tool_s=r.tool_s,
+                      environment=self.pool.environment_class_name(environment) if self.pool.has_environments else None,
+                      environment_reward=self.pool.reward(r.session) if has_reward else None)
+        return replace(first, token_ids=tuple(r.completion_ids), logprobs=tuple(r.logprobs),
+                       text=self.chat.tokenizer.decode(r.completion_ids, skip_special_tokens=True),
+                       # TRL's rule for a multi-turn completion: cut where it does not end its turn.
+                       truncated=bool(r.completion_ids) and r.completion_ids[-1] not in stops,
+                       tool_mask=tuple(r.tool_mask), messages=tuple(r.messages), tool_use=use)
+
+    def reward_functions(self) -> list:
+        """TRL's environment reward: each environment class with get_reward() is a reward function of
+        weight 1 named after the class, scoring only its own rollouts (None for the others)."""
+        from hpcrl.compute.train.rewards import RewardFunction
+
+        names = list(dict.fromkeys(self.pool.environment_class_name(e) for e in (self.pool.factories or {})
+                                   if self.pool.has_reward(e)))       # TRL's order, one per class
+        return [RewardFunction(name, _environment_reward(name), 1.0) for name in names]
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.pool.close()
+
+
+def _environment_reward(class_name: str):
+    def reward(environments, **kwargs):
+        return [e.get_reward() if e.class_name == class_name else None for e in environments]
+    reward.__name__ = class_name
+    return reward
+
+
+class AgentGeneration:
+    """A generation of rollouts in progress; ``result()`` waits for the last of them (every wait in
+    it is bounded: the engines' requests by inference.request_timeout_s and its per-token part, the
+    tools by agent.tool_timeout_s)."""
+
+    def __init__(self, future: concurrent.futures.Future):
+        self.future = future
+
+    def result(self) -> list[Completion]:
+        return self.future.result()
+
+
+def with_observation(prompt: list[dict], observation: Any) -> list[dict]:
+    """The prompt with what the environment's reset() returned appended to its last message (TRL's
+    rule; a list of content blocks and a string are reconciled into blocks)."""
+    if observation is None:
+        return prompt
+    content = prompt[-1]["content"]
+    if isinstance(observation, list) and isinstance(content, str):
+        content = [{"type": "text", "text": content}]
+    if isinstance(observation, str) and isinstance(content, list):
+        observation = [{"type": "text", "text": observation}]
+    return prompt[:-1] + [{**prompt[-1], "content": content + observation}]
+

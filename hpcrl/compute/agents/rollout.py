@@ -1,0 +1,133 @@
+"""TRL's tool-calling loop (GRPOTrainer._tool_call_loop, TRL 1.16) over rollouts in progress.
+
+Each round runs the tool calls of every rollout whose last assistant turn made some, appends their
+results as ``role: tool`` messages, and asks the engines to continue those rollouts, one completion
+each. The token ids are built by concatenation (prompt + completion so far + the tool results' ids),
+never by re-tokenising the conversation, so the trained tokens are the sampled ones; the tool
+results' tokens get ``tool_mask`` 0 (no loss, no length) and sampling log-probability 0. A round
+whose tool results would push a rollout past ``max_completion_length`` or the engine's context rolls
+them back and ends that rollout with the turn that called them; ``max_tool_calling_iterations``
+bounds the rounds. Differences from TRL, on purpose: the tools run in worker processes (bounded,
+hpcrl.compute.agents.tool_pool), the rollouts' tools of one round run in parallel, and an async
+tool's result keeps its place among the calls (TRL appends async results after the sync ones).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from hpcrl.compute.agents.conversation import ToolChat
+
+__all__ = ["Rollout", "tool_call_loop", "run_tools", "tool_message"]
+
+
+@dataclass
+class Rollout:
+    """One rollout as the loop grows it: the completion's ids, sampling log-probabilities and tool
+    mask (one each per completion token), and its messages (assistant turns and tool results)."""
+    prompt_ids: list[int]
+    tools: list[dict]                   # the schemas its prompt was rendered with
+    session: Any                        # its ToolPool session: its environment instance, if any
+    completion_ids: list[int]
+    logprobs: list[float]
+    messages: list[dict]
+    truncated: bool                     # the last turn stopped at the length limit
+    tool_mask: list[int] = field(default_factory=list)
+    calls: int = 0
+    failures: int = 0
+    turns: int = 1
+    tool_s: float = 0.0
+
+    def __post_init__(self):
+        if not self.tool_mask:
+            self.tool_mask = [1] * len(self.completion_ids)
+
+    @property
+    def tool_calls(self) -> list[dict] | None:
+        return self.messages[-1].get("tool_calls") if self.messages else None
+
+
+# A turn's continuations: (prompt ids of each rollout, the round) -> one Completion each.
+Continue = Callable[[list[list[int]], int], Sequence[Any]]
+
+
+def tool_call_loop(rollouts: Sequence[Rollout], chat: ToolChat, pool, generate: Continue, *, max_iterations: int,
+                   max_completion_length: int, context_len: int) -> None:
+    """Run the tool rounds of ``rollouts`` in place until none calls a tool, or for
+    ``max_iterations`` rounds (TRL's max_tool_calling_iterations)."""
+    active = [r for r in rollouts if r.tool_calls]
+    round_ = 0
+    while active and round_ < max_iterations:
+        results = run_tools(active, pool)
+        going, ids = [], []
+        for r, messages in zip(active, results):
+            kept = len(r.messages)
+            r.messages += messages
+            pct = r.prompt_ids + r.completion_ids + chat.suffix_ids(messages)
+            if len(pct) - len(r.prompt_ids) > max_completion_length or len(pct) >= context_len:
+                del r.messages[kept:]       # rolled back: the rollout ends with the turn that called
+                continue
+            going.append(r)
+            ids.append(pct)
+        if not going:
+            break
+        outs = generate(ids, round_)
+        active = []
+        for r, pct, out in zip(going, ids, outs):
+            if _extend(r, pct, out, chat, max_completion_length):
+                active.append(r)
+        round_ += 1
+
+
+def _extend(r: Rollout, pct: list[int], out, chat: ToolChat, max_completion_length: int) -> bool:
+    """``r`` continued by ``out`` after its tool results (``pct``: the ids it was continued from);
+    True when the new turn calls tools again."""
+    budget = max_completion_length - (len(pct) - len(r.prompt_ids))
+    new, logps = list(out.token_ids)[:budget], list(out.logprobs)[:budget]
+    tool_len = len(pct) - len(r.prompt_ids) - len(r.completion_ids)
+    r.tool_mask += [0] * tool_len + [1] * len(new)
+    r.logprobs += [0.0] * tool_len + logps
+    r.completion_ids = pct[len(r.prompt_ids):] + new
+    r.truncated = out.truncated or len(new) < len(out.token_ids)
+    r.turns += 1
+    if not new:                     # cut to nothing by the budget: no message, as TRL's
+        return False
+    message = chat.parse(new, pct, r.tools)
+    r.messages.append(message)
+    return bool(message.get("tool_calls"))
+
+
+def run_tools(active: Sequence[Rollout], pool) -> list[list[dict]]:
+    """The tool messages of each rollout's last turn, its calls run in its pool session; the
+    rollouts' calls run at once (each session's on its own worker)."""
+    pending = []
+    for r in active:
+        calls = r.tool_calls
+        functions = [(c["function"]["name"], c["function"].get("arguments", {})) for c in calls
+                     if c.get("type") == "function"]
+        pending.append((r, calls, pool.submit_many(r.session, functions) if functions else None))
+    out = []
+    for r, calls, future in pending:
+        # The pool bounds each call; this bounds the turn's calls together, with room for a worker's restart.
+        done = future.result(timeout=pool.timeout_s * (len(calls) + 1) + 30) if future else []
+        r.tool_s += sum(result.seconds for result in done)
+        results = iter(done)
+        messages = []
+        for call in calls:
+            r.calls += 1
+            if call.get("type") == "function":
+                result = next(results)
+                name, content, failed = result.name, result.content, result.failed
+            else:
+                name, failed = call.get("name", "unknown"), True
+                content = {"error": f"Unsupported tool call type: {call.get('type')}"}
+            r.failures += failed
+            messages.append(tool_message(name, content))
+        out.append(messages)
+    return out
+
+
+def tool_message(name: str, content: Any) -> dict:
+    """A tool's result as TRL's message: a list of content blocks as it is, anything else as text."""
+    return {"role": "tool", "name": name, "content": content if isinstance(content, list) else str(content)}

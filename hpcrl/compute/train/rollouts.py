@@ -1,0 +1,65 @@
+"""What the loop asks of generation: a batch of prompts in, one rollout per completion out.
+
+``SingleTurn`` is GRPO as it was: the engines' completions as they come. An agent recipe
+(agent.tools, agent.environment_factory) gets hpcrl.compute.agents' multi-turn rollouts instead,
+through the same two calls, so the loop and the evaluation hold no branch for it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+from hpcrl.compute.inference.types import Generator, PendingGeneration, Sampling
+from hpcrl.compute.train.data import PromptBatch
+from hpcrl.compute.train.rewards import RewardFunction
+
+__all__ = ["Rollouts", "SingleTurn", "make_rollouts"]
+
+
+class Rollouts(Protocol):
+    def submit(self, batch: PromptBatch, sampling: Sampling) -> tuple[PromptBatch, PendingGeneration]:
+        """Start ``sampling.n`` rollouts of each prompt; returns a row per rollout (its prompt as
+        rolled out: an environment may add to it) and the pending completions, in that order."""
+
+    def reward_functions(self) -> list[RewardFunction]:
+        """Reward sources of the rollouts' own (an environment's get_reward), after the recipe's."""
+
+    def close(self) -> None:
+        ...
+
+
+class SingleTurn:
+    """One completion per rollout, as the engines return it."""
+
+    def __init__(self, generator: Generator):
+        self.generator = generator
+
+    def submit(self, batch: PromptBatch, sampling: Sampling) -> tuple[PromptBatch, PendingGeneration]:
+        return batch.repeat(sampling.n), self.generator.submit(batch.prompt_ids, sampling)
+
+    def reward_functions(self) -> list[RewardFunction]:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+def make_rollouts(recipe, generator: Generator, tokenizer, run_dir: Path | None, context_len: int,
+                  log=print) -> Rollouts:
+    """The recipe's rollouts: multi-turn with tools where agent.tools or agent.environment_factory
+    is set, else single-turn."""
+    agent = recipe.agent
+    if not agent.enabled:
+        return SingleTurn(generator)
+    from hpcrl.compute.agents.agent_rollouts import AgentRollouts
+    from hpcrl.compute.agents.conversation import ToolChat
+    from hpcrl.compute.agents.tool_pool import ToolPool
+    from hpcrl.job import rundir
+
+    factories = agent.factories()
+    pool = ToolPool(agent.tools, factories, workers=agent.tool_workers, timeout_s=agent.tool_timeout_s,
+                    module_dir=None if run_dir is None else run_dir / rundir.REWARDS_DIR, log=log)
+    chat = ToolChat(tokenizer, recipe.grpo.chat_template_kwargs)
+    by_column = factories is not None and None not in factories
+    return AgentRollouts(generator, pool, chat, recipe.grpo, context_len, by_column=by_column)

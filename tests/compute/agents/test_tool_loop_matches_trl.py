@@ -1,0 +1,185 @@
+"""Multi-turn rollouts with tools against TRL 1.16's own GRPOTrainer, on the same scripted model.
+
+A real (tiny) GRPOTrainer with ``tools=`` runs its ``_generate_and_score_completions`` (its tool
+loop, parsing, masks, rewards, metrics) with only ``_generate_single_turn`` stubbed by a scripted
+"model" that calls tools; hpcrl's AgentRollouts run the same script through the Generator
+interface, with the tools in real worker processes (hpcrl.compute.agents.tool_pool). The script
+covers a tool call answered and continued, a direct answer, an unknown tool, a tool that raises and
+is called again next round, a tool result too long for max_completion_length (rolled back), and a
+continuation cut at the completion budget. The conversations the reward functions see, the token
+ids, tool_mask, sampling log-probabilities, rewards, advantages, tools/ metrics and the loss must
+equal TRL's.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+transformers = pytest.importorskip("transformers")
+
+from support import ScriptedToolGenerator, TOOL_MODULE, script_turn, scripted_ids, tool_tokenizer  # noqa: E402
+
+from hpcrl.compute.inference.types import Sampling  # noqa: E402
+
+G = 4                   # rollouts per prompt
+PROMPTS = ["3+4=", "5+2="]
+MAX_COMPLETION = 230
+ITERATIONS = 3
+TEMPERATURE = 1.0
+
+SEEN: dict[str, list] = {"trl": [], "hpcrl": []}
+
+
+def answer_reward(completions, answer, **kwargs):
+    SEEN["current"].append(completions)
+    return [1.0 if a in c[-1]["content"] else 0.0 for c, a in zip(completions, answer)]
+
+
+@pytest.fixture(scope="module")
+def tools_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("agent_tools")
+    (d / "parity_tools.py").write_text(TOOL_MODULE)
+    sys.path.insert(0, str(d))
+    yield d
+    sys.path.remove(str(d))
+
+
+@pytest.fixture(scope="module")
+def trl_run(tools_dir, tmp_path_factory):
+    import datasets
+    import parity_tools
+    from trl import GRPOConfig, GRPOTrainer
+
+    tok = tool_tokenizer()
+    config = transformers.Qwen2Config(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, tie_word_embeddings=True, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+        max_position_embeddings=4096)
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(config)
+    args = GRPOConfig(output_dir=str(tmp_path_factory.mktemp("grpo")), use_cpu=True, bf16=False, report_to=[],
+                      per_device_train_batch_size=G * len(PROMPTS), num_generations=G,
+                      max_completion_length=MAX_COMPLETION, temperature=TEMPERATURE, save_strategy="no",
+                      max_tool_calling_iterations=ITERATIONS)
+    rows = [{"prompt": [{"role": "user", "content": p}], "answer": str(eval(p[:-1]))} for p in PROMPTS]
+    ds = datasets.Dataset.from_list(rows)
+    tr = GRPOTrainer(model=model, reward_funcs=[answer_reward], args=args, train_dataset=ds, processing_class=tok,
+                     tools=[parity_tools.add, parity_tools.boom, parity_tools.repeat])
+    tr.current_gradient_accumulation_steps = 1      # set by the training loop, which we do not run
+
+    def generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        out = [scripted_ids(tok, script_turn(tok.decode(p), i % G), MAX_COMPLETION) for i, p in enumerate(prompt_ids)]
+        return [ids for ids, _, _ in out], [lps for _, lps, _ in out]
+
+    tr._generate_single_turn = generate_single_turn
+    SEEN["current"] = SEEN["trl"]
+    inputs = [row for row in rows for _ in range(G)]
+    out = tr._generate_and_score_completions(inputs)
+    metrics = {k: v[-1] for k, v in tr._metrics["train"].items() if v}
+    return tr, out, metrics
+
+
+@pytest.fixture(scope="module")
+def hpcrl_run(tools_dir, tmp_path_factory):
+    import torch.distributed as dist
+
+    from hpcrl.compute.agents.agent_rollouts import AgentRollouts
+    from hpcrl.compute.agents.conversation import ToolChat
+    from hpcrl.compute.agents.tool_pool import ToolPool
+    from hpcrl.compute.train.data import PromptBatch
+    from hpcrl.compute.train.rewards import RewardFunction, reward_inputs, score_completions
+    from hpcrl.compute.train.scoring import tool_stats
+    from hpcrl.job.grpo_config import GRPOConfig
+
+    if not dist.is_initialized():
+        store = tmp_path_factory.mktemp("dist") / "store"
+        dist.init_process_group("gloo", store=dist.FileStore(str(store), 1), rank=0, world_size=1)
+    tok = tool_tokenizer()
+    grpo = GRPOConfig(num_generations=G, max_completion_length=MAX_COMPLETION, max_tool_calling_iterations=ITERATIONS)
+    pool = ToolPool([f"parity_tools:{name}" for name in ("add", "boom", "repeat")], workers=2, timeout_s=30,
+                    module_dir=tools_dir)
+    rollouts = AgentRollouts(ScriptedToolGenerator(tok), pool, ToolChat(tok), grpo, context_len=4096)
+    try:
+        prompts = [[{"role": "user", "content": p}] for p in PROMPTS]
+        batch = PromptBatch(prompts, ["" for _ in prompts], [[] for _ in prompts],
+                            {"answer": [str(eval(p[:-1])) for p in PROMPTS]}, [0, 1])
+        rows, pending = rollouts.submit(batch, Sampling(n=G, max_tokens=MAX_COMPLETION, temperature=TEMPERATURE))
+        completions = pending.result()
+        SEEN["current"] = SEEN["hpcrl"]
+        shown, extra = reward_inputs(rows.prompts, completions)
+        rewards = score_completions([RewardFunction("answer_reward", answer_reward)], rows.prompts, shown,
+                                    [list(c.token_ids) for c in completions], rows.columns, **extra)
+        stats = tool_stats(completions, None)
+    finally:
+        rollouts.close()
+    return tok, rows, completions, rewards, stats
+
+
+def _trl_rows(out, key: str, lengths) -> list[list]:
+    return [out[key][i, :n].tolist() for i, n in enumerate(lengths)]
+
+
+def test_conversations_ids_and_masks_match_trl(trl_run, hpcrl_run):
+    tr, out, _ = trl_run
+    tok, rows, completions, _, _ = hpcrl_run
+    assert SEEN["hpcrl"][-1] == SEEN["trl"][-1]         # what the reward functions were handed
+    assert [p for p in rows.prompt_ids] == [p[m.bool()].tolist() for p, m in zip(out["prompt_ids"], out["prompt_mask"])]
+    lengths = [len(c.token_ids) for c in completions]
+    assert _trl_rows(out, "completion_mask", lengths) == [[1] * n for n in lengths]   # no longer, no shorter
+    assert [list(c.token_ids) for c in completions] == _trl_rows(out, "completion_ids", lengths)
+    assert [list(c.tool_mask) for c in completions] == _trl_rows(out, "tool_mask", lengths)
+    # The script covers every branch of the loop (else this test would prove less than it says).
+    turns = [c.tool_use.turns for c in completions]
+    assert max(turns) == 3 and 1 in turns                          # a second round; a direct answer
+    assert any(c.tool_use.failures for c in completions)           # unknown tool, a raise
+    rolled_back = [c for c in completions if c.tool_use.calls and c.tool_use.turns == 1]
+    assert rolled_back and rolled_back[0].messages[-1].get("tool_calls")    # ended on its own call
+    assert any(0 in c.tool_mask and c.truncated for c in completions)      # cut at the budget after a tool
+
+
+def test_sampling_logprobs_rewards_and_metrics_match_trl(trl_run, hpcrl_run):
+    from hpcrl.compute.train.advantages import compute_advantages
+    from hpcrl.job import metric_keys as mk
+
+    tr, out, metrics = trl_run
+    tok, rows, completions, rewards, stats = hpcrl_run
+    # TRL keeps the engine's log-probabilities only with vLLM; the stub's are what the loop built.
+    for c in completions:
+        assert len(c.logprobs) == len(c.token_ids)
+        assert all(lp == 0.0 for lp, m in zip(c.logprobs, c.tool_mask) if m == 0)
+    advantages, _ = compute_advantages(rewards, G, [1.0], tr.scale_rewards, "sum_then_normalize")
+    torch.testing.assert_close(advantages, out["advantages"], atol=1e-6, rtol=0)
+    assert 0 < advantages.abs().max()
+    for key in (mk.TOOLS_CALL_FREQUENCY, mk.TOOLS_FAILURE_FREQUENCY):
+        assert math.isclose(stats[key], metrics[key], abs_tol=1e-6), (key, stats[key], metrics[key])
+    assert stats[mk.TOOLS_TURNS_MEAN] > 1
+    # TRL's completion lengths count the model's tokens only.
+    assert math.isclose(sum(c.model_tokens for c in completions) / len(completions),
+                        metrics["completions/mean_length"], abs_tol=1e-6)
+
+
+def test_loss_with_tool_mask_matches_trl(trl_run, hpcrl_run):
+    from hpcrl.compute.train import logprobs
+    from hpcrl.compute.train.batch import pack_batch
+    from hpcrl.compute.train.loss import LossConfig, grpo_loss
+
+    tr, out, _ = trl_run
+    tok, rows, completions, _, _ = hpcrl_run
+    torch.manual_seed(0)
+    trl_loss = tr._compute_loss(tr.model, out)
+    batch = pack_batch(rows.prompt_ids, completions, tok.pad_token_id, "cpu")
+    assert batch["loss_mask"].sum() < batch["completion_mask"].sum()      # tool tokens take no loss
+    logits = tr.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                      position_ids=batch["position_ids"]).logits
+    logps = logprobs.completion_logprobs(logits, batch["completion_ids"], TEMPERATURE)
+    config = LossConfig(loss_type=tr.loss_type, beta=tr.beta, epsilon_low=tr.epsilon_low,
+                        epsilon_high=tr.epsilon_high, max_completion_length=MAX_COMPLETION,
+                        gradient_accumulation_steps=1, steps_per_generation=tr.args.steps_per_generation)
+    loss, _ = grpo_loss(logps, None, None, out["advantages"], batch["loss_mask"], config,
+                        num_items_in_batch=batch["loss_mask"].sum())
+    torch.testing.assert_close(loss, trl_loss, atol=1e-6, rtol=0)

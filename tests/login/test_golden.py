@@ -1,0 +1,89 @@
+"""Golden sbatch scripts: `hpcrl render` of every shipped Slurm site, with fixed arguments, compared line by
+line with tests/golden/<site>.sbatch, so any change to a site profile or to templates/sbatch.sh.j2 shows up
+in review as a diff of the script a user would submit.
+
+What differs between machines and runs is replaced before comparing:
+  @RUN_DIR@   the run directory (a pytest temporary directory)
+  @PYTHON@    the interpreter running hpcrl (sys.executable), for sites with python = "auto"
+  @VERSION@   the hpcrl version in the "Rendered by hpcrl ..." comment
+
+After an intended change, regenerate the files and review their diff:
+
+    HPCRL_UPDATE_GOLDEN=1 .venv/bin/python -m pytest -q tests/login/test_golden.py
+    git diff tests/golden/
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import shlex
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+from conftest import REPO, TESTS
+
+GOLDEN = TESTS / "golden"
+UPDATE = os.environ.get("HPCRL_UPDATE_GOLDEN") == "1"
+REGENERATE = "HPCRL_UPDATE_GOLDEN=1 .venv/bin/python -m pytest -q tests/login/test_golden.py"
+FIXED_ARGS = ["-N", "2", "-t", "01:00:00"]
+ACCOUNT = "abc123"
+
+
+def _profile(name: str) -> dict:
+    """A shipped profile's fields, its shipped `extends` chain merged in at the top level (enough to
+    read scheduler and account_required)."""
+    data = tomllib.loads((REPO / "sites" / f"{name}.toml").read_text())
+    parent = data.get("extends")
+    return {**_profile(parent), **data} if parent else data
+
+
+def slurm_sites() -> list[str]:
+    names = sorted(p.stem for p in (REPO / "sites").glob("*.toml"))
+    # Site's default scheduler is "slurm"; the scheduler-less ones (local) have no script to render.
+    return [n for n in names if _profile(n).get("scheduler", "slurm") != "none"]
+
+
+def normalise(script: str, run_dir: Path) -> str:
+    for value, placeholder in ((str(run_dir), "@RUN_DIR@"), (sys.executable, "@PYTHON@")):
+        script = script.replace(shlex.quote(value), placeholder).replace(value, placeholder)
+    return re.sub(r"^(# Rendered by hpcrl )\S+( for site )", r"\g<1>@VERSION@\g<2>", script, flags=re.M)
+
+
+def test_shipped_sites_are_found():
+    assert {"frontier", "cuda", "testbed"} <= set(slurm_sites()) and "local" not in slurm_sites()
+
+
+@pytest.mark.parametrize("site", slurm_sites())
+def test_rendered_script_matches_golden(hpcrl, tmp_path, site):
+    run_dir = tmp_path / "run"
+    args = ["render", "--site", site, *FIXED_ARGS, "--run-dir", run_dir]
+    if _profile(site).get("account_required"):
+        args += ["-A", ACCOUNT]
+    # A developer's own site directories must not leak into the shipped profiles.
+    r = hpcrl(*args, env={"HPCRL_SITES_PATH": ""})
+    assert r.returncode == 0, f"hpcrl {' '.join(map(str, args))} failed:\n{r.stderr}"
+    actual = normalise((run_dir / "job.sbatch").read_text(), run_dir)
+    golden = GOLDEN / f"{site}.sbatch"
+    if UPDATE:
+        GOLDEN.mkdir(exist_ok=True)
+        golden.write_text(actual)
+        return
+    if not golden.is_file():
+        pytest.fail(f"no golden script {golden.relative_to(REPO)} for site {site}; create it with\n    {REGENERATE}")
+    expected = golden.read_text()
+    if actual != expected:
+        diff = "".join(difflib.unified_diff(expected.splitlines(keepends=True), actual.splitlines(keepends=True),
+                                            fromfile=f"tests/golden/{site}.sbatch",
+                                            tofile=f"hpcrl render --site {site}"))
+        pytest.fail(f"the rendered script for {site} differs from its golden file:\n{diff}\n"
+                    f"If the change is intended, regenerate with\n    {REGENERATE}\n"
+                    "and review `git diff tests/golden/`.", pytrace=False)
+
+
+def test_no_stale_golden_files():
+    stale = sorted(p.name for p in GOLDEN.glob("*.sbatch") if p.stem not in slurm_sites())
+    assert not stale, f"golden scripts for sites that are not shipped Slurm sites (delete them): {stale}"
