@@ -79,11 +79,10 @@ class AgentRollouts:
                              "chat template to render tools with")
         rows = batch.repeat(sampling.n)
         environments = rows.columns.get("environment") if self.by_column else [None] * len(rows)
-        sessions, prompts = [], []
-        for i, (prompt, environment) in enumerate(zip(rows.prompts, environments)):
-            session = self.pool.open(environment, self._reset_kwargs(rows, i))
-            sessions.append(session)
-            prompts.append(with_observation(prompt, getattr(session, "observation", None)))
+        # The resets run at once, each in its session's worker (the pool bounds each).
+        opening = [self.pool.submit_open(e, self._reset_kwargs(rows, i)) for i, e in enumerate(environments)]
+        sessions = [f.result() for f in opening]
+        prompts = [with_observation(p, s.observation) for p, s in zip(rows.prompts, sessions)]
         tools = [self.pool.schemas(e) for e in environments]
         ids = [self.chat.prompt_ids(p, t) for p, t in zip(prompts, tools)]
         rows = PromptBatch(prompts, [self.chat.render(p, t) for p, t in zip(prompts, tools)], ids, rows.columns,
@@ -121,17 +120,20 @@ class AgentRollouts:
 
             tool_call_loop(rollouts, self.chat, self.pool, generate, max_iterations=self.max_iterations,
                            max_completion_length=self.grpo.max_completion_length, context_len=self.context_len)
-            return [self._completion(r, c, e) for r, c, e in zip(rollouts, turn, environments)]
+            # get_reward() of every rollout at once, now that each is done (TRL reads it when scoring).
+            rewards = [self.pool.submit_reward(r.session) if self.pool.has_reward(e) else None
+                       for r, e in zip(rollouts, environments)]
+            return [self._completion(r, c, e, f.result() if f is not None else None)
+                    for r, c, e, f in zip(rollouts, turn, environments, rewards)]
         finally:
             for s in sessions:
                 self.pool.close_session(s)
 
-    def _completion(self, r: Rollout, first: Completion, environment: str | None) -> Completion:
+    def _completion(self, r: Rollout, first: Completion, environment: str | None, reward: float | None) -> Completion:
         stops = {self.chat.tokenizer.eos_token_id, self.chat.tokenizer.pad_token_id}
-        has_reward = self.pool.has_reward(environment)
         use = ToolUse(calls=r.calls, failures=r.failures, turns=r.turns, tool_s=r.tool_s,
                       environment=self.pool.environment_class_name(environment) if self.pool.has_environments else None,
-                      environment_reward=self.pool.reward(r.session) if has_reward else None)
+                      environment_reward=reward)
         return replace(first, token_ids=tuple(r.completion_ids), logprobs=tuple(r.logprobs),
                        text=self.chat.tokenizer.decode(r.completion_ids, skip_special_tokens=True),
                        # TRL's rule for a multi-turn completion: cut where it does not end its turn.
