@@ -36,6 +36,7 @@ import torch.distributed as dist
 from hpcrl.compute.inference.types import Generator, Sampling
 from hpcrl.compute.launch import faults
 from hpcrl.compute.launch.stop import STOP
+from hpcrl.job import context
 from hpcrl.job import metric_keys as mk
 from hpcrl.job import rundir
 from hpcrl.job.recipe import LaunchConfig, Recipe
@@ -120,7 +121,7 @@ class Trainer:
         self.generator = generator
         # A rollout per completion: the engines' completion itself, or a conversation with tools.
         self.rollouts = make_rollouts(self.recipe, generator, setup.tokenizer, setup.run_dir,
-                                      context_len(self.recipe, setup.policy), log=setup.log)
+                                      context_len(self.recipe, setup.policy, setup.tokenizer), log=setup.log)
         self.rewards: list[RewardFunction] = load_reward_functions(
             [{"func": setup.reward_models[i], "weight": r.weight, "name": r.name} if r.model else
              {"func": r.func, "weight": r.weight, "name": r.name, "kwargs": r.kwargs}
@@ -583,11 +584,14 @@ class Trainer:
         return time.perf_counter() - t0
 
 
-def context_len(recipe, policy) -> int:
-    """The engines' context (prompt + completion): inference.max_model_len, else the model's own."""
-    config = getattr(policy, "config", None)
-    own = getattr(getattr(config, "text_config", None) or config, "max_position_embeddings", None)
-    return recipe.inference.max_model_len or own or 2**31
+def context_len(recipe, policy, tokenizer) -> int:
+    """The engines' context (prompt + completion): inference.max_model_len, else the one vLLM
+    derives from the model (hpcrl.job.context's rule, which the login side checks recipes by),
+    read from the loaded model's config and tokenizer."""
+    if recipe.inference.max_model_len:
+        return recipe.inference.max_model_len
+    return context.from_configs(policy.config.to_dict(),
+                                {"model_max_length": getattr(tokenizer, "model_max_length", None)}).tokens
 
 
 def _pad_id(tokenizer) -> int:
