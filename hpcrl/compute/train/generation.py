@@ -86,7 +86,9 @@ class Generation:
             return None
         state = _to_device(state, device)
         tokens, completions, truncated, *loss_tokens = state["gen_tokens"]     # (older checkpoints: 3)
-        return cls(tensors=state["tensors"], advantages=state["advantages"], old_logps=state["old_logps"],
+        # Older checkpoints have no loss_mask: their completions had no tool tokens, so it is the completion mask.
+        tensors = {"loss_mask": state["tensors"]["completion_mask"], **state["tensors"]}
+        return cls(tensors=tensors, advantages=state["advantages"], old_logps=state["old_logps"],
                    ref_logps=state["ref_logps"], completion_tokens=tokens,
                    loss_tokens=loss_tokens[0] if loss_tokens else tokens, completions=completions,
                    truncated=truncated, reward_stats=state["rstats"], lag=state.get("lag", 0))

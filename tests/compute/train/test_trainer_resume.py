@@ -197,3 +197,22 @@ def test_killed_and_resumed_run_repeats_the_uninterrupted_one(tmp_path, model_di
     worst = max(abs(a[s][k] - c[s][k]) for s in c for k in c[s].keys() - TIMING_KEYS
                 if isinstance(c[s][k], float) and not math.isnan(c[s][k]))
     print(f"num_iterations={mu}: steps {K + 1}..{N_STEPS} after the resume, largest metric difference {worst:.3g}")
+
+
+def test_a_generation_checkpointed_before_tool_masks_resumes_with_its_completion_mask_as_loss_mask():
+    """A checkpoint written before pack_batch had loss_mask (no multi-turn rollouts then) resumes:
+    its loss mask is its completion mask."""
+    import torch
+
+    from hpcrl.compute.inference.types import Completion
+    from hpcrl.compute.train.batch import pack_batch
+    from hpcrl.compute.train.generation import Generation
+
+    completions = [Completion(0, (5, 6, 7), (-1.0,) * 3, "", False, 0), Completion(0, (5,), (-1.0,), "", False, 0)]
+    tensors = pack_batch([[1, 2], [3]], completions, 0, "cpu")
+    old = {k: v for k, v in tensors.items() if k != "loss_mask"}
+    state = Generation(tensors=old, advantages=torch.zeros(2), old_logps=None, ref_logps=None, completion_tokens=4.0,
+                       loss_tokens=4.0, completions=2.0, truncated=0.0, reward_stats={}, lag=0).state_dict(1)
+    restored = Generation.from_state(state, torch.device("cpu"))
+    assert torch.equal(restored.tensors["loss_mask"], tensors["completion_mask"])
+    assert torch.equal(restored.tensors["loss_mask"], tensors["loss_mask"])
