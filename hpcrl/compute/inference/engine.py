@@ -52,9 +52,9 @@ class SyncPeer:
     node_of_rank: dict[int, int]    # the plan's node of every trainer rank (the gathers' traffic)
 
     def wire_dtype(self):
-        """The wire dtype of this trainer's side of the sync: the engines' dtype as a torch dtype
-        (None where they gave none a torch dtype is named by: each tensor as stored). Decided here
-        for every engine and transport; the sync's trainers agree on it once when it is built
+        """The wire dtype of this trainer's side of the sync: the engines' dtype as a torch dtype,
+        or None where they named none that torch has (each tensor then goes as stored). Decided
+        here for every engine and transport; the sync's trainers agree on it once when it is built
         (sync.gather.agree_wire_dtype), and no transport asks the engine again."""
         import torch        # here, not at the top: choosing an engine must not import torch
 

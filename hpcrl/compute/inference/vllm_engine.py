@@ -79,11 +79,13 @@ def transport_options(backend: str, is_sender: bool, server_gpus: int, wire_dtyp
     gathers. ipc has no rendezvous. hpcrl_shm's region is named by ``job_token``, and either side
     waits ``stall_timeout_s`` for the other."""
     if backend == SHM_BACKEND:
-        return {"transport": ShmOptions(job_token=job_token, stall_timeout_s=stall_timeout_s), "wire_dtype": wire_dtype}
-    if backend == "nccl":
-        master = ("127.0.0.1", _free_port()) if is_sender else None
-        return {"transport": NcclOptions(master=master, server_world_size=server_gpus), "wire_dtype": wire_dtype}
-    return {"transport": IpcOptions(), "wire_dtype": wire_dtype}
+        transport = ShmOptions(job_token=job_token, stall_timeout_s=stall_timeout_s)
+    elif backend == "nccl":
+        transport = NcclOptions(master=("127.0.0.1", _free_port()) if is_sender else None,
+                                server_world_size=server_gpus)
+    else:
+        transport = IpcOptions()
+    return {"transport": transport, "wire_dtype": wire_dtype}
 
 
 def _free_port() -> int:
