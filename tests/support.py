@@ -267,7 +267,45 @@ class ScriptedToolGenerator:
         out = []
         for k, p in enumerate(prompts):
             for j in range(sampling.n):
-                ids, lps, cut = scripted_ids(self.tok, script_turn(self.tok.decode(p), j), sampling.max_tokens)
-                out.append(Completion(k, tuple(ids), tuple(lps), self.tok.decode(ids, skip_special_tokens=True), cut,
-                                      self.version))
+                out.append(self._completion(k, p, j, sampling))
         return Generated(out)
+
+    def _completion(self, index: int, prompt, variant: int, sampling: Sampling) -> Completion:
+        ids, lps, cut = scripted_ids(self.tok, script_turn(self.tok.decode(prompt), variant), sampling.max_tokens)
+        return Completion(index, tuple(ids), tuple(lps), self.tok.decode(ids, skip_special_tokens=True), cut,
+                          self.version)
+
+
+class ScriptedStreamingGenerator(ScriptedToolGenerator):
+    """The same script behind a Stream (the per-sample rollouts'), answering out of order: each take
+    returns what was asked since the last, last asked first. ``group``: rollouts per prompt (a
+    first turn's variant is its key modulo the group)."""
+
+    def __init__(self, tok, group: int):
+        super().__init__(tok)
+        self.group = group
+        self.seeds: list[tuple[int, int | None]] = []     # (key, seed) of every request, in order
+
+    def open_stream(self):
+        gen = self
+
+        class Stream:
+            outstanding = 0
+            asked: list = []
+
+            def add(self, key, prompt_ids, sampling):
+                assert sampling.n == 1
+                gen.seeds.append((key, sampling.seed))
+                self.asked.append(gen._completion(0, prompt_ids, key % gen.group, sampling))
+                self.asked[-1] = (key, self.asked[-1])
+                self.outstanding += 1
+
+            def take(self, timeout=None):
+                done, self.asked = self.asked[::-1], []
+                self.outstanding -= len(done)
+                return done
+
+            def close(self):
+                assert self.outstanding == 0
+
+        return Stream()

@@ -2,12 +2,14 @@
 environments (agent.tools, agent.environment_factory), as TRL's GRPOTrainer runs them.
 
 ``submit`` opens one tool session per rollout (an environment instance, reset with the prompt's row;
-a string it returns is appended to the last user message), renders each prompt with its tools, and
-asks the node's engines for the first turn; a thread then takes it and runs TRL's tool loop
-(hpcrl.compute.agents.rollout) over the same engines, so that with inference.overlap_generation the
-whole conversation, tool rounds included, overlaps training. An environment's get_reward() is read
-when its rollout is done, and the session is closed then: what is scored and checkpointed is plain
-data. The rounds are lockstep, as TRL's: every rollout of a round waits for the round's slowest.
+a string it returns is appended to the last user message) and renders each prompt with its tools; a
+thread then runs the rollouts over the node's engines, so that with inference.overlap_generation
+the whole conversation, tool rounds included, overlaps training. Where the engines take streams
+(the server's), each rollout moves on by itself (hpcrl.compute.agents.per_sample): its tools start
+when its turn is done, and its next turn joins the engine's batch when they are. Elsewhere, and
+with ``per_sample=False``, the rounds are lockstep, as TRL's (hpcrl.compute.agents.rollout). An
+environment's get_reward() is read when its rollout is done, and the session is closed then: what
+is scored and checkpointed is plain data.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from hpcrl.compute.agents.conversation import ToolChat
+from hpcrl.compute.agents.per_sample import Start, run_per_sample
 from hpcrl.compute.agents.rollout import Rollout, tool_call_loop
 from hpcrl.compute.inference.types import Completion, Generator, Sampling
 from hpcrl.compute.train.data import PromptBatch, is_conversational
@@ -60,12 +63,16 @@ class AgentRollouts:
     """Rollouts with tools through ``generator`` (the node's engines). ``pool``: the rank's
     hpcrl.compute.agents.tool_pool.ToolPool; ``grpo``: the recipe's grpo section;
     ``context_len``: the engines' context (prompt + completion), past which a tool result is rolled
-    back; ``by_column``: the rows choose their environment by their ``environment`` column."""
+    back; ``by_column``: the rows choose their environment by their ``environment`` column;
+    ``per_sample``: each rollout moves on by itself where the generator takes streams (else, and
+    when False, lockstep rounds: the bench's baseline)."""
 
-    def __init__(self, generator: Generator, pool, chat: ToolChat, grpo, context_len: int, by_column: bool = False):
+    def __init__(self, generator: Generator, pool, chat: ToolChat, grpo, context_len: int, by_column: bool = False,
+                 per_sample: bool = True):
         self.generator, self.pool, self.chat, self.grpo = generator, pool, chat, grpo
         self.context_len = context_len
         self.by_column = by_column
+        self.per_sample = per_sample and hasattr(generator, "open_stream")
         self.max_iterations = grpo.max_tool_calling_iterations
         if self.max_iterations is None:
             self.max_iterations = 2**62         # TRL's: no bound
@@ -87,6 +94,10 @@ class AgentRollouts:
         ids = [self.chat.prompt_ids(p, t) for p, t in zip(prompts, tools)]
         rows = PromptBatch(prompts, [self.chat.render(p, t) for p, t in zip(prompts, tools)], ids, rows.columns,
                            rows.indices)
+        if self.per_sample:
+            future = self.executor.submit(self._per_sample, [Start(p, t, s) for p, t, s in zip(ids, tools, sessions)],
+                                          environments, sampling)
+            return rows, AgentGeneration(future)
         # One request of n per prompt where the rollouts of a prompt start alike (the engines sample a
         # group at once); a request per rollout where an environment made them differ.
         n = sampling.n
@@ -102,6 +113,19 @@ class AgentRollouts:
         if self.by_column:
             row.pop("environment", None)
         return row
+
+    def _per_sample(self, starts: list[Start], environments: list, sampling: Sampling) -> list[Completion]:
+        """The rollouts, each moving on by itself over a stream on the engines (in the executor's thread)."""
+        stream = self.generator.open_stream()
+        try:
+            done = run_per_sample(starts, self.chat, self.pool, stream, sampling, max_iterations=self.max_iterations,
+                                  max_completion_length=self.grpo.max_completion_length,
+                                  context_len=self.context_len)
+            stream.close()
+            return self._completions([r for r, _ in done], [c for _, c in done], environments)
+        finally:
+            for s in starts:
+                self.pool.close_session(s.session)
 
     def _finish(self, first, ids: list[list[int]], tools: list[list[dict]], sessions: list, environments: list,
                 sampling: Sampling) -> list[Completion]:
@@ -120,14 +144,17 @@ class AgentRollouts:
 
             tool_call_loop(rollouts, self.chat, self.pool, generate, max_iterations=self.max_iterations,
                            max_completion_length=self.grpo.max_completion_length, context_len=self.context_len)
-            # get_reward() of every rollout at once, now that each is done (TRL reads it when scoring).
-            rewards = [self.pool.submit_reward(r.session) if self.pool.has_reward(e) else None
-                       for r, e in zip(rollouts, environments)]
-            return [self._completion(r, c, e, f.result() if f is not None else None)
-                    for r, c, e, f in zip(rollouts, turn, environments, rewards)]
+            return self._completions(rollouts, turn, environments)
         finally:
             for s in sessions:
                 self.pool.close_session(s)
+
+    def _completions(self, rollouts: list[Rollout], first: list[Completion], environments: list) -> list[Completion]:
+        # get_reward() of every rollout at once, now that each is done (TRL reads it when scoring).
+        rewards = [self.pool.submit_reward(r.session) if self.pool.has_reward(e) else None
+                   for r, e in zip(rollouts, environments)]
+        return [self._completion(r, c, e, f.result() if f is not None else None)
+                for r, c, e, f in zip(rollouts, first, environments, rewards)]
 
     def _completion(self, r: Rollout, first: Completion, environment: str | None, reward: float | None) -> Completion:
         stops = {self.chat.tokenizer.eos_token_id, self.chat.tokenizer.pad_token_id}

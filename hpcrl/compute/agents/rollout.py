@@ -19,7 +19,8 @@ from typing import Any, Callable, Sequence
 
 from hpcrl.compute.agents.conversation import ToolChat
 
-__all__ = ["Rollout", "tool_call_loop", "run_tools", "tool_message"]
+__all__ = ["Rollout", "tool_call_loop", "continuation", "extend", "run_tools", "submit_tools", "tools_bound_s",
+           "tool_messages", "tool_message"]
 
 
 @dataclass
@@ -62,25 +63,33 @@ def tool_call_loop(rollouts: Sequence[Rollout], chat: ToolChat, pool, generate: 
         results = run_tools(active, pool)
         going, ids = [], []
         for r, messages in zip(active, results):
-            kept = len(r.messages)
-            r.messages += messages
-            pct = r.prompt_ids + r.completion_ids + chat.suffix_ids(messages)
-            if len(pct) - len(r.prompt_ids) > max_completion_length or len(pct) >= context_len:
-                del r.messages[kept:]       # rolled back: the rollout ends with the turn that called
-                continue
-            going.append(r)
-            ids.append(pct)
+            pct = continuation(r, messages, chat, max_completion_length, context_len)
+            if pct is not None:
+                going.append(r)
+                ids.append(pct)
         if not going:
             break
         outs = generate(ids, round_)
         active = []
         for r, pct, out in zip(going, ids, outs):
-            if _extend(r, pct, out, chat, max_completion_length):
+            if extend(r, pct, out, chat, max_completion_length):
                 active.append(r)
         round_ += 1
 
 
-def _extend(r: Rollout, pct: list[int], out, chat: ToolChat, max_completion_length: int) -> bool:
+def continuation(r: Rollout, messages: list[dict], chat: ToolChat, max_completion_length: int,
+                 context_len: int) -> list[int] | None:
+    """The ids ``r`` continues from once its tool results ``messages`` are appended (prompt +
+    completion so far + the results' suffix ids); None where they would pass max_completion_length or
+    the context: then they are rolled back and the rollout ends with the turn that called them."""
+    pct = r.prompt_ids + r.completion_ids + chat.suffix_ids(messages)
+    if len(pct) - len(r.prompt_ids) > max_completion_length or len(pct) >= context_len:
+        return None
+    r.messages += messages
+    return pct
+
+
+def extend(r: Rollout, pct: list[int], out, chat: ToolChat, max_completion_length: int) -> bool:
     """``r`` continued by ``out`` after its tool results (``pct``: the ids it was continued from);
     True when the new turn calls tools again."""
     budget = max_completion_length - (len(pct) - len(r.prompt_ids))
@@ -101,31 +110,42 @@ def _extend(r: Rollout, pct: list[int], out, chat: ToolChat, max_completion_leng
 def run_tools(active: Sequence[Rollout], pool) -> list[list[dict]]:
     """The tool messages of each rollout's last turn, its calls run in its pool session; the
     rollouts' calls run at once (each session's on its own worker)."""
-    pending = []
-    for r in active:
-        calls = r.tool_calls
-        functions = [(c["function"]["name"], c["function"].get("arguments", {})) for c in calls
-                     if c.get("type") == "function"]
-        pending.append((r, calls, pool.submit_many(r.session, functions) if functions else None))
-    out = []
-    for r, calls, future in pending:
-        # The pool bounds each call; this bounds the turn's calls together, with room for a worker's restart.
-        done = future.result(timeout=pool.timeout_s * (len(calls) + 1) + 30) if future else []
-        r.tool_s += sum(result.seconds for result in done)
-        results = iter(done)
-        messages = []
-        for call in calls:
-            r.calls += 1
-            if call.get("type") == "function":
-                result = next(results)
-                name, content, failed = result.name, result.content, result.failed
-            else:
-                name, failed = call.get("name", "unknown"), True
-                content = {"error": f"Unsupported tool call type: {call.get('type')}"}
-            r.failures += failed
-            messages.append(tool_message(name, content))
-        out.append(messages)
-    return out
+    pending = [submit_tools(r, pool) for r in active]
+    return [tool_messages(r, future.result(timeout=tools_bound_s(r, pool)) if future else []) for r, future in
+            zip(active, pending)]
+
+
+def submit_tools(r: Rollout, pool):
+    """Start the function calls of ``r``'s last turn in its session; their future (of ToolResults,
+    in call order), or None where it made none."""
+    functions = [(c["function"]["name"], c["function"].get("arguments", {})) for c in r.tool_calls
+                 if c.get("type") == "function"]
+    return pool.submit_many(r.session, functions) if functions else None
+
+
+def tools_bound_s(r: Rollout, pool) -> float:
+    """How long a turn's calls may take together: the pool bounds each call; this bounds them all,
+    with room for a worker's restart."""
+    return pool.timeout_s * (len(r.tool_calls) + 1) + 30
+
+
+def tool_messages(r: Rollout, done: Sequence[Any]) -> list[dict]:
+    """The messages of ``r``'s last turn's calls, ``done`` being its function calls' ToolResults;
+    counts its calls, failures and tool time."""
+    r.tool_s += sum(result.seconds for result in done)
+    results = iter(done)
+    messages = []
+    for call in r.tool_calls:
+        r.calls += 1
+        if call.get("type") == "function":
+            result = next(results)
+            name, content, failed = result.name, result.content, result.failed
+        else:
+            name, failed = call.get("name", "unknown"), True
+            content = {"error": f"Unsupported tool call type: {call.get('type')}"}
+        r.failures += failed
+        messages.append(tool_message(name, content))
+    return messages
 
 
 def tool_message(name: str, content: Any) -> dict:

@@ -5,6 +5,7 @@ gives in its health reply); the transports are in hpcrl.compute.sync."""
 
 from __future__ import annotations
 
+import selectors
 import time
 from dataclasses import replace
 from typing import Sequence
@@ -106,6 +107,13 @@ class ServerGenerator:
         self.in_flight = _ServerGeneration(self, parts)
         return self.in_flight
 
+    def open_stream(self) -> "_ServerStream":
+        """A stream of single requests to the engine(s) (types.Stream); nothing else may be in
+        flight until it is closed."""
+        assert self.in_flight is None, "a stream opened while a generation is in flight"
+        self.in_flight = _ServerStream(self)
+        return self.in_flight
+
     def push_weights(self, model, version: int) -> dict:
         # The sender's sync messages share the channels with generation: none may be in flight.
         assert self.in_flight is None, "weights pushed while a generation is in flight"
@@ -148,3 +156,76 @@ class _ServerGeneration:
             c.in_flight = None
             self.completions = out
         return self.completions
+
+
+class _ServerStream:
+    """Stream requests on the trainer's engines (types.Stream). A key's requests all go to one
+    engine (``key`` modulo the engines), whose prefix cache then holds its conversation so far."""
+
+    def __init__(self, client: ServerGenerator):
+        self.client = client
+        self.engines = list(client.engines.values())
+        self.unsent: dict[_Engine, list] = {e: [] for e in self.engines}
+        self.waiting: dict[_Engine, int] = {e: 0 for e in self.engines}     # requests sent, not yet back
+        self.longest: Sampling | None = None        # the largest request yet, for the bound
+        self.heard = time.monotonic()               # when an engine last answered (or the stream began)
+
+    @property
+    def outstanding(self) -> int:
+        return sum(self.waiting.values()) + sum(map(len, self.unsent.values()))
+
+    def add(self, key: int, prompt_ids, sampling: Sampling) -> None:
+        assert sampling.n == 1, "a stream request is one completion"
+        self.unsent[self.engines[key % len(self.engines)]].append((key, list(prompt_ids), sampling))
+        if self.longest is None or sampling.max_tokens > self.longest.max_tokens:
+            self.longest = sampling
+
+    def take(self, timeout: float | None = None) -> list[tuple[int, Completion]]:
+        self._send()
+        busy = [e for e in self.engines if self.waiting[e]]
+        if not busy:
+            return []
+        wait = timeout if timeout is not None else max(0.0, self._deadline() - time.monotonic())
+        with selectors.DefaultSelector() as sel:
+            for e in busy:
+                sel.register(e.channel, selectors.EVENT_READ, e)
+            ready = [key.data for key, _ in sel.select(wait)]
+        if not ready:
+            if timeout is None:
+                raise ServerUnavailable(self._silence())
+            return []
+        done = []
+        for e in ready:
+            reply = e.reply("stream", 0, "")
+            if not reply.get("ok"):
+                raise RuntimeError(f"{e.label} refused to generate: {reply.get('error')}")
+            done += reply["streamed"]
+            self.waiting[e] -= len(reply["streamed"])
+            e.in_flight = self.waiting[e] > 0
+        self.heard = time.monotonic()
+        return done
+
+    def close(self) -> None:
+        assert self.outstanding == 0, f"a stream closed with {self.outstanding} request(s) not taken"
+        self.client.in_flight = None
+
+    def _send(self) -> None:
+        for e, requests in self.unsent.items():
+            if requests:
+                e.channel.send({"op": "stream", "requests": requests})
+                self.waiting[e] += len(requests)
+                e.in_flight = True
+                self.unsent[e] = []
+
+    def _deadline(self) -> float:
+        """The bound on an engine's silence: as long as a batch request of all that is outstanding
+        on the busiest engine would get (generation_timeout_s), from its last answer."""
+        served = max(max(1, len(self.client.ctx.plan.served_by(e.rank))) for e in self.engines)
+        return self.heard + generation_timeout_s(self.client.inf, max(self.waiting.values()), self.longest, served)
+
+    def _silence(self) -> str:
+        inf = self.client.inf
+        who = ", ".join(f"{e.label} ({n} outstanding)" for e, n in self.waiting.items() if n)
+        return (f"{who} returned no completion within {self._deadline() - self.heard:.0f} s "
+                f"(inference.request_timeout_s={inf.request_timeout_s:g} + inference.generation_s_per_ktoken="
+                f"{inf.generation_s_per_ktoken:g} per 1,000 completion tokens outstanding)")

@@ -14,8 +14,9 @@ is a module with an ``InferenceEngine`` subclass and a line in ``ENGINES``.
 from __future__ import annotations
 
 import importlib
+import itertools
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, ClassVar, Sequence
 
 from hpcrl.compute.inference.types import Completion, Sampling
@@ -102,6 +103,33 @@ class InferenceEngine(ABC):
     def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling | Sequence[Sampling]) -> list[Completion]:
         """``n`` completions of each prompt, grouped by prompt (``prompt_index``: its position here).
         ``sampling``: one for every prompt, or one per prompt (see ``per_prompt_sampling``)."""
+
+    # ---- continuous generation (the server's streams): requests join while others run
+    def add(self, requests: Sequence[tuple[Sequence[int], Sampling]]) -> list[str]:
+        """Queue ``(prompt ids, sampling)`` requests, one completion each unless ``sampling.n`` says
+        otherwise; returns their ids. Here they wait for the next ``step``; an engine that batches
+        continuously (vLLM) starts them at once."""
+        queue = self.__dict__.setdefault("_stream_queue", [])
+        counter = self.__dict__.setdefault("_stream_ids", itertools.count())
+        ids = [str(next(counter)) for _ in requests]
+        queue += [(i, list(p), s) for i, (p, s) in zip(ids, requests)]
+        return ids
+
+    def step(self) -> list[tuple[str, list[Completion]]]:
+        """Generate for a while; the requests that finished, with their completions. Here: every
+        queued request, generated as one batch (an engine without continuous batching)."""
+        queue, self.__dict__["_stream_queue"] = self.__dict__.get("_stream_queue", []), []
+        if not queue:
+            return []
+        out: dict[str, list[Completion]] = {i: [] for i, _, _ in queue}
+        for c in self.generate([p for _, p, _ in queue], [s for _, _, s in queue]):
+            request = queue[c.prompt_index][0]
+            out[request].append(replace(c, prompt_index=0))
+        return list(out.items())
+
+    def unfinished(self) -> int:
+        """Requests added and not yet returned by ``step``."""
+        return len(self.__dict__.get("_stream_queue", []))
 
     @property
     @abstractmethod

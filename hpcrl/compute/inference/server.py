@@ -4,8 +4,12 @@ trainers the plan gives it and takes the weights from its sender.
 One loop in the role's main thread: take messages from the node channel, answer weight-sync
 messages at once (the sender waits on them), and batch generation requests until every trainer
 it serves has asked (or a short window passes), so the engine sees one large batch per step.
-Completions carry the weight version they were sampled with; between the start of a sync and its
-successful finish (or after a failed one) the server refuses to generate.
+Streams (the agents' per-sample rollouts, types.Stream) are served continuously instead: their
+requests join the engine's running batch as they come, and each goes back as soon as it is done;
+while any is outstanding, weight-sync messages and batch requests wait for them to drain, so a
+rollout's turns are all sampled with one version of the weights. Completions carry the weight
+version they were sampled with; between the start of a sync and its successful finish (or after a
+failed one) the server refuses to generate.
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ class Server:
         self.engine = engine
         self.receiver: ServerSync = engine.weight_receiver()
         self.pending: dict[int, dict] = {}     # trainer rank -> its generate request
+        self.streams: dict[str, tuple[int, int]] = {}   # engine request id -> (trainer rank, its key)
+        self.deferred: list[tuple[int, dict]] = []      # messages waiting for the streams to drain
         self.done: set[int] = set()
         self.requests = 0
         # Seconds spent generating since the first request: the engine's share of the run, against
@@ -83,6 +89,16 @@ class Server:
             if time.time() - self.last_health > HEALTH_EVERY_S:
                 # after a failed sync the server refuses to generate until a full one finishes
                 self.write_health({"open": "syncing", "failed": "sync failed"}.get(self.receiver.state, "serving"))
+            if self.streams:
+                self._step_streams()
+                while self.streams and (received := self._receive(0)) is not None:
+                    self.handle(*received)
+                continue
+            if self.deferred:
+                deferred, self.deferred = self.deferred, []
+                for rank, msg in deferred:
+                    self.handle(rank, msg)
+                continue
             received = self._receive(HEALTH_EVERY_S)
             if received is not None:
                 self.handle(*received)
@@ -104,7 +120,11 @@ class Server:
     def handle(self, rank: int, msg: dict) -> None:
         op = msg.get("op")
         ch = self.ctx.channel
-        if op == "generate":
+        if self.streams and (op == "generate" or (op or "").startswith("weights_")):
+            self.deferred.append((rank, msg))
+        elif op == "stream":
+            self._add_streamed(rank, msg["requests"])
+        elif op == "generate":
             self.pending[rank] = msg
             self._maybe_generate()
         elif op and op.startswith("weights_"):
@@ -141,6 +161,9 @@ class Server:
     def _generate_pending(self) -> None:
         batch = sorted(self.pending.items())
         self.pending.clear()
+        if self.streams:        # a stream began in the batching window: its requests go first
+            self.deferred += [(rank, msg) for rank, msg in batch]
+            return
         if not self.receiver.consistent:
             for rank, _ in batch:
                 self.ctx.channel.reply(rank, {"ok": False, "error": "weights are not servable (a sync is open or failed)"})
@@ -175,6 +198,31 @@ class Server:
         self.requests += len(batch)
         for rank, comps in by_rank.items():
             self.ctx.channel.reply(rank, {"ok": True, "completions": comps})
+
+    # -------------------------------------------------------------- streams
+    def _add_streamed(self, rank: int, requests: list[tuple[int, list[int], Sampling]]) -> None:
+        """A trainer's stream requests into the engine's running batch: (key, prompt ids, sampling)."""
+        if not self.receiver.consistent:
+            self.ctx.channel.reply(rank, {"ok": False, "error": "weights are not servable (a sync is open or failed)"})
+            return
+        if self.serving_since is None:
+            self.serving_since = time.time()
+        ids = self.engine.add([(prompt, sampling) for _, prompt, sampling in requests])
+        self.streams.update((i, (rank, key)) for i, (key, _, _) in zip(ids, requests))
+        self.requests += len(requests)
+
+    def _step_streams(self) -> None:
+        """One step of the engine; each finished request back to its trainer."""
+        t0 = time.perf_counter()
+        finished = self.engine.step()
+        self.busy_s += time.perf_counter() - t0
+        by_rank: dict[int, list] = {}
+        for request, completions in finished:
+            rank, key = self.streams.pop(request)
+            by_rank.setdefault(rank, []).extend((key, c) for c in completions)
+        for rank, done in by_rank.items():
+            if rank not in self.done:       # a trainer gone without its results: nothing to send
+                self.ctx.channel.reply(rank, {"ok": True, "streamed": done})
 
 
 def signal_that_ends_the_engine(engine: InferenceEngine | type[InferenceEngine], flag=STOP) -> str | None:

@@ -89,6 +89,34 @@ class Generator(Protocol):
         trainers); returns what the sync measured (the gathers' byte counts; may be empty)."""
 
 
+class Stream(Protocol):
+    """Requests added one by one and taken as each is done (the agents' per-sample rollouts): the
+    engines generate whatever is outstanding as one batch that requests join and leave while it
+    runs, so a rollout back from its tools does not wait for the others' turns. Each request is
+    one completion (``sampling.n`` = 1) whose draws its own ``sampling.seed`` decides, whatever it
+    is batched with. A generator's weights do not change while one of its streams is open."""
+
+    outstanding: int                # requests added and not yet taken
+
+    def add(self, key: int, prompt_ids: Sequence[int], sampling: Sampling) -> None:
+        """Ask for one completion of ``prompt_ids``, taken back under ``key``."""
+
+    def take(self, timeout: float | None = None) -> list[tuple[int, Completion]]:
+        """The requests done since the last take, as (key, completion). Waits up to ``timeout``
+        seconds for one ([] after it); None: up to the generation's bound, then raises naming the
+        engine that did not answer and the recipe fields that set the bound."""
+
+    def close(self) -> None:
+        """End the stream (every request taken); the generator may sync weights again."""
+
+
+class StreamingGenerator(Generator, Protocol):
+    """A generator that also takes requests one by one (``Stream``)."""
+
+    def open_stream(self) -> Stream:
+        ...
+
+
 def check_version(completions: Sequence[Completion], expected: int) -> None:
     stale = {c.weight_version for c in completions if c.weight_version != expected}
     if stale:

@@ -254,13 +254,32 @@ class VLLMEngine(InferenceEngine):
             per_prompt = list(sampling)
         params = [SamplingParams(**sampling_params(s)) for s in per_prompt]
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        return [c for i, out in enumerate(outputs) for c in self._completions(i, out)]
+
+    def add(self, requests: Sequence[tuple[Sequence[int], Sampling]]) -> list[str]:
+        """Into the running batch at once (vLLM's scheduler takes them at its next step)."""
+        from vllm import SamplingParams
+
+        ids = self.llm.enqueue([{"prompt_token_ids": list(p)} for p, _ in requests],
+                               [SamplingParams(**sampling_params(s)) for _, s in requests], use_tqdm=False)
+        # enqueue returns the engine's ids ("<counter>-<random>"); its outputs carry the counter.
+        return [i.split("-", 1)[0] for i in ids]
+
+    def step(self) -> list[tuple[str, list[Completion]]]:
+        """One step of the engine (every running request a token further); those it finished."""
+        return [(out.request_id, self._completions(0, out)) for out in self.llm.llm_engine.step() if out.finished]
+
+    def unfinished(self) -> int:
+        return self.llm.llm_engine.get_num_unfinished_requests()
+
+    def _completions(self, index: int, out) -> list[Completion]:
+        """A vLLM RequestOutput's completions, as the ``index``-th prompt's."""
         completions = []
-        for i, out in enumerate(outputs):
-            for c in out.outputs:
-                lps = tuple(float(next(iter(d.values())).logprob) if t not in d else float(d[t].logprob)
-                            for t, d in zip(c.token_ids, c.logprobs or []))
-                completions.append(Completion(i, tuple(c.token_ids), lps, c.text,
-                                              c.finish_reason == "length", self.version))
+        for c in out.outputs:
+            lps = tuple(float(next(iter(d.values())).logprob) if t not in d else float(d[t].logprob)
+                        for t, d in zip(c.token_ids, c.logprobs or []))
+            completions.append(Completion(index, tuple(c.token_ids), lps, c.text, c.finish_reason == "length",
+                                          self.version))
         return completions
 
     def _engine_processes(self) -> list:

@@ -186,6 +186,10 @@ class NodeChannel:
                 sock.close()
                 raise
 
+    def fileno(self) -> int:
+        """Its socket's, so that a trainer can wait on several engines at once (selectors)."""
+        return self._sock.fileno()
+
     def send(self, obj: Any) -> None:
         wire.send_msg(self._sock, obj)
 

@@ -22,7 +22,7 @@ import torch
 trl = pytest.importorskip("trl")
 transformers = pytest.importorskip("transformers")
 
-from support import ScriptedToolGenerator, TOOL_MODULE, script_turn, scripted_ids, tool_tokenizer  # noqa: E402
+from support import ScriptedStreamingGenerator, ScriptedToolGenerator, TOOL_MODULE, script_turn, scripted_ids, tool_tokenizer  # noqa: E402
 
 from hpcrl.compute.inference.types import Sampling  # noqa: E402
 
@@ -84,8 +84,10 @@ def trl_run(tools_dir, tmp_path_factory):
     return tr, out, metrics
 
 
-@pytest.fixture(scope="module")
-def hpcrl_run(tools_dir, tmp_path_factory):
+@pytest.fixture(scope="module", params=["lockstep", "per_sample"])
+def hpcrl_run(request, tools_dir, tmp_path_factory):
+    """hpcrl's rollouts of the script, in TRL's lockstep rounds and rollout by rollout (a stream that
+    answers out of order): the same conversations either way."""
     import torch.distributed as dist
 
     from hpcrl.compute.agents.agent_rollouts import AgentRollouts
@@ -103,18 +105,23 @@ def hpcrl_run(tools_dir, tmp_path_factory):
     grpo = GRPOConfig(num_generations=G, max_completion_length=MAX_COMPLETION, max_tool_calling_iterations=ITERATIONS)
     pool = ToolPool([f"parity_tools:{name}" for name in ("add", "boom", "repeat")], workers=2, timeout_s=30,
                     module_dir=tools_dir)
-    rollouts = AgentRollouts(ScriptedToolGenerator(tok), pool, ToolChat(tok), grpo, context_len=4096)
+    generator = ScriptedToolGenerator(tok) if request.param == "lockstep" else ScriptedStreamingGenerator(tok, G)
+    rollouts = AgentRollouts(generator, pool, ToolChat(tok), grpo, context_len=4096)
     try:
         prompts = [[{"role": "user", "content": p}] for p in PROMPTS]
         batch = PromptBatch(prompts, ["" for _ in prompts], [[] for _ in prompts],
                             {"answer": [str(eval(p[:-1])) for p in PROMPTS]}, [0, 1])
-        rows, pending = rollouts.submit(batch, Sampling(n=G, max_tokens=MAX_COMPLETION, temperature=TEMPERATURE))
+        rows, pending = rollouts.submit(batch, Sampling(n=G, max_tokens=MAX_COMPLETION, temperature=TEMPERATURE,
+                                                           seed=7))
         completions = pending.result()
         SEEN["current"] = SEEN["hpcrl"]
         shown, extra = reward_inputs(rows.prompts, completions)
         rewards = score_completions([RewardFunction("answer_reward", answer_reward)], rows.prompts, shown,
                                     [list(c.token_ids) for c in completions], rows.columns, **extra)
         stats = tool_stats(completions, None)
+        if request.param == "per_sample":       # a seed per rollout and turn, none reused
+            seeds = [seed for _, seed in generator.seeds]
+            assert len(set(seeds)) == len(seeds) == sum(c.tool_use.turns for c in completions)
     finally:
         rollouts.close()
     return tok, rows, completions, rewards, stats

@@ -127,3 +127,28 @@ def test_the_transformers_engine_takes_a_sampling_per_prompt_as_one_call_per_set
     first, second = transformers_engine.generate(prompts[:2], a), transformers_engine.generate(prompts[2:], b)
     assert [(c.prompt_index, c.token_ids) for c in got] == \
         [(c.prompt_index, c.token_ids) for c in first] + [(c.prompt_index + 2, c.token_ids) for c in second]
+
+
+def test_the_server_streams_each_request_back_and_holds_syncs_until_its_streams_drain(tmp_path, monkeypatch):
+    """Stream requests (the agents' per-sample rollouts) go to the engine as they come and back to
+    their trainer under their keys; a sync or a batch request that arrives meanwhile waits, so a
+    rollout's turns are sampled with one version of the weights."""
+    from hpcrl.compute.inference import server
+
+    monkeypatch.setitem(ENGINES, "echo", f"{__name__}:EchoEngine")
+    recipe = SimpleNamespace(inference=SimpleNamespace(engine="echo"))
+    ctx = SimpleNamespace(spec=SimpleNamespace(recipe=recipe), device="cpu", run_dir=tmp_path,
+                          task=SimpleNamespace(node=0, engine=None, rank=2), channel=_Channel({0, 1}))
+    s = server.Server(ctx, server.make_engine(ctx, "/m"))
+    s.handle(0, {"op": "stream", "requests": [(5, [1], Sampling(n=1, max_tokens=1, seed=11)),
+                                              (9, [2], Sampling(n=1, max_tokens=1, seed=12))]})
+    s.handle(1, {"op": "stream", "requests": [(5, [3], Sampling(n=1, max_tokens=1, seed=13))]})
+    sync = {"op": "weights_begin", "version": 1}
+    batch = {"op": "generate", "prompts": [[4]], "sampling": Sampling(n=1, max_tokens=1, seed=1), "first_index": 0}
+    s.handle(1, sync)
+    s.handle(0, batch)
+    assert ctx.channel.replies == [] and s.deferred == [(1, sync), (0, batch)]
+    s._step_streams()       # the default step: everything queued, as one batch
+    got = {rank: [(key, c.token_ids[0]) for key, c in msg["streamed"]] for rank, msg in ctx.channel.replies}
+    assert got == {0: [(5, 11), (9, 12)], 1: [(5, 13)]}       # each request's own seed, whatever its batch
+    assert s.streams == {} and s.requests == 3

@@ -649,3 +649,35 @@ def test_ipc_buffer_holds_the_largest_tensor():
     assert len(logs) == 1 and "grows" in logs[0] and "0.weight" in logs[0]
     info = transport._init_info(SenderSetup(**{**setup.__dict__, "bucket_bytes": 1 << 20}), 0)
     assert info.packed_buffer_size_bytes == 1 << 20 and len(logs) == 1
+
+
+def test_streamed_requests_join_the_running_batch_and_keep_their_seeds(side):
+    """VLLMEngine's add/step (the server's streams): a request added while others run joins them
+    and comes back when it is done, not when they are; a seeded request samples the same tokens
+    batched with others as alone. (On this module's engine, whatever its weights: it compares the
+    engine with itself.)"""
+    from hpcrl.compute.inference.types import Sampling
+    from hpcrl.compute.inference.vllm_engine import VLLMEngine
+
+    if not side.tied:
+        pytest.skip("one engine is enough")
+    engine = object.__new__(VLLMEngine)         # the module's LLM, behind the engine's stream methods
+    engine.llm, engine.version = side.llm, 0
+    long = Sampling(n=1, max_tokens=40, seed=3, generation_kwargs={"ignore_eos": True})
+    short = Sampling(n=1, max_tokens=4, seed=5, generation_kwargs={"ignore_eos": True})
+    first = engine.add([([1, 5, 7, 9], long), ([2, 6, 8], long)])
+    steps, done, joined = 0, {}, None
+    while engine.unfinished():
+        for request, completions in engine.step():
+            done[request] = (steps, completions[0].token_ids)
+        steps += 1
+        if steps == 3:
+            (joined,) = engine.add([([1, 5, 7, 9], short)])
+    assert set(done) == {*first, joined}
+    assert done[joined][0] < min(done[r][0] for r in first)     # back while the long ones still ran
+    assert len(done[joined][1]) == 4 and all(len(done[r][1]) == 40 for r in first)
+    (alone,) = engine.add([([1, 5, 7, 9], long)])
+    while engine.unfinished():
+        for request, completions in engine.step():
+            done[request] = (None, completions[0].token_ids)
+    assert done[alone][1] == done[first[0]][1]
