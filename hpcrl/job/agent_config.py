@@ -1,8 +1,8 @@
-"""The recipe's agent section: multi-turn tool calling as TRL's GRPOTrainer (1.16) takes it.
+"""The recipe's agent section: multi-turn tool calling and custom rollouts as TRL's GRPOTrainer (1.16) takes them.
 
-`tools` and `environment_factory` are GRPOTrainer's arguments of those names, given as import
-paths (the forms reward functions take); grpo.max_tool_calling_iterations bounds the turns. The
-login side checks each path's source without importing it (hpcrl.login.agent_inputs).
+`tools`, `environment_factory` and `rollout_func` are GRPOTrainer's arguments of those names, given
+as import paths (the forms reward functions take); grpo.max_tool_calling_iterations bounds the
+turns. The login side checks each path's source without importing it (hpcrl.login.agent_inputs).
 """
 
 from __future__ import annotations
@@ -48,6 +48,10 @@ class AgentConfig:
     # each row's `environment` column choosing. An environment's get_reward(), where defined, is a
     # reward of weight 1 beside the recipe's rewards (which may then be left out).
     environment_factory: Union[str, dict[str, str]] = ""
+    # TRL's rollout_func: "" (none), or the import path of a function (prompts, trainer) -> dict that makes
+    # the rollouts itself, generating through the trainer it is given (hpcrl.compute.agents.rollout_func).
+    # Not with tools or environment_factory. A module beside the recipe is copied as reward modules are.
+    rollout_func: str = ""
     # Each tool call's bound, in seconds (a tool that hangs must not hang the step).
     tool_timeout_s: float = 60.0
     # Worker processes per trainer rank that run the tool calls.
@@ -82,6 +86,13 @@ class AgentConfig:
                 _check_path(path, f"{where}.environment_factory.{name}", "a class or factory")
         elif factory:
             _check_path(factory, f"{where}.environment_factory", "a class or factory")
+        if self.rollout_func:
+            _check_path(self.rollout_func, f"{where}.rollout_func", "a function")
+            if self.enabled:
+                # TRL 1.16 runs its tool loop over the completions a rollout function returns.
+                raise UserError(f"{where}.rollout_func: not with {where}.tools or {where}.environment_factory yet "
+                                f"(TRL runs its tool loop on the rollout function's completions; hpcrl runs one or "
+                                f"the other): keep one of them")
         if not self.tool_timeout_s > 0:
             raise UserError(f"{where}.tool_timeout_s: must be > 0, got {self.tool_timeout_s}")
         if self.tool_workers < 1:

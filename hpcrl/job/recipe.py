@@ -232,15 +232,17 @@ class RewardSpec:
 
 def expand_shorthands(data: dict) -> dict:
     """A raw recipe with its shorthands written out: `rewards:` may be a list of bare import paths
-    or TRL names (as TRL's reward_funcs), or a single one. An agent recipe that names no rewards has
-    none (its environment's get_reward may score it, as in TRL), not the demo task's."""
+    or TRL names (as TRL's reward_funcs), or a single one. An agent recipe (tools, environments, a
+    rollout function) that names no rewards has none (its environment's get_reward may score it, as
+    in TRL), not the demo task's."""
     rewards = data.get("rewards")
     if isinstance(rewards, str):
         rewards = [rewards]
     if isinstance(rewards, list):
         data = {**data, "rewards": [{"func": r} if isinstance(r, str) else r for r in rewards]}
     agent = data.get("agent")
-    if "rewards" not in data and isinstance(agent, dict) and (agent.get("tools") or agent.get("environment_factory")):
+    if "rewards" not in data and isinstance(agent, dict) and (agent.get("tools") or agent.get("environment_factory")
+                                                              or agent.get("rollout_func")):
         data = {**data, "rewards": []}
     return data
 

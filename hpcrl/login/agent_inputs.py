@@ -1,5 +1,5 @@
-"""The recipe's agent section checked on the login node: tools, environments, the model's chat template
-and the rows' environment names. Each mistake is one UserError naming the field.
+"""The recipe's agent section checked on the login node: tools, environments, a rollout function, the
+model's chat template and the rows' environment names. Each mistake is one UserError naming the field.
 
 The user's modules are read with `ast`, never imported (a tool module may import torch, which the
 login side never does, or do anything at import). A tool passes where transformers' get_json_schema,
@@ -9,7 +9,9 @@ transformers can describe (basic types, list, tuple, dict, Union/Optional, Liter
 transformers' own expressions. An environment class passes where TRL's GRPOTrainer would take it: a
 reset method, and its public methods (TRL offers each to the model) passing as tools. What cannot be
 seen here (a name imported from elsewhere, a base class of another module, a decorated function, a
-module this machine cannot read) is left to the job.
+module this machine cannot read) is left to the job. A rollout function passes where TRL could call it
+as it does, rollout_func(prompts, trainer), and take the dict it returns: a plain function (not a
+class, not async) that takes two positional arguments.
 
 hpcrl.login.compose calls `import_paths` and `check_sources` where it checks reward modules;
 hpcrl.login.inputs calls `check_chat_template` and `environment_columns` with the model and data.
@@ -58,25 +60,37 @@ _PLAIN = {"staticmethod", "abstractmethod"}
 _NO_METHODS = {"object", "ABC", "Generic", "Protocol"}
 
 
+ROLLOUT_FUNC = "agent.rollout_func"
+
+
 def import_paths(agent: AgentConfig) -> list[tuple[str, str]]:
-    """(field, import path) of every tool and environment factory, in the recipe's order."""
+    """(field, import path) of every tool, environment factory and the rollout function, in the recipe's order."""
     out = [(f"agent.tools[{i}]", path) for i, path in enumerate(agent.tools)]
     if isinstance(agent.environment_factory, dict):
         out += [(f"agent.environment_factory.{name}", path) for name, path in agent.environment_factory.items()]
     elif agent.environment_factory:
         out.append(("agent.environment_factory", agent.environment_factory))
+    if agent.rollout_func:
+        out.append((ROLLOUT_FUNC, agent.rollout_func))
     return out
 
 
 def check_sources(recipe: Recipe, own: dict[str, str], installed: bool) -> None:
-    """Each tool and environment factory, read from its module's source: `own` maps a top-level
-    module found beside the recipe to its file or package directory (hpcrl.login.compose); other
-    modules are looked up where the tasks' interpreter finds them when it is this one (`installed`)."""
+    """Each tool, environment factory and the rollout function, read from its module's source: `own`
+    maps a top-level module found beside the recipe to its file or package directory
+    (hpcrl.login.compose); other modules are looked up where the tasks' interpreter finds them when
+    it is this one (`installed`)."""
     agent = recipe.agent
     rewarded: list[bool | None] = []        # per factory: whether its environment has get_reward
     factories = []
     for where, path in import_paths(agent):
         found, tree = _definition(where, path, own, installed)
+        if where == ROLLOUT_FUNC:
+            problem = rollout_func_problem(found) if found is not None else None
+            if problem:
+                raise UserError(f"{where}: {path}: {problem}; TRL calls rollout_func(prompts, trainer) and takes "
+                                f"the dict it returns")
+            continue
         if where.startswith("agent.tools"):
             if isinstance(found, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 problem = function_problem(found)
@@ -99,6 +113,28 @@ def tool_problem(file: str | Path, name: str) -> str | None:
     if found is None:
         return f"{Path(file).name} defines no {name!r}"
     return function_problem(found) if isinstance(found, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+
+
+def rollout_func_problem(node: ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) -> str | None:
+    """Why TRL's call rollout_func(prompts, trainer) would not get a dict from this definition; None
+    where it would, or where a decorator may have changed the signature."""
+    if isinstance(node, ast.ClassDef):
+        return "it is a class, not a function"
+    if isinstance(node, ast.AsyncFunctionDef):
+        return "it is async (TRL does not await it)"
+    if any(_last_name(d) not in _PLAIN for d in node.decorator_list):
+        return None
+    a = node.args
+    positional = len(a.posonlyargs) + len(a.args)
+    required = positional - len(a.defaults)
+    if required > 2:
+        return f"it takes {required} positional arguments without defaults, not two"
+    if positional < 2 and a.vararg is None:
+        return f"it takes {positional} positional argument{'' if positional == 1 else 's'}, not two"
+    bare = [k.arg for k, default in zip(a.kwonlyargs, a.kw_defaults) if default is None]
+    if bare:
+        return f"its keyword-only argument {bare[0]!r} has no default"
+    return None
 
 
 # ---------------------------------------------------------------------------- finding a definition

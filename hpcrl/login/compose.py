@@ -455,13 +455,13 @@ def _check_fit(spec: JobSpec, plan: Plan) -> None:
 
 
 def _reward_modules(recipe, recipe_path: str | None, check_installed: bool) -> tuple[str, ...]:
-    """The recipe's own modules (its rewards', tools' and environments'), to copy into the run
-    directory: those in the current directory (TRL's CLI puts it on sys.path) or beside the recipe,
-    unless an installed package provides the name. Where the tasks run this very interpreter, every
+    """The recipe's own modules (its rewards', tools', environments' and rollout function's), to copy
+    into the run directory: those in the current directory (TRL's CLI puts it on sys.path) or beside
+    the recipe, unless an installed package provides the name. Where the tasks run this very interpreter, every
     other module must be importable here: it fails now, not minutes into the job. Only top-level
     names are looked up, which executes no code (a reward module may import torch, which the login
     side never does); the module itself and its function are checked when the trainer starts, and a
-    tool's or environment's source is read before (hpcrl.login.agent_inputs)."""
+    tool's, environment's or rollout function's source is read before (hpcrl.login.agent_inputs)."""
     dirs = [str(Path.cwd())]
     if recipe_path and str(Path(recipe_path).absolute().parent) not in dirs:
         dirs.append(str(Path(recipe_path).absolute().parent))

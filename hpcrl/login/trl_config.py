@@ -53,6 +53,7 @@ RENAMED = {
     # GRPOTrainer's arguments (not GRPOConfig fields, so not in trl_fields.json), as import paths.
     "tools": "agent.tools",
     "environment_factory": "agent.environment_factory",
+    "rollout_func": "agent.rollout_func",
 }
 
 _LOGGED = "hpcrl logs every step to metrics.jsonl"
@@ -126,8 +127,6 @@ NOT_IMPLEMENTED = {
                             "log-probabilities are taken in fp32 from those logits)",
     "log_completions": "set logging.log_completions to the number of completions to print",
     "report_to": 'hpcrl reports to "wandb" (offline) and "tensorboard"',
-    "rollout_func": "not supported yet: hpcrl runs TRL's tool loop itself (tools, environment_factory); a rollout "
-                    "function that drives generation itself has no hpcrl form yet",
 }
 # GRPOTrainer's arguments a configuration may name beside reward_funcs; TRL's own CLI takes none of them.
 TRAINER_ARGUMENTS = ("tools", "environment_factory", "rollout_func")
@@ -238,13 +237,11 @@ def _rewards(data: dict, t: Translation, out: dict) -> None:
 
 
 def _trainer_argument(key: str, value: Any, t: Translation, out: dict) -> None:
-    """tools, environment_factory (import paths) -> the agent section; rollout_func is refused."""
+    """tools, environment_factory, rollout_func (import paths) -> the agent section."""
     if value in (None, "", []):
         t.inert[key] = "GRPOTrainer's default (none)"
-    elif key in RENAMED:
-        _put(out, RENAMED[key], [value] if key == "tools" and isinstance(value, str) else value, key, t)
     else:
-        t.problems.append(f"{key}: {NOT_IMPLEMENTED[key]}")
+        _put(out, RENAMED[key], [value] if key == "tools" and isinstance(value, str) else value, key, t)
 
 
 def _report_to(value: Any, t: Translation, out: dict) -> None:

@@ -1,8 +1,8 @@
-"""The recipe's agent section (issue #30) on the login node: every mistake in tools, environments, the
-model's chat template or the rows' environment names is exit status 2 and one line naming the field,
-before anything is written; a good agent recipe renders with its modules copied into the run
-directory; a TRL configuration's agent keys translate; and the tool check agrees with transformers'
-get_json_schema, which TRL calls on every tool."""
+"""The recipe's agent section (issue #30) on the login node: every mistake in tools, environments, a
+rollout function, the model's chat template or the rows' environment names is exit status 2 and one
+line naming the field, before anything is written; a good agent recipe renders with its modules
+copied into the run directory; a TRL configuration's agent keys translate; and the tool check agrees
+with transformers' get_json_schema, which TRL calls on every tool."""
 
 from __future__ import annotations
 
@@ -134,6 +134,33 @@ def make_wordle():
     return Wordle()
 '''
 
+# Rollout functions, TRL's rollout_func(prompts, trainer), good and bad.
+MY_ROLLOUTS = '''
+def run(prompts, trainer):
+    return {}
+
+
+def one(prompts):
+    return {}
+
+
+def three(prompts, trainer, env):
+    return {}
+
+
+def keyword(prompts, trainer, *, env):
+    return {}
+
+
+async def waits(prompts, trainer):
+    return {}
+
+
+class Rollouts:
+    def __call__(self, prompts, trainer):
+        return {}
+'''
+
 ROWS = [{"prompt": [{"role": "user", "content": "Play."}], "environment": "wordle"},
         {"prompt": "Solve this sudoku.", "environment": "sudoku"}]
 
@@ -155,6 +182,7 @@ def project(tmp_path) -> Path:
     root.mkdir()
     (root / "my_tools.py").write_text(MY_TOOLS)
     (root / "my_env.py").write_text(MY_ENV)
+    (root / "my_rollouts.py").write_text(MY_ROLLOUTS)
     _model(root / "model", TOOLS_TEMPLATE)
     _model(root / "plain-model", PLAIN_TEMPLATE)
     _model(root / "no-template-model", None)
@@ -178,6 +206,13 @@ agent:
   tools: [my_tools.calculator, "my_tools:search_notes"]
   environment_factory: my_env.Wordle
 grpo: {{max_tool_calling_iterations: 4}}
+"""
+
+ROLLOUT = """\
+model: {{path: {project}/model}}
+data: {{path: {project}/tasks.jsonl}}
+agent: {{rollout_func: my_rollouts.run}}
+rewards: [my_tools.calculator]
 """
 
 # (id, recipe text ({project}: the project's directory), key=value arguments, what the one line must hold)
@@ -238,9 +273,31 @@ CASES = [
                                           "data.datasets=[{{path: json, data_files: {project}/tasks.jsonl, "
                                           "columns: [prompt]}}]"],
      "data.datasets[0].columns: keeps no 'environment' column"),
+    ("rollout-func-not-defined", ROLLOUT, ["agent.rollout_func=my_rollouts.nothing"],
+     "agent.rollout_func: my_rollouts.nothing: module my_rollouts ({project}/my_rollouts.py) defines no 'nothing'"),
+    ("rollout-func-module-nowhere", ROLLOUT, ["agent.rollout_func=no_such_rollouts.run"],
+     "agent.rollout_func: no module named 'no_such_rollouts'"),
+    ("rollout-func-not-a-path", ROLLOUT, ["agent.rollout_func=run"],
+     "agent.rollout_func: 'run' is not an import path of a function"),
+    ("rollout-func-one-argument", ROLLOUT, ["agent.rollout_func=my_rollouts.one"],
+     "agent.rollout_func: my_rollouts.one: it takes 1 positional argument, not two; TRL calls "
+     "rollout_func(prompts, trainer) and takes the dict it returns"),
+    ("rollout-func-three-arguments", ROLLOUT, ["agent.rollout_func=my_rollouts.three"],
+     "agent.rollout_func: my_rollouts.three: it takes 3 positional arguments without defaults, not two"),
+    ("rollout-func-keyword", ROLLOUT, ["agent.rollout_func=my_rollouts.keyword"],
+     "agent.rollout_func: my_rollouts.keyword: its keyword-only argument 'env' has no default"),
+    ("rollout-func-async", ROLLOUT, ["agent.rollout_func=my_rollouts.waits"],
+     "agent.rollout_func: my_rollouts.waits: it is async (TRL does not await it)"),
+    ("rollout-func-class", ROLLOUT, ["agent.rollout_func=my_rollouts.Rollouts"],
+     "agent.rollout_func: my_rollouts.Rollouts: it is a class, not a function"),
+    ("rollout-func-with-tools", ROLLOUT, ["agent.tools=[my_tools.calculator]"],
+     "agent.rollout_func: not with agent.tools or agent.environment_factory yet (TRL runs its tool loop on the "
+     "rollout function's completions; hpcrl runs one or the other): keep one of them"),
+    ("rollout-func-no-rewards", ROLLOUT.replace("rewards: [my_tools.calculator]\n", ""), [],
+     "rewards: at least one reward function is required"),
     ("trl-rollout-func", "model_name_or_path: {project}/model\ndataset_name: {project}/tasks.jsonl\n"
-                         "rollout_func: my_rollouts.run\n", [],
-     "rollout_func: not supported yet: hpcrl runs TRL's tool loop itself (tools, environment_factory)"),
+                         "reward_funcs: [my_tools.calculator]\nrollout_func: my_rollouts.one\n", [],
+     "rollout_func (agent.rollout_func): my_rollouts.one: it takes 1 positional argument, not two"),
     ("trl-tool-named-by-its-key", "model_name_or_path: {project}/model\ndataset_name: {project}/tasks.jsonl\n"
                                   "reward_funcs: [my_tools.calculator]\ntools: [my_tools.unhinted]\n", [],
      "tools (agent.tools[0]): my_tools.unhinted: argument 'expression' has no type hint"),
@@ -273,13 +330,35 @@ def test_a_good_agent_recipe_renders_with_its_modules_copied(hpcrl, project):
     spec = json.loads((run_dir / rundir.SPEC_FILE).read_text())
     recipe = spec["recipe"]
     assert recipe["agent"] == {"tools": ["my_tools.calculator", "my_tools:search_notes"],
-                               "environment_factory": "my_env.Wordle", "tool_timeout_s": 60.0, "tool_workers": 4}
+                               "environment_factory": "my_env.Wordle", "rollout_func": "", "tool_timeout_s": 60.0,
+                               "tool_workers": 4}
     assert recipe["grpo"]["max_tool_calling_iterations"] == 4
     assert recipe["rewards"] == []          # the environment's get_reward scores; no demo rewards added
     assert spec["reward_modules"] == [str(project / "my_tools.py"), str(project / "my_env.py")]
     copies = run_dir / rundir.REWARDS_DIR
     assert sorted(p.name for p in copies.iterdir()) == ["my_env.py", "my_tools.py"]
     assert (copies / "my_env.py").read_text() == MY_ENV
+
+
+def test_a_rollout_function_renders_with_its_module_copied(hpcrl, project):
+    run_dir = _render(hpcrl, _recipe(project, ROLLOUT))
+    spec = json.loads((run_dir / rundir.SPEC_FILE).read_text())
+    assert spec["recipe"]["agent"]["rollout_func"] == "my_rollouts.run"
+    assert spec["reward_modules"] == [str(project / "my_tools.py"), str(project / "my_rollouts.py")]
+    assert (run_dir / rundir.REWARDS_DIR / "my_rollouts.py").read_text() == MY_ROLLOUTS
+
+
+@pytest.mark.parametrize("source,problem", [
+    ("def f(prompts, trainer): ...", None),
+    ("def f(prompts, trainer=None, *, retries=2, **kwargs): ...", None),
+    ("def f(*args): ...", None),
+    ("def f(prompts, /, trainer): ...", None),
+    ("@functools.wraps(g)\ndef f(prompts): ...", None),         # a decorator may change the signature
+    ("def f(): ...", "it takes 0 positional arguments, not two"),
+    ("def f(prompts, trainer, env, *, seed=0): ...", "it takes 3 positional arguments without defaults, not two"),
+])
+def test_a_rollout_function_is_callable_as_trl_calls_it(source, problem):
+    assert agent_inputs.rollout_func_problem(ast.parse(source).body[0]) == problem
 
 
 def test_environments_by_name_and_a_factory_function_render(hpcrl, project, tmp_path):
@@ -310,6 +389,12 @@ def test_a_trl_configuration_with_agent_keys_translates(project, monkeypatch):
     resolved = compose.build_recipe(str(path))
     assert resolved.recipe.agent.tools == ("my_tools.calculator",) and resolved.recipe.agent.environment_factory == ""
     assert "environment_factory" in resolved.trl.inert
+    # TRL's rollout_func: agent.rollout_func.
+    path.write_text("model_name_or_path: ./model\ndataset_name: ./tasks.jsonl\nrollout_func: my_rollouts.run\n"
+                    "reward_funcs: [my_tools.calculator]\n")
+    resolved = compose.build_recipe(str(path))
+    assert resolved.recipe.agent.rollout_func == "my_rollouts.run" and not resolved.recipe.agent.enabled
+    assert resolved.trl.moved["rollout_func"] == "agent.rollout_func"
 
 
 def test_hpcrl_recipe_shows_the_agent_section(hpcrl, project):

@@ -223,6 +223,10 @@ class Server:
         for rank, done in by_rank.items():
             if rank not in self.done:       # a trainer gone without its results: nothing to send
                 self.ctx.channel.reply(rank, {"ok": True, "streamed": done})
+        if self.streams and not self.engine.unfinished():
+            # else the loop would step an idle engine forever while its trainers wait
+            raise RuntimeError(f"the {self.engine.name} engine dropped {len(self.streams)} streamed request(s) "
+                               f"without finishing them")
 
 
 def signal_that_ends_the_engine(engine: InferenceEngine | type[InferenceEngine], flag=STOP) -> str | None:

@@ -1,8 +1,9 @@
 """What the loop asks of generation: a batch of prompts in, one rollout per completion out.
 
 ``SingleTurn`` is GRPO as it was: the engines' completions as they come. An agent recipe
-(agent.tools, agent.environment_factory) gets hpcrl.compute.agents' multi-turn rollouts instead,
-through the same two calls, so the loop and the evaluation hold no branch for it.
+(agent.tools, agent.environment_factory) gets hpcrl.compute.agents' multi-turn rollouts instead, and
+one with agent.rollout_func the user's own function's (TRL's rollout_func), through the same two
+calls, so the loop and the evaluation hold no branch for them.
 """
 
 from __future__ import annotations
@@ -47,19 +48,26 @@ class SingleTurn:
 
 def make_rollouts(recipe, generator: Generator, tokenizer, run_dir: Path | None, context_len: int,
                   log=print) -> Rollouts:
-    """The recipe's rollouts: multi-turn with tools where agent.tools or agent.environment_factory
-    is set, else single-turn."""
+    """The recipe's rollouts: the user's function's where agent.rollout_func is set, multi-turn with
+    tools where agent.tools or agent.environment_factory is, else single-turn."""
+    from hpcrl.job import rundir
+
     agent = recipe.agent
+    module_dir = None if run_dir is None else run_dir / rundir.REWARDS_DIR
+    if agent.rollout_func:
+        from hpcrl.compute.agents.rollout_func import RolloutFunction, load_rollout_func
+
+        return RolloutFunction(load_rollout_func(agent.rollout_func, module_dir), agent.rollout_func, generator,
+                               tokenizer, recipe.grpo)
     if not agent.enabled:
         return SingleTurn(generator)
     from hpcrl.compute.agents.agent_rollouts import AgentRollouts
     from hpcrl.compute.agents.conversation import ToolChat
     from hpcrl.compute.agents.tool_pool import ToolPool
-    from hpcrl.job import rundir
 
     factories = agent.factories()
     pool = ToolPool(agent.tools, factories, workers=agent.tool_workers, timeout_s=agent.tool_timeout_s,
-                    module_dir=None if run_dir is None else run_dir / rundir.REWARDS_DIR, log=log)
+                    module_dir=module_dir, log=log)
     chat = ToolChat(tokenizer, recipe.grpo.chat_template_kwargs)
     by_column = factories is not None and None not in factories
     return AgentRollouts(generator, pool, chat, recipe.grpo, context_len, by_column=by_column)
