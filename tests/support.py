@@ -215,40 +215,76 @@ TOOL_MODULE = textwrap.dedent('''
 ''')
 
 
-def _call(name: str, **arguments) -> str:
-    return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
+# TRL's chat templates (trl/chat_templates) the agent tests run on: template -> the tokens that end
+# a sampled turn (the first is the tokenizer's end of sequence), and how a tool's result reads in a
+# rendered conversation.
+TOOL_TEMPLATES = {
+    "qwen2_5": (("<|im_end|>",), r"<tool_response>\n(.*?)\n</tool_response>"),
+    "qwen3": (("<|im_end|>",), r"<tool_response>\n(.*?)\n</tool_response>"),     # not prefix-preserving
+    "llama3_1": (("<|eot_id|>", "<|eom_id|>"), r"ipython<\|end_header_id\|>\n\n(.*?)<\|eot_id\|>"),
+    "gptoss": (("<|return|>", "<|call|>", "<|end|>"), r"to=assistant<\|channel\|>commentary<\|message\|>(.*?)<\|end\|>"),
+}
 
 
-def script_turn(text: str, variant: int) -> str:
-    """What the scripted model says next, given the conversation so far (decoded) and, for a first
-    turn, which of a prompt's rollouts this is."""
+def _call(name: str, **arguments) -> dict:
+    return {"role": "assistant", "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": name, "arguments": arguments}}]}
+
+
+def script_turn(text: str, variant: int, template: str = "qwen2_5") -> dict:
+    """What the scripted model says next (an assistant message), given the conversation so far
+    (decoded, rendered by ``template``) and, for a first turn, which of a prompt's rollouts this is."""
     a, b = map(int, re.findall(r"(\d)\+(\d)=", text)[-1])
-    responses = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", text, re.S)
+    responses = re.findall(TOOL_TEMPLATES[template][1], text, re.S)
     if not responses:
-        return [_call("add", a=a, b=b), str(a + b), _call("mul", a=a, b=b),
+        return [_call("add", a=a, b=b), {"role": "assistant", "content": str(a + b)}, _call("mul", a=a, b=b),
                 _call("boom", x=1) if a == 3 else _call("repeat", text="ab", times=300)][variant]
     if "error" in responses[-1] and len(responses) < 2:
         return _call("add", a=a, b=b)
-    return f"The answer is {responses[-1]}" + (". I added the two numbers carefully, digit by digit" * 8 if a == 5 else "")
+    answer = responses[-1].strip('"')
+    return {"role": "assistant", "content": f"The answer is {answer}" +
+            (". I added the two numbers carefully, digit by digit" * 8 if a == 5 else "")}
 
 
-def scripted_ids(tok, text: str, max_tokens: int) -> tuple[list[int], list[float], bool]:
-    """The ids of a scripted turn (closed by the end-of-turn token), cut at ``max_tokens``, with
+def turn_text(tok, message: dict) -> str:
+    """``message`` as a model of ``tok``'s chat template samples it: the template's rendering of the
+    turn, up to and with the first token that ends a turn."""
+    from hpcrl.compute.agents.conversation import ToolChat
+
+    template = ToolChat(tok).chat_template      # the training template where TRL swaps one in
+    user = [{"role": "user", "content": "1+1="}]
+    prompt = tok.apply_chat_template(user, add_generation_prompt=True, tokenize=False, chat_template=template)
+    full = tok.apply_chat_template(user + [message], tokenize=False, chat_template=template)
+    assert full.startswith(prompt), (prompt, full)
+    turn = full[len(prompt):]
+    end = min((turn.index(t) + len(t) for t in TOOL_TEMPLATES[tok.hpcrl_template][0] if t in turn), default=None)
+    assert end is not None, turn
+    return turn[:end]
+
+
+def scripted_ids(tok, message: dict, max_tokens: int) -> tuple[list[int], list[float], bool]:
+    """The ids of a scripted turn (closed by its end-of-turn token), cut at ``max_tokens``, with
     made-up sampling log-probabilities, and whether it was cut."""
-    ids = tok(text + "<|im_end|>", add_special_tokens=False)["input_ids"]
+    ids = tok(turn_text(tok, message), add_special_tokens=False)["input_ids"]
     cut = len(ids) > max_tokens
     ids = ids[:max_tokens]
     return ids, [-0.01 * (1 + (t + i) % 50) for i, t in enumerate(ids)], cut
 
 
-def tool_tokenizer():
-    """The tiny models' tokenizer with Qwen2.5's chat template (TRL's copy), which renders tools."""
+def tool_tokenizer(template: str = "qwen2_5"):
+    """The tiny models' tokenizer with one of TRL's chat templates that render tools (Qwen2.5's by
+    default); the template's own special tokens are added, and its end of turn is the end of sequence."""
     import trl
 
     from hpcrl.compute.models.tiny import build_tokenizer
 
     tok = build_tokenizer()
-    tok.chat_template = (Path(trl.__file__).parent / "chat_templates" / "qwen2_5.jinja").read_text()
+    tok.chat_template = (Path(trl.__file__).parent / "chat_templates" / f"{template}.jinja").read_text()
+    if template != "qwen2_5":
+        specials = sorted(set(re.findall(r"<\|[A-Za-z0-9_]+\|>", tok.chat_template)) - set(tok.all_special_tokens))
+        tok.add_special_tokens({"additional_special_tokens": specials})
+        tok.eos_token = TOOL_TEMPLATES[template][0][0]
+    tok.hpcrl_template = template
     return tok
 
 
@@ -271,7 +307,8 @@ class ScriptedToolGenerator:
         return Generated(out)
 
     def _completion(self, index: int, prompt, variant: int, sampling: Sampling) -> Completion:
-        ids, lps, cut = scripted_ids(self.tok, script_turn(self.tok.decode(prompt), variant), sampling.max_tokens)
+        turn = script_turn(self.tok.decode(prompt), variant, self.tok.hpcrl_template)
+        ids, lps, cut = scripted_ids(self.tok, turn, sampling.max_tokens)
         return Completion(index, tuple(ids), tuple(lps), self.tok.decode(ids, skip_special_tokens=True), cut,
                           self.version)
 

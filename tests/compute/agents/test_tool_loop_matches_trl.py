@@ -8,7 +8,10 @@ covers a tool call answered and continued, a direct answer, an unknown tool, a t
 is called again next round, a tool result too long for max_completion_length (rolled back), and a
 continuation cut at the completion budget. The conversations the reward functions see, the token
 ids, tool_mask, sampling log-probabilities, rewards, advantages, tools/ metrics and the loss must
-equal TRL's.
+equal TRL's: on Qwen2.5's chat template in both of hpcrl's schedules (TRL's lockstep rounds, and
+rollout by rollout over a stream), and per sample on three templates whose tool turns read
+differently (Qwen3's, not prefix-preserving: TRL's training template; Llama 3.1's JSON calls and
+`ipython` results; GPT-OSS's harmony channels), each with its own special tokens and end of turn.
 """
 
 from __future__ import annotations
@@ -27,12 +30,24 @@ from support import ScriptedStreamingGenerator, ScriptedToolGenerator, TOOL_MODU
 from hpcrl.compute.inference.types import Sampling  # noqa: E402
 
 G = 4                   # rollouts per prompt
+# (chat template, schedule): lockstep rounds are the same code on every template.
+CASES = [("qwen2_5", "lockstep"), ("qwen2_5", "per_sample"), ("qwen3", "per_sample"), ("llama3_1", "per_sample"),
+         ("gptoss", "per_sample")]
 PROMPTS = ["3+4=", "5+2="]
-MAX_COMPLETION = 230
+# The completion budget: room for three turns of the raising tool's rollout, not for the repeated
+# text's result (rolled back) nor the long answer (cut). Qwen3 spends ~20 tokens a turn on its
+# empty <think> block.
+BUDGET = {"qwen3": 290}
+
+
+def budget(template: str) -> int:
+    return BUDGET.get(template, 230)
+
 ITERATIONS = 3
 TEMPERATURE = 1.0
 
 SEEN: dict[str, list] = {"trl": [], "hpcrl": []}
+TRL_RUNS: dict[str, tuple] = {}         # template -> TRL's run (shared by its schedules)
 
 
 def answer_reward(completions, answer, **kwargs):
@@ -49,13 +64,26 @@ def tools_dir(tmp_path_factory):
     sys.path.remove(str(d))
 
 
+@pytest.fixture(scope="module", params=CASES, ids=[f"{t}-{s}" for t, s in CASES])
+def case(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def trl_run(tools_dir, tmp_path_factory):
+def trl_run(case, tools_dir, tmp_path_factory):
+    template = case[0]
+    if template not in TRL_RUNS:
+        TRL_RUNS[template] = _trl_run(template, tmp_path_factory)
+    SEEN["trl"] = TRL_RUNS[template][3]
+    return TRL_RUNS[template][:3]
+
+
+def _trl_run(template, tmp_path_factory):
     import datasets
     import parity_tools
     from trl import GRPOConfig, GRPOTrainer
 
-    tok = tool_tokenizer()
+    tok = tool_tokenizer(template)
     config = transformers.Qwen2Config(
         vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=1, tie_word_embeddings=True, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
@@ -64,7 +92,7 @@ def trl_run(tools_dir, tmp_path_factory):
     model = transformers.Qwen2ForCausalLM(config)
     args = GRPOConfig(output_dir=str(tmp_path_factory.mktemp("grpo")), use_cpu=True, bf16=False, report_to=[],
                       per_device_train_batch_size=G * len(PROMPTS), num_generations=G,
-                      max_completion_length=MAX_COMPLETION, temperature=TEMPERATURE, save_strategy="no",
+                      max_completion_length=budget(template), temperature=TEMPERATURE, save_strategy="no",
                       max_tool_calling_iterations=ITERATIONS)
     rows = [{"prompt": [{"role": "user", "content": p}], "answer": str(eval(p[:-1]))} for p in PROMPTS]
     ds = datasets.Dataset.from_list(rows)
@@ -73,19 +101,20 @@ def trl_run(tools_dir, tmp_path_factory):
     tr.current_gradient_accumulation_steps = 1      # set by the training loop, which we do not run
 
     def generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        out = [scripted_ids(tok, script_turn(tok.decode(p), i % G), MAX_COMPLETION) for i, p in enumerate(prompt_ids)]
+        out = [scripted_ids(tok, script_turn(tok.decode(p), i % G, template), budget(template))
+               for i, p in enumerate(prompt_ids)]
         return [ids for ids, _, _ in out], [lps for _, lps, _ in out]
 
     tr._generate_single_turn = generate_single_turn
-    SEEN["current"] = SEEN["trl"]
+    SEEN["current"] = seen = []
     inputs = [row for row in rows for _ in range(G)]
     out = tr._generate_and_score_completions(inputs)
     metrics = {k: v[-1] for k, v in tr._metrics["train"].items() if v}
-    return tr, out, metrics
+    return tr, out, metrics, seen
 
 
-@pytest.fixture(scope="module", params=["lockstep", "per_sample"])
-def hpcrl_run(request, tools_dir, tmp_path_factory):
+@pytest.fixture(scope="module")
+def hpcrl_run(case, tools_dir, tmp_path_factory):
     """hpcrl's rollouts of the script, in TRL's lockstep rounds and rollout by rollout (a stream that
     answers out of order): the same conversations either way."""
     import torch.distributed as dist
@@ -101,25 +130,27 @@ def hpcrl_run(request, tools_dir, tmp_path_factory):
     if not dist.is_initialized():
         store = tmp_path_factory.mktemp("dist") / "store"
         dist.init_process_group("gloo", store=dist.FileStore(str(store), 1), rank=0, world_size=1)
-    tok = tool_tokenizer()
-    grpo = GRPOConfig(num_generations=G, max_completion_length=MAX_COMPLETION, max_tool_calling_iterations=ITERATIONS)
+    template, schedule = case
+    tok = tool_tokenizer(template)
+    grpo = GRPOConfig(num_generations=G, max_completion_length=budget(template),
+                      max_tool_calling_iterations=ITERATIONS)
     pool = ToolPool([f"parity_tools:{name}" for name in ("add", "boom", "repeat")], workers=2, timeout_s=30,
                     module_dir=tools_dir)
-    generator = ScriptedToolGenerator(tok) if request.param == "lockstep" else ScriptedStreamingGenerator(tok, G)
+    generator = ScriptedToolGenerator(tok) if schedule == "lockstep" else ScriptedStreamingGenerator(tok, G)
     rollouts = AgentRollouts(generator, pool, ToolChat(tok), grpo, context_len=4096)
     try:
         prompts = [[{"role": "user", "content": p}] for p in PROMPTS]
         batch = PromptBatch(prompts, ["" for _ in prompts], [[] for _ in prompts],
                             {"answer": [str(eval(p[:-1])) for p in PROMPTS]}, [0, 1])
-        rows, pending = rollouts.submit(batch, Sampling(n=G, max_tokens=MAX_COMPLETION, temperature=TEMPERATURE,
+        rows, pending = rollouts.submit(batch, Sampling(n=G, max_tokens=budget(template), temperature=TEMPERATURE,
                                                            seed=7))
         completions = pending.result()
-        SEEN["current"] = SEEN["hpcrl"]
+        SEEN["current"] = SEEN["hpcrl"] = []
         shown, extra = reward_inputs(rows.prompts, completions)
         rewards = score_completions([RewardFunction("answer_reward", answer_reward)], rows.prompts, shown,
                                     [list(c.token_ids) for c in completions], rows.columns, **extra)
         stats = tool_stats(completions, None)
-        if request.param == "per_sample":       # a seed per rollout and turn, none reused
+        if schedule == "per_sample":       # a seed per rollout and turn, none reused
             seeds = [seed for _, seed in generator.seeds]
             assert len(set(seeds)) == len(seeds) == sum(c.tool_use.turns for c in completions)
     finally:
@@ -185,7 +216,7 @@ def test_loss_with_tool_mask_matches_trl(trl_run, hpcrl_run):
                       position_ids=batch["position_ids"]).logits
     logps = logprobs.completion_logprobs(logits, batch["completion_ids"], TEMPERATURE)
     config = LossConfig(loss_type=tr.loss_type, beta=tr.beta, epsilon_low=tr.epsilon_low,
-                        epsilon_high=tr.epsilon_high, max_completion_length=MAX_COMPLETION,
+                        epsilon_high=tr.epsilon_high, max_completion_length=tr.args.max_completion_length,
                         gradient_accumulation_steps=1, steps_per_generation=tr.args.steps_per_generation)
     loss, _ = grpo_loss(logps, None, None, out["advantages"], batch["loss_mask"], config,
                         num_items_in_batch=batch["loss_mask"].sum())
