@@ -45,6 +45,12 @@ SAMPLING_LOGP_DIFFERENCE_MAX = "sampling/sampling_logp_difference/max"
 IMPORTANCE_SAMPLING_RATIO_MIN = "sampling/importance_sampling_ratio/min"
 IMPORTANCE_SAMPLING_RATIO_MEAN = "sampling/importance_sampling_ratio/mean"
 IMPORTANCE_SAMPLING_RATIO_MAX = "sampling/importance_sampling_ratio/max"
+# How far the engines' sampling distribution is from the trainer's policy (numerics, and off-policy
+# lag): the k3 estimate of KL(sampler || trainer) per completion token, and the effective sample size
+# of the sequences' importance weights as a fraction of the batch, (sum w)^2 / (n sum w^2), 1 when
+# they agree. (Not TRL's: the asynchronous peers' staleness signals, issue #31.)
+SAMPLING_MISMATCH_KL = "sampling/mismatch_kl"
+SAMPLING_IS_ESS = "sampling/importance_sampling_ess"
 TOOLS_CALL_FREQUENCY = "tools/call_frequency"          # tool calls per completion
 TOOLS_FAILURE_FREQUENCY = "tools/failure_frequency"    # failed calls per call (0 without calls)
 LOSS = "loss"

@@ -39,6 +39,8 @@ __all__ = [
     "LossConfig",
     "SamplerCorrection",
     "grpo_loss",
+    "mismatch_metrics",
+    "effective_sample_size",
     "sampling_importance_ratio",
     "high_entropy_mask",
     "off_policy_mask",
@@ -166,6 +168,7 @@ def sampling_importance_ratio(
         flat = ratio.flatten() if sequence_level else ratio[mask]
         zero = torch.zeros((), device=ratio.device)
         metrics = {
+            **mismatch_metrics(old_per_token_logps, sampling_per_token_logps, completion_mask),
             mk.SAMPLING_LOGP_DIFFERENCE_MEAN: mean_metric(delta.mean() if delta.numel() else zero, 1.0),
             mk.SAMPLING_LOGP_DIFFERENCE_MAX: Metric(delta.max() if delta.numel() else zero, op="max"),
             mk.IMPORTANCE_SAMPLING_RATIO_MIN: Metric(flat.min() if flat.numel() else zero, op="min"),
@@ -173,6 +176,32 @@ def sampling_importance_ratio(
             mk.IMPORTANCE_SAMPLING_RATIO_MAX: Metric(flat.max() if flat.numel() else zero, op="max"),
         }
     return ratio, metrics
+
+
+# Partials of the importance weights' effective sample size, combined by effective_sample_size.
+_IS_WEIGHT_MEAN, _IS_WEIGHT_SQUARE_MEAN = "sampling/_is_weight", "sampling/_is_weight_square"
+
+
+def mismatch_metrics(trainer_logps: Tensor, sampling_logps: Tensor, mask: Tensor) -> dict[str, Metric]:
+    """The sampler-trainer mismatch of a micro-batch as partials: the k3 estimate of
+    KL(sampler || trainer) over its completion tokens (sampled by the sampler: r - 1 - log r with
+    r = p_trainer / p_sampler), and the sums behind the effective sample size of its sequences'
+    importance weights (exp of the summed log-ratio, unclipped; NaN sampler log-probs count as 0)."""
+    with torch.no_grad():
+        log_r = torch.nan_to_num((trainer_logps - sampling_logps).float(), nan=0.0) * mask
+        k3 = (torch.exp(log_r) - 1 - log_r) * mask
+        w = torch.exp(torch.clamp(log_r.sum(dim=-1), -20.0, 20.0))
+        rows = float(w.numel())
+        return {mk.SAMPLING_MISMATCH_KL: mean_metric(k3.sum(), mask.sum()),
+                _IS_WEIGHT_MEAN: mean_metric(w.sum(), rows), _IS_WEIGHT_SQUARE_MEAN: mean_metric((w * w).sum(), rows)}
+
+
+def effective_sample_size(reduced: dict[str, float]) -> None:
+    """Replace the weight partials of reduced metrics by their effective sample size, as a fraction
+    of the sequences: mean(w)^2 / mean(w^2)."""
+    mean, square = reduced.pop(_IS_WEIGHT_MEAN, None), reduced.pop(_IS_WEIGHT_SQUARE_MEAN, None)
+    if mean is not None and square:
+        reduced[mk.SAMPLING_IS_ESS] = mean * mean / square
 
 
 def high_entropy_mask(entropies: Tensor, mask: Tensor, threshold: float, group=None) -> Tensor:

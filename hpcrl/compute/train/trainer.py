@@ -49,8 +49,8 @@ from hpcrl.compute.train.engine import TrainEngine
 from hpcrl.compute.train.fsdp import Fsdp2Engine
 from hpcrl.compute.train.evaluation import Evaluator, epoch_ended, eval_due
 from hpcrl.compute.train.generation import Generation, Requested
-from hpcrl.compute.train.loss import (LossConfig, SamplerCorrection, grpo_loss, high_entropy_mask,
-                                      sampling_importance_ratio)
+from hpcrl.compute.train.loss import (LossConfig, SamplerCorrection, effective_sample_size, grpo_loss,
+                                      high_entropy_mask, sampling_importance_ratio)
 from hpcrl.compute.train.rank_metrics import Metric, global_sum, merge_metrics, reduce_metrics
 from hpcrl.compute.train.rewards import RewardFunction, load_reward_functions, new_trainer_state
 from hpcrl.compute.train.rollouts import make_rollouts
@@ -504,6 +504,7 @@ class Trainer:
             # TRL's SyncRefModelCallback at the end of optimizer step self.step + 1.
             self.engine.mix_into_reference(self.setup.reference, cfg.ref_model_mixup_alpha)
         out = reduce_metrics(metrics, self.setup.group)
+        effective_sample_size(out)
         loss_t = global_sum([loss_sum], self.setup.group)[0]
         out.update({mk.LOSS: loss_t, mk.GRAD_NORM: grad_norm, mk.LEARNING_RATE_USED: lr_used})
         return out

@@ -600,3 +600,35 @@ def test_loss_config_from_the_recipe():
     assert defaults.epsilon_high == defaults.epsilon_low and defaults.steps_per_generation == 1
     with pytest.raises(dataclasses.FrozenInstanceError):
         defaults.beta = 1.0
+
+
+def test_mismatch_kl_and_effective_sample_size_of_the_sampler():
+    """sampling/mismatch_kl is the k3 estimate of KL(sampler || trainer) over the completion tokens,
+    and sampling/importance_sampling_ess the sequences' importance weights' (sum w)^2 / (n sum w^2),
+    combined exactly over micro-batches; both read "no mismatch" (0 and 1) when the two agree."""
+    from hpcrl.compute.train.loss import effective_sample_size, mismatch_metrics
+    from hpcrl.compute.train.rank_metrics import merge_metrics
+    from hpcrl.job import metric_keys as mk
+
+    g = torch.Generator().manual_seed(3)
+    trainer = -torch.rand(4, 6, generator=g) * 3
+    sampler = trainer + torch.randn(4, 6, generator=g) * 0.3
+    mask = torch.ones(4, 6)
+    mask[1, 4:] = 0
+    mask[3, 2:] = 0
+    sampler[0, 1] = math.nan                    # an engine without this log-prob: no correction there
+    merged: dict = {}
+    for rows in (slice(0, 3), slice(3, 4)):     # two micro-batches
+        merge_metrics(merged, mismatch_metrics(trainer[rows], sampler[rows], mask[rows]))
+    out = reduce_metrics(merged)
+    effective_sample_size(out)
+    log_r = torch.nan_to_num(trainer - sampler, nan=0.0) * mask
+    k3 = ((log_r.exp() - 1 - log_r) * mask).sum() / mask.sum()
+    w = log_r.sum(1).exp()
+    assert set(out) == {mk.SAMPLING_MISMATCH_KL, mk.SAMPLING_IS_ESS}
+    assert out[mk.SAMPLING_MISMATCH_KL] == pytest.approx(k3.item(), rel=1e-5) and k3 > 0
+    assert out[mk.SAMPLING_IS_ESS] == pytest.approx((w.sum() ** 2 / (4 * (w * w).sum())).item(), rel=1e-5)
+    assert 0 < out[mk.SAMPLING_IS_ESS] < 1
+    same = reduce_metrics(mismatch_metrics(trainer, trainer, mask))
+    effective_sample_size(same)
+    assert same == {mk.SAMPLING_MISMATCH_KL: 0.0, mk.SAMPLING_IS_ESS: pytest.approx(1.0)}
