@@ -25,8 +25,8 @@ Positions in the messages: a text file's line (JSON lines, CSV), counted from 1 
 (a CSV's header is line 1); a table's row (a JSON array, parquet, a saved dataset's arrow file),
 counted from 0 as dataset[i] counts.
 
-While `also_checking` is in force, the same rows are read again for each NamesColumn given: a column
-every row must name one of a few names in (agent.environment_factory's environments).
+A RowChecks may also name NamesColumns: the same rows are read again for each, a column every row
+must name one of a few names in (agent.environment_factory's environments).
 
 Lines that are not JSON objects are not this module's: the job's loader names the first of them in
 one line (hpcrl.compute.train.data). No torch, no datasets: pyarrow reads parquet and arrow files
@@ -36,8 +36,6 @@ where it is importable (it comes with datasets); elsewhere those files are left 
 from __future__ import annotations
 
 import bisect
-import contextlib
-import contextvars
 import csv
 import itertools
 import json
@@ -77,26 +75,20 @@ class NamesColumn:
         return f"{found}, not one of {self.owner}'s names ({', '.join(self.names)}): every row picks one"
 
 
-# The NamesColumn checks check_prompts also makes, while hpcrl.login.inputs checks a recipe's data.
-_ALSO: contextvars.ContextVar[tuple[NamesColumn, ...]] = contextvars.ContextVar("also_checking", default=())
+@dataclass(frozen=True)
+class RowChecks:
+    """What the rows of a recipe's data are checked for: the prompt column (data.prompt_column), and
+    columns that must name one of a few names."""
+    prompt: str
+    names: tuple[NamesColumn, ...] = ()
 
 
-@contextlib.contextmanager
-def also_checking(columns: tuple[NamesColumn, ...]):
-    """Within the block, check_prompts also checks `columns` in the same files, as it reads prompts."""
-    token = _ALSO.set(tuple(columns))
-    try:
-        yield
-    finally:
-        _ALSO.reset(token)
-
-
-def check_prompts(files: list[Path], column: str, where: str, split: str = "train") -> None:
-    """The prompts in `column` of a split's data files (read by suffix; a file that cannot be read
-    here is skipped), within the bound above. A bad one is a UserError naming `where`, the file,
-    the position and what was found. So are the columns also_checking gives."""
-    _check_column(files, column, where, split, problem)
-    for extra in _ALSO.get():
+def check_prompts(files: list[Path], rows: RowChecks, where: str, split: str = "train") -> None:
+    """The prompts in the prompt column of a split's data files (read by suffix; a file that cannot
+    be read here is skipped), within the bound above, and the NamesColumns of ``rows``. A bad one is
+    a UserError naming `where`, the file, the position and what was found."""
+    _check_column(files, rows.prompt, where, split, problem)
+    for extra in rows.names:
         _check_column(files, extra.column, where, split, extra.problem)
 
 

@@ -50,8 +50,7 @@ def check_inputs(recipe: Recipe, site: Site) -> None:
     _check_model(recipe, env)
     agent_inputs.check_chat_template(recipe, lambda name, where: _model_dir(name, where, env))
     _check_reward_models(recipe, env)
-    with data_rows.also_checking(agent_inputs.environment_columns(recipe)):
-        _check_data(recipe, env)
+    _check_data(recipe, env, data_rows.RowChecks(recipe.data.prompt_column, agent_inputs.environment_columns(recipe)))
 
 
 def model_to_stage(recipe: Recipe, site: Site) -> str:
@@ -305,33 +304,33 @@ def _check_lora_targets(model: ModelConfig, modules: ModulePaths | None) -> None
 
 
 # ---------------------------------------------------------------------------- data
-def _check_data(recipe: Recipe, env) -> None:
+def _check_data(recipe: Recipe, env, rows: data_rows.RowChecks) -> None:
     if recipe.data.datasets:
-        return _check_mixture(recipe, env)
-    _check_split(recipe, env, recipe.data.split)
+        return _check_mixture(recipe, env, rows)
+    _check_split(recipe, env, recipe.data.split, rows)
     if recipe.grpo.eval_strategy != "no":
         try:
-            _check_split(recipe, env, recipe.data.eval_split)
+            _check_split(recipe, env, recipe.data.eval_split, rows)
         except UserError as e:      # the same checks, for the split evaluation reads
             raise UserError(str(e).replace("data.split:", "data.eval_split:", 1)) from None
 
 
-def _check_split(recipe: Recipe, env, split: str) -> None:
+def _check_split(recipe: Recipe, env, split: str, rows: data_rows.RowChecks) -> None:
     data = recipe.data
     if data.data_files:
         if data.path != DEMO_DATA:
             raise UserError("data.data_files: give data.path or data.data_files, not both")
-        return _check_files(list(data.data_files), "data.data_files", split, data.prompt_column)
+        return _check_files(list(data.data_files), "data.data_files", split, rows)
     if data.path == DEMO_DATA:
         return None
     text = data.path
     path = Path(text).expanduser()
     if hfcache.is_glob(text) or path.is_file():
-        return _check_files([text], "data.path", split, data.prompt_column)
+        return _check_files([text], "data.path", split, rows)
     if path.is_dir():
         if hfcache.is_saved_dataset(path):
-            return _check_saved(path, text, split, data.prompt_column)
-        return _check_data_dir(path, text, split, data.prompt_column)
+            return _check_saved(path, text, split, rows)
+        return _check_data_dir(path, text, split, rows)
     if unseen_here(path) and not hfcache.is_hub_id(text):
         return None
     if path.exists():
@@ -344,7 +343,7 @@ def _check_split(recipe: Recipe, env, split: str) -> None:
     snapshot = hfcache.cached_snapshot(text, "dataset", hub_cache)
     if snapshot is not None:
         if hfcache.data_files_in(snapshot) and not data.config:
-            _check_data_dir(snapshot, f"{text} (cached at {snapshot})", split, data.prompt_column)
+            _check_data_dir(snapshot, f"{text} (cached at {snapshot})", split, rows)
         return None
     prepared = hfcache.cached_prepared_dataset(text, datasets_cache)
     if prepared is None:
@@ -353,7 +352,7 @@ def _check_split(recipe: Recipe, env, split: str) -> None:
     return None
 
 
-def _check_mixture(recipe: Recipe, env) -> None:
+def _check_mixture(recipe: Recipe, env, rows: data_rows.RowChecks) -> None:
     """data.datasets, each source as datasets.load_dataset will find it (the split of data.split
     itself was checked with the recipe: "train", or "test" with data.test_split_size)."""
     data = recipe.data
@@ -362,7 +361,7 @@ def _check_mixture(recipe: Recipe, env) -> None:
         raise UserError(f"data.eval_split: {data.eval_split!r}: a mixture's splits are \"train\" and, with "
                         f"data.test_split_size (TRL's test_split_size), \"test\"; evaluation needs one of them")
     for i, source in enumerate(data.datasets):
-        _check_source(source, f"data.datasets[{i}]", data.prompt_column, env)
+        _check_source(source, f"data.datasets[{i}]", rows, env)
 
 
 def _split_names(split: str) -> list[str]:
@@ -370,25 +369,25 @@ def _split_names(split: str) -> list[str]:
     return [part.split("[", 1)[0].strip() for part in split.split("+")]
 
 
-def _check_source(source: DataSource, where: str, column: str, env) -> None:
-    if source.columns is not None and column not in source.columns:
-        raise UserError(f"{where}.columns: keeps no {column!r} column (data.prompt_column); add it")
+def _check_source(source: DataSource, where: str, rows: data_rows.RowChecks, env) -> None:
+    if source.columns is not None and rows.prompt not in source.columns:
+        raise UserError(f"{where}.columns: keeps no {rows.prompt!r} column (data.prompt_column); add it")
     path = Path(source.path).expanduser()
     if source.path in DATASET_BUILDERS:
         if source.data_files is not None:
-            return _check_source_files(source, where, column, base=source.data_dir and Path(source.data_dir))
+            return _check_source_files(source, where, rows, base=source.data_dir and Path(source.data_dir))
         if source.data_dir is None:
             raise UserError(f"{where}: the {source.path!r} builder reads the files of data_files or data_dir; "
                             f"give one of them")
-        return _check_source_dir(source, where, column, Path(source.data_dir).expanduser(), f"{where}.data_dir")
+        return _check_source_dir(source, where, rows, Path(source.data_dir).expanduser(), f"{where}.data_dir")
     if path.is_file():
         builder = hfcache.DATA_FILE_BUILDERS.get(path.suffix, "json")
         raise UserError(f"{where}.path: {source.path} is a file; datasets.load_dataset (so TRL) reads files "
                         f"through a builder: path: {builder}, data_files: {source.path}")
     if path.is_dir():
         if source.data_files is not None:
-            return _check_source_files(source, where, column, base=path / (source.data_dir or ""))
-        return _check_source_dir(source, where, column, path / (source.data_dir or ""), f"{where}.path")
+            return _check_source_files(source, where, rows, base=path / (source.data_dir or ""))
+        return _check_source_dir(source, where, rows, path / (source.data_dir or ""), f"{where}.path")
     if unseen_here(path) and not hfcache.is_hub_id(source.path):
         return None
     if path.exists():
@@ -406,12 +405,12 @@ def _check_source(source: DataSource, where: str, column: str, env) -> None:
     if snapshot is not None and source.name is None and hfcache.data_files_in(snapshot):
         # the job reads the snapshot as a directory of data files (hpcrl.compute.train.data)
         if source.data_files is not None:
-            return _check_source_files(source, where, column, base=snapshot / (source.data_dir or ""))
-        return _check_source_dir(source, where, column, snapshot / (source.data_dir or ""), f"{where}.path")
+            return _check_source_files(source, where, rows, base=snapshot / (source.data_dir or ""))
+        return _check_source_dir(source, where, rows, snapshot / (source.data_dir or ""), f"{where}.path")
     return None
 
 
-def _check_source_files(source: DataSource, where: str, column: str, base: Path | None) -> None:
+def _check_source_files(source: DataSource, where: str, rows: data_rows.RowChecks, base: Path | None) -> None:
     """A source's data_files (relative ones inside `base`, the dataset's directory; made absolute
     at compose otherwise): the split's files exist and their first row has the columns asked for."""
     files = source.data_files
@@ -444,11 +443,11 @@ def _check_source_files(source: DataSource, where: str, column: str, base: Path 
         else:
             matches = [full]
         found += matches
-    _check_source_columns(source, where, column, found[0])
-    data_rows.check_prompts(found, column, where, source.split)
+    _check_source_columns(source, where, rows, found[0])
+    data_rows.check_prompts(found, rows, where, source.split)
 
 
-def _check_source_dir(source: DataSource, where: str, column: str, directory: Path, field: str) -> None:
+def _check_source_dir(source: DataSource, where: str, rows: data_rows.RowChecks, directory: Path, field: str) -> None:
     if unseen_here(directory):
         return None
     if not directory.is_dir():
@@ -458,11 +457,11 @@ def _check_source_dir(source: DataSource, where: str, column: str, directory: Pa
         raise UserError(f"{field}: {directory} holds no data files ({', '.join(hfcache.DATA_FILE_BUILDERS)})")
     for name in _split_names(source.split):
         split_files = _split_files(directory, files, name, f"{where}.split", str(directory))
-        _check_source_columns(source, where, column, split_files[0])
-        data_rows.check_prompts(split_files, column, where, name)
+        _check_source_columns(source, where, rows, split_files[0])
+        data_rows.check_prompts(split_files, rows, where, name)
 
 
-def _check_source_columns(source: DataSource, where: str, column: str, file: Path) -> None:
+def _check_source_columns(source: DataSource, where: str, rows: data_rows.RowChecks, file: Path) -> None:
     """The first row of `file` has every column of `columns`, and the prompt column."""
     if file.suffix not in hfcache.DATA_FILE_BUILDERS:
         return None
@@ -476,13 +475,13 @@ def _check_source_columns(source: DataSource, where: str, column: str, file: Pat
         if wanted not in columns:
             raise UserError(f"{where}.columns: no {wanted!r} column in {file} (first row's columns: "
                             f"{', '.join(map(str, columns)) or 'none'}){closest(wanted, columns)}")
-    if column not in columns:
-        raise UserError(f"data.prompt_column: no {column!r} column in {file} ({where}; first row's columns: "
+    if rows.prompt not in columns:
+        raise UserError(f"data.prompt_column: no {rows.prompt!r} column in {file} ({where}; first row's columns: "
                         f"{', '.join(map(str, columns)) or 'none'})")
     return None
 
 
-def _check_files(patterns: list[str], where: str, split: str, column: str) -> None:
+def _check_files(patterns: list[str], where: str, split: str, rows: data_rows.RowChecks) -> None:
     if split != "train":
         raise UserError(f"data.split: {split!r}: {where} is a file or files, whose only split is \"train\"")
     if any(unseen_here(Path(p).expanduser()) for p in patterns):
@@ -491,11 +490,11 @@ def _check_files(patterns: list[str], where: str, split: str, column: str) -> No
         files = hfcache.expand_data_files(patterns, where)
     except (OSError, ValueError) as e:
         raise UserError(str(e)) from None
-    _check_column(files[0], column)
-    data_rows.check_prompts(files, column, where)
+    _check_column(files[0], rows.prompt)
+    data_rows.check_prompts(files, rows, where)
 
 
-def _check_saved(path: Path, name: str, split: str, column: str) -> None:
+def _check_saved(path: Path, name: str, split: str, rows: data_rows.RowChecks) -> None:
     """A save_to_disk directory: its split and features, from its JSON files."""
     dict_file = path / hfcache.SAVED_DATASET_DICT_FILE
     if dict_file.is_file():
@@ -509,19 +508,19 @@ def _check_saved(path: Path, name: str, split: str, column: str) -> None:
             raise UserError(f"data.split: {split!r}: {name} is a single saved Dataset (split {own!r})")
     info = path / "dataset_info.json"
     features = _read_json(info, "data.path").get("features") if info.is_file() else None
-    if isinstance(features, dict) and features and column not in features:
-        raise UserError(f"data.prompt_column: no {column!r} column in {name} (columns: {', '.join(features)})")
-    data_rows.check_prompts(data_rows.saved_files(path), column, "data.path", split)
+    if isinstance(features, dict) and features and rows.prompt not in features:
+        raise UserError(f"data.prompt_column: no {rows.prompt!r} column in {name} (columns: {', '.join(features)})")
+    data_rows.check_prompts(data_rows.saved_files(path), rows, "data.path", split)
 
 
-def _check_data_dir(path: Path, name: str, split: str, column: str) -> None:
+def _check_data_dir(path: Path, name: str, split: str, rows: data_rows.RowChecks) -> None:
     files = hfcache.data_files_in(path)
     if not files:
         raise UserError(f"data.path: {name} holds no data files ({', '.join(hfcache.DATA_FILE_BUILDERS)}) "
                         f"and is no save_to_disk directory")
     split_files = _split_files(path, files, split, "data.split", name)
-    _check_column(split_files[0], column)
-    data_rows.check_prompts(split_files, column, "data.path", split)
+    _check_column(split_files[0], rows.prompt)
+    data_rows.check_prompts(split_files, rows, "data.path", split)
 
 
 def _split_files(directory: Path, files: list[Path], split: str, where: str, shown: str) -> list[Path]:

@@ -417,11 +417,11 @@ def test_the_environment_column_is_read_as_the_prompts_are(tmp_path):
     good, bad = tmp_path / "good.jsonl", tmp_path / "bad.jsonl"
     good.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
     bad.write_text(json.dumps(ROWS[0]) + "\n" + json.dumps({"prompt": "x", "environment": 3}) + "\n")
-    data_rows.check_prompts([bad], "prompt", "data.path")       # outside the block: prompts only
-    with data_rows.also_checking((column,)):
-        data_rows.check_prompts([good], "prompt", "data.path")
-        with pytest.raises(UserError, match=r'bad.jsonl line 2: column "environment" is 3, not one of'):
-            data_rows.check_prompts([bad], "prompt", "data.path")
+    data_rows.check_prompts([bad], data_rows.RowChecks("prompt"), "data.path")      # prompts only
+    both = data_rows.RowChecks("prompt", (column,))
+    data_rows.check_prompts([good], both, "data.path")
+    with pytest.raises(UserError, match=r'bad.jsonl line 2: column "environment" is 3, not one of'):
+        data_rows.check_prompts([bad], both, "data.path")
 
 
 # ---------------------------------------------------------------------------- get_json_schema's verdicts
