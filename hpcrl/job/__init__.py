@@ -19,6 +19,7 @@ job_memory.py  those formulas in a job's setting (dtypes, sequence widths, vLLM'
 mesh_choice.py the trainers' mesh (FSDP or HSDP) and what a weight sync moves across nodes
 estimate.py    will it fit: the estimate against the GPUs, its verdict and the fixes
 batch.py       the global batch, and the sequences one engine generates per step
+signal_lead.py how early Slurm's stop signal comes: site.signal's lead, or one from the checkpoint's write and a step
 deepspeed.py   trainer.engine=deepspeed: the ZeRO-3 config from the recipe and a user's DeepSpeed/accelerate files
 rundir.py      every name inside a run directory, and its atomic creation
 atomic.py      atomic_write (a whole-file write a reader never sees half done) and fsync_dir, for both sides

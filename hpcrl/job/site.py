@@ -12,6 +12,16 @@ from hpcrl.job.errors import UserError
 
 # A value that ends up on an #SBATCH line or as a bare word in the script must be one token.
 SAFE_WORD = re.compile(r"^[A-Za-z0-9_.+:=,@%/\-]+$")
+# site.signal: a signal and its lead in seconds, or "auto" for hpcrl.job.signal_lead to derive it.
+SIGNAL = re.compile(r"^(SIG)?[A-Z0-9]+@(\d+|auto)$")
+# Slurm's --signal takes a lead of 0..65535 seconds.
+SLURM_MAX_SIGNAL_LEAD_S = 65535
+# A directory a container binds: absolute, or from a plain variable ($USER, ${HOME}); never ":" or
+# ",", which separate binds for apptainer and pyxis, nor quotes, backslashes or `$(`.
+_VAR = r"\$[A-Za-z_][A-Za-z0-9_]*|\$\{[A-Za-z_][A-Za-z0-9_]*\}"
+BIND_PATH = re.compile(rf"^(?:/|{_VAR})(?:[^$`\"'\\:,\s]|{_VAR})*$")
+# Control characters (a newline, a tab) would break the script's line a value lands on.
+CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f]")
 
 
 @dataclass(frozen=True)
@@ -87,6 +97,55 @@ class Stage:
 
 
 @dataclass(frozen=True)
+class Container:
+    """The image the job's Python runs in: the compute step, and every staging step that runs Python
+    (the packed environment's unpack, the model copy, the /dev/shm sweep). OLCF ships vLLM for ROCm
+    as Apptainer images; CUDA clusters often run enroot images through pyxis.
+
+    The runtimes take it in two forms, both placed right before the program on the srun line:
+    apptainer and singularity are a command (`srun ... apptainer exec --bind DIR IMAGE python ...`),
+    pyxis is options of srun itself (`srun ... --container-image=IMAGE --container-mounts=DIR:DIR
+    python ...`; srun reads options up to the program)."""
+    # "" = no container. A .sif file (or any image apptainer exec takes: docker://...), or pyxis's
+    # --container-image (a squashfs file, or registry#image:tag).
+    image: str = ""
+    runtime: Literal["apptainer", "singularity", "pyxis"] = "apptainer"
+    # Host directories the tasks need inside, bound at the same path: the file systems the model,
+    # data and checkpoints are on, node-local storage. The run directory, the parents of the staging
+    # directories (stage.dest, stage.model_dest) and net_plugin_dir are bound without being listed.
+    binds: tuple[str, ...] = ()
+    # The directory of the site's NCCL/RCCL network plugin (libnccl-net*.so: aws-ofi-nccl on
+    # Slingshot), which an image does not carry ("" = none): bound at the same path.
+    net_plugin_dir: str = ""
+    # More options of the runtime, one word each ("--option" or "--option=value"): apptainer exec's
+    # (e.g. "--cleanenv"), or srun's for pyxis (e.g. "--no-container-mount-home").
+    options: tuple[str, ...] = ()
+
+    @property
+    def srun_options_form(self) -> bool:
+        """pyxis: the container is options of srun, not a command srun runs."""
+        return self.runtime == "pyxis"
+
+    def validate(self, where: str) -> None:
+        if CONTROL_CHARS.search(self.image):
+            raise UserError(f"{where}.image: control characters (newline, tab, ...) are not allowed")
+        for i, path in enumerate(self.binds):
+            _check_bind(path, f"{where}.binds[{i}]")
+        if self.net_plugin_dir:
+            _check_bind(self.net_plugin_dir, f"{where}.net_plugin_dir")
+        for i, opt in enumerate(self.options):
+            if not opt.startswith("-") or re.search(r"\s", opt) or CONTROL_CHARS.search(opt):
+                raise UserError(f"{where}.options[{i}]: {opt!r} is not one option word like \"--cleanenv\" "
+                                f"or \"--env=NAME=value\"")
+
+
+def _check_bind(path: str, where: str) -> None:
+    if not BIND_PATH.match(path):
+        raise UserError(f"{where}: {path!r} is not a directory to bind: an absolute path (plain $VARIABLES "
+                        f"allowed), without : , quotes, backslashes or spaces")
+
+
+@dataclass(frozen=True)
 class Site:
     name: str
     description: str = ""
@@ -108,7 +167,12 @@ class Site:
     # How the script asks for GPUs; "" asks for none ({gpus} = GPUs per node).
     gpu_request: str = "--gpus-per-node={gpus}"
     # Signal sent before the time limit so trainers checkpoint; not USR1, which NCCL/RCCL catch.
-    signal: str = "USR2@300"
+    # "NAME@SECONDS", or "NAME@auto": hpcrl.job.signal_lead derives the lead from the checkpoint's
+    # write (shared_fs_write_gb_s) and a step, and `hpcrl plan` says how. "" = no signal.
+    signal: str = "USR2@auto"
+    # GB/s (1e9 bytes) one node of a job can count on writing to the shared file system its
+    # checkpoints go to: its share of a busy file system, not the peak. Sets "@auto" signal leads.
+    shared_fs_write_gb_s: float = 1.0
     # Seconds from a job's start to the end of its first step here (staging, imports, model load,
     # engine start, one step), as measured on the site: a time limit must leave that and the
     # signal's lead, or every attempt is stopped before it trains.
@@ -123,6 +187,8 @@ class Site:
     # The interpreter that runs `python -m hpcrl.compute.launch`; "auto" = the one running hpcrl now.
     python: str = "auto"
     stage: Stage = field(default_factory=Stage)
+    # The image the tasks' Python runs in (container.image "" = none).
+    container: Container = field(default_factory=Container)
     runs_dir: str = "runs"
     # Directories compute nodes cannot write (Frontier mounts /ccs/home and /ccs/proj read-only
     # there): a run or checkpoint directory under one is refused at render, before the queue.
@@ -138,11 +204,31 @@ class Site:
         for key in (*self.env, *self.env_single_node, *self.env_multi_node):
             if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", key):
                 raise UserError(f"{where}.env: {key!r} is not a valid environment variable name")
-        if self.signal and not re.match(r"^(SIG)?[A-Z0-9]+@\d+$", self.signal):
+        if self.signal and not SIGNAL.match(self.signal):
             raise UserError(f"{where}.signal: {self.signal!r} is not a signal and its lead in seconds like "
-                            f"\"USR2@300\" (\"\" = none)")
+                            f"\"USR2@300\", or \"USR2@auto\" (\"\" = none)")
+        if (self.signal_lead_s or 0) > SLURM_MAX_SIGNAL_LEAD_S:
+            raise UserError(f"{where}.signal: a lead of {self.signal_lead_s} s is over Slurm's limit of "
+                            f"{SLURM_MAX_SIGNAL_LEAD_S} s")
+        if not self.shared_fs_write_gb_s > 0:
+            raise UserError(f"{where}.shared_fs_write_gb_s: must be > 0 (GB/s a node writes), got "
+                            f"{self.shared_fs_write_gb_s}")
         if self.startup_s < 0:
             raise UserError(f"{where}.startup_s: must be >= 0, got {self.startup_s}")
+        if self.container.image:
+            self._check_container(where)
+
+    def _check_container(self, where: str) -> None:
+        if self.scheduler == "none":
+            raise UserError(f"{where}.container.image: `hpcrl run` starts its tasks through mpiexec on this "
+                            f"machine, outside any container; containers are for Slurm sites")
+        if self.container.srun_options_form and self.launcher != "srun":
+            raise UserError(f"{where}.container.runtime: pyxis is a plugin of srun, and {self.name}'s launcher "
+                            f"is {self.launcher}")
+        if self.python == "auto" and not self.stage.python_env:
+            raise UserError(f"{where}.python: the tasks run inside {self.container.image}, where the interpreter "
+                            f"hpcrl runs from here (python = \"auto\") is not: set it to the image's (e.g. "
+                            f"python3), or stage.python_env")
 
     @property
     def signal_name(self) -> str:
@@ -150,20 +236,26 @@ class Site:
         return (self.signal.partition("@")[0] or "USR2").removeprefix("SIG")
 
     @property
-    def signal_lead_s(self) -> int:
-        """Seconds before the time limit that Slurm sends site.signal (0 without one)."""
-        return int(self.signal.partition("@")[2] or 0) if self.signal else 0
+    def signal_lead_s(self) -> int | None:
+        """Seconds before the time limit that site.signal gives (0 without a signal); None for
+        "NAME@auto", whose lead a job's checkpoint sets (hpcrl.job.signal_lead)."""
+        if not self.signal:
+            return 0
+        lead = self.signal.partition("@")[2]
+        return None if lead == "auto" else int(lead)
 
-    def check_time_limit(self, time_s: int, time_text: str) -> None:
-        """A time limit that leaves no step between start-up and the stop signal: every attempt
-        would be stopped, and (before the trainers' progress check) requeued, during start-up."""
+    def check_time_limit(self, time_s: int, time_text: str, lead_s: int) -> None:
+        """A time limit that leaves no step between start-up and the stop signal, which comes
+        `lead_s` before it: every attempt would be stopped, and (before the trainers' progress check)
+        requeued, during start-up."""
         if not self.signal:
             return
-        needed = self.startup_s + self.signal_lead_s
+        needed = self.startup_s + lead_s
         if time_s <= needed:
             raise UserError(f"time: {time_text} leaves no time to train on {self.name}: start-up and a first step "
-                            f"take about {self.startup_s} s (site startup_s) and Slurm's {self.signal} warning "
-                            f"comes {self.signal_lead_s} s before the limit; ask for more than {needed} s")
+                            f"take about {self.startup_s} s (site startup_s) and Slurm's {self.signal_name} warning "
+                            f"comes {lead_s} s before the limit (site.signal {self.signal}); ask for more than "
+                            f"{needed} s")
 
     def gpu_cores(self, gpu: int) -> tuple[int, ...]:
         text = self.node.gpu_cores.get(str(gpu))

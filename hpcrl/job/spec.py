@@ -45,6 +45,9 @@ class JobSpec:
     # configuration it was submitted with however the files change later. The trainers' config is
     # hpcrl.job.deepspeed.config_for_job(spec, device_type); None: no user settings.
     deepspeed_user: Optional[dict[str, Any]] = None
+    # Seconds before the time limit that Slurm sends site.signal, as compose settled them: the site's
+    # own lead, or for "NAME@auto" one derived from the checkpoint (hpcrl.job.signal_lead). 0: none.
+    signal_lead_s: int = 0
 
     @property
     def name(self) -> str:

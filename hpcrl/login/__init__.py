@@ -17,6 +17,8 @@ profiles.py    finding site profiles: shipped, $HPCRL_SITES_PATH, ~/.config/hpcr
 commands/      one module per subcommand (run, render, submit, plan, sites, status, logs, cancel,
                plot), each a main(args); cli.py imports only the one given
 render.py      JobSpec -> the standalone sbatch script (templates/sbatch.sh.j2)
+launch_prefix.py  site.container as the script runs it: apptainer's command or pyxis's srun options, the binds
+shell_words.py the script's quoting: literal words, and words whose plain $VARIABLES expand
 slurm.py       the only module that runs Slurm commands; the one list of finished job states
 registry.py    the SQLite job registry behind `hpcrl status`
 status.py      registry + Slurm + run directory -> what a person sees (shared by status, logs, cancel)

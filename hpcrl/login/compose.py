@@ -104,7 +104,6 @@ def _validate_resources(site: Site, recipe: Recipe, need_account: bool = True) -
     time_s = parse_walltime(res.time)
     if site.scheduler == "none":
         return time_s
-    site.check_time_limit(time_s, res.time)
     if need_account and site.account_required and not res.account:
         raise UserError(f"account: site {site.name} requires a project account (-A PROJECT_ID)")
     if site.partitions and res.partition and res.partition not in site.partitions:
@@ -280,6 +279,7 @@ def _compose(recipe: Recipe, recipe_path: str | None, site_name: str, run_dir: s
         # What the user's settings offload, the recipe says too: job.json's recipe tells what runs.
         recipe = replace(recipe, trainer=replace(recipe.trainer, **asked_offloads(deepspeed_user)))
     python = sys.executable if site.python == "auto" else site.python
+    lead_s = _signal_lead_s(site, recipe, time_s, plan)
     reward_modules = _reward_modules(recipe, recipe_path, check_installed=python == sys.executable)
     if check_inputs and not for_plan and recipe.mode == "train":
         from hpcrl.login.inputs import check_inputs     # model, tokenizer and data, as the job will find them
@@ -287,7 +287,7 @@ def _compose(recipe: Recipe, recipe_path: str | None, site_name: str, run_dir: s
         check_inputs(recipe, site)
     if for_plan:
         spec = JobSpec(SPEC_VERSION, __version__, time.time(), "", site, recipe, time_s, python,
-                       deepspeed_user=deepspeed_user)
+                       deepspeed_user=deepspeed_user, signal_lead_s=lead_s)
         deepspeed_inputs.check(spec, plan, deepspeed_sources)
         _print_notes(notes)
         return spec
@@ -312,7 +312,11 @@ def _compose(recipe: Recipe, recipe_path: str | None, site_name: str, run_dir: s
     if model_source:
         _check_text(model_source, "model.path")
     spec = JobSpec(SPEC_VERSION, __version__, time.time(), str(run_path), site, recipe, time_s, python,
-                   reward_modules, model_source, deepspeed_user)
+                   reward_modules, model_source, deepspeed_user, lead_s)
+    if site.container.image:
+        from hpcrl.login.launch_prefix import container_binds      # its checks, before anything is written
+
+        container_binds(spec)
     write_dirs.check_dirs_are_this_runs(spec)
     deepspeed_inputs.check(spec, plan, deepspeed_sources)
     if check_fit:
@@ -434,6 +438,20 @@ def _mixture_source_paths(source: dict) -> None:
             source["data_files"] = [here(f) for f in files] if isinstance(files, list) else here(files)
     elif Path(path).expanduser().is_dir():
         source["path"] = here(path)
+
+
+def _signal_lead_s(site: Site, recipe: Recipe, time_s: int, plan: Plan) -> int:
+    """The lead the job's script gives Slurm's stop signal, once the time limit is known to leave a
+    step between start-up and that signal (0: no signal)."""
+    if site.scheduler == "none" or not site.signal:
+        return 0
+    from hpcrl.job.signal_lead import signal_lead      # reads the model's size: not for `hpcrl status`
+
+    # The lead reads the recipe and the site only: a draft of the spec, before its run directory.
+    draft = JobSpec(SPEC_VERSION, __version__, 0.0, "", site, recipe, time_s, "")
+    lead = signal_lead(draft, plan).lead_s
+    site.check_time_limit(time_s, recipe.resources.time, lead)
+    return lead
 
 
 def _print_notes(notes: list[str]) -> None:

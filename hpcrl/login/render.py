@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
-import shlex
 from pathlib import Path
 
 import jinja2
@@ -14,18 +12,8 @@ from hpcrl import __version__
 from hpcrl.job import rundir
 from hpcrl.job.slurm_time import format_walltime
 from hpcrl.job.spec import JobSpec
-
-# An environment value that only references plain variables ($USER, ${HOME}) is rendered in
-# double quotes so they expand; anything else is single-quoted and stays literal, so `$(...)`,
-# backticks and quotes from a user never run.
-_EXPANDABLE = re.compile(r'^(?:[^$`"\\\n]|\$[A-Za-z_][A-Za-z0-9_]*|\$\{[A-Za-z_][A-Za-z0-9_]*\})*$')
-
-
-def env_quote(value: str) -> str:
-    value = str(value)
-    if "$" in value and _EXPANDABLE.match(value):
-        return f'"{value}"'
-    return shlex.quote(value)
+from hpcrl.login import launch_prefix
+from hpcrl.login.shell_words import env_quote, quote
 
 
 def _bytecode_cache() -> jinja2.BytecodeCache | None:
@@ -44,7 +32,7 @@ def _environment() -> jinja2.Environment:
     loader = jinja2.FileSystemLoader(str(Path(__file__).parent.parent / "templates"))
     env = jinja2.Environment(loader=loader, undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
                              autoescape=False, bytecode_cache=_bytecode_cache())
-    env.filters["q"] = lambda v: shlex.quote(str(v))
+    env.filters["q"] = quote
     env.filters["envq"] = env_quote
     return env
 
@@ -56,6 +44,6 @@ def render_sbatch(spec: JobSpec) -> str:
         spec=spec, site=site, plan=plan, res=spec.recipe.resources, env=spec.environment(),
         walltime=format_walltime(spec.time_s), cpus_per_task=max(1, cpus),
         gpu_request=site.gpu_request.format(gpus=site.node.gpus) if site.gpu_request else "",
-        signal_name=site.signal_name, signal_lead=site.signal_lead_s, hpcrl_version=__version__,
-        rundir=rundir, max_restarts=spec.recipe.launch.max_restarts,
+        signal_name=site.signal_name, signal_lead=spec.signal_lead_s, hpcrl_version=__version__,
+        rundir=rundir, max_restarts=spec.recipe.launch.max_restarts, container=launch_prefix.container_launch(spec),
     )

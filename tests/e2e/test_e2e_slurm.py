@@ -286,32 +286,93 @@ def test_a_trl_users_config_on_two_nodes(testbed, hpcrl, cancel_after, tmp_path)
     check_trl_user_run(run_dir, tmp_path / "out", 3)
 
 
-def test_a_staged_python_environment_is_unpacked_once_per_node_and_runs_the_job(testbed, hpcrl, cancel_after,
-                                                                                tmp_path):
+# Stands in for `apptainer exec` (site.container): checks what the real one checks (its image and every bind
+# source exist), sets what it sets inside (APPTAINER_CONTAINER, the --pwd directory), notes the call, then
+# runs the command on the host.
+APPTAINER_STAND_IN = """#!/bin/bash
+[ "$1" = exec ] || { echo "apptainer stand-in: expected exec, got $1" >&2; exit 255; }
+shift
+binds=() pwd=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --bind|-B) binds+=("$2"); shift 2 ;;
+    --pwd) pwd=$2; shift 2 ;;
+    -*) shift ;;
+    *) break ;;
+  esac
+done
+image=$1; shift
+[ -f "$image" ] || { echo "apptainer stand-in: no image $image" >&2; exit 255; }
+for b in "${binds[@]}"; do
+  [ -d "$b" ] || { echo "apptainer stand-in: bind source $b does not exist" >&2; exit 255; }
+done
+echo "$SLURMD_NODENAME $SLURM_PROCID $pwd ${binds[*]} :: $*" >> LOG
+export APPTAINER_CONTAINER=$image
+cd "$pwd" && exec "$@"
+"""
+
+
+def test_staging_and_every_task_run_once_per_node_inside_the_site_container(testbed, hpcrl, cancel_after, tmp_path):
     """site.stage.python_env (issue #27, item 1): the packed environment's unpack was an srun with
     --ntasks-per-node=1 only, so it took the job's task count and several tasks a node unpacked into
     one directory at once (8 a node on Frontier). A stand-in for a conda-pack tarball: bin/python
     runs this machine's Python, bin/conda-unpack notes the node it ran on; each node unpacks once, and
-    every task of the job runs the staged Python."""
+    every task of the job runs the staged Python.
+    site.container (item 4), with a stand-in for `apptainer exec` on the PATH: the unpack, the model's
+    copy to each node (stage.model_via srun), every task of the launch and the /dev/shm sweep run
+    through it, each with the run directory and the model's file system bound; no Python of the job
+    starts outside it."""
+    from hpcrl.compute.models.tiny import make_tiny_model
+
     env = tmp_path / "env"
     (env / "bin").mkdir(parents=True)
-    unpacked, used = tmp_path / "unpacked.txt", tmp_path / "used.txt"
-    (env / "bin" / "python").write_text(f'#!/bin/bash\necho "$SLURMD_NODENAME" >> {used}\nexec {sys.executable} "$@"\n')
-    (env / "bin" / "conda-unpack").write_text(f'#!/bin/bash\necho "$SLURMD_NODENAME" >> {unpacked}\n')
-    for f in (env / "bin").iterdir():
+    unpacked, used, calls = tmp_path / "unpacked.txt", tmp_path / "used.txt", tmp_path / "apptainer.txt"
+    where = '"$SLURMD_NODENAME ${APPTAINER_CONTAINER:-host}"'
+    (env / "bin" / "python").write_text(f'#!/bin/bash\necho {where} >> {used}\nexec {sys.executable} "$@"\n')
+    (env / "bin" / "conda-unpack").write_text(f'#!/bin/bash\necho {where} >> {unpacked}\n')
+    stand_in = tmp_path / "stand-in" / "apptainer"
+    stand_in.parent.mkdir()
+    stand_in.write_text(APPTAINER_STAND_IN.replace("LOG", str(calls)))
+    for f in (*(env / "bin").iterdir(), stand_in):
         f.chmod(0o755)
     subprocess.run(["tar", "-czf", str(tmp_path / "env.tar.gz"), "-C", str(env), "."], check=True)
+    image = tmp_path / "images" / "hpcrl.sif"
+    image.parent.mkdir()
+    image.write_text("")
+    shared = tmp_path / "shared"
+    model = make_tiny_model(shared / "tiny", size="tiny", seed=0)
     job_id, run_dir = _submit(hpcrl, "-N", "2", *TWO_TASKS, "inference.engine=transformers", "grpo.max_steps=1",
                               "-t", "10", f"site.stage.python_env={tmp_path / 'env.tar.gz'}",
-                              "site.stage.dest=$HPCRL_RUN_DIR/node-local/env")
+                              "site.stage.dest=$HPCRL_RUN_DIR/node-local/env", f"model.path={model}",
+                              "site.stage.model_via=srun",
+                              "site.stage.model_dest=$HPCRL_RUN_DIR/node-local/$SLURMD_NODENAME/model",
+                              f"site.container.image={image}", f"site.container.binds=[{shared}]",
+                              env={"PATH": f"{stand_in.parent}:{os.environ['PATH']}"})
     cancel_after(job_id)
     info = _wait(hpcrl, job_id, lambda i: i["state"] in FINAL, 600)
     log = (run_dir / f"slurm-{job_id}.out").read_text()
     assert info["state"] == "COMPLETED", log[-3000:]
-    nodes = unpacked.read_text().split()
-    assert len(nodes) == 2 and len(set(nodes)) == 2, nodes          # once on each of the job's nodes
-    # Every task of the launch (2 a node) started the staged Python; the trainers import hpcrl from it.
-    assert sorted(set(used.read_text().split())) == sorted(nodes) and len(used.read_text().split()) >= 4
+    # Whichever 2 of the testbed's nodes the job got, in Slurm's order (node 0 first).
+    nodes = sorted({line.split()[0] for line in unpacked.read_text().splitlines()}, key=lambda n: int(n[1:]))
+    assert len(nodes) == 2 and len(unpacked.read_text().splitlines()) == 2      # once on each of the job's nodes
+    # Every Python the job started (the launch's 2 tasks a node, the model's copy and the sweep on each)
+    # is the staged one, inside the container; so was the unpack.
+    starts = [line.split() for line in used.read_text().splitlines()]
+    assert len(starts) >= 8 and {n for n, _ in starts} == set(nodes), starts
+    assert {inside for _, inside in (*starts, *(l.split() for l in unpacked.read_text().splitlines()))} == {str(image)}
+    steps = {"unpack": "bash -c", "model copy": "-m hpcrl.compute.stage ", "launch": "-u -m hpcrl.compute.launch ",
+             "sweep": "-m hpcrl.compute.launch.shm_sweep "}
+    seen = {name: [] for name in steps}
+    for line in calls.read_text().splitlines():
+        head, command = line.split(" :: ", 1)
+        node, rank, pwd, *binds = head.split()
+        assert pwd == str(run_dir) and binds == [str(run_dir), str(shared)], line
+        name = next(n for n, text in steps.items() if text in command + " ")
+        seen[name].append((node, int(rank)))
+    for name in ("unpack", "model copy", "sweep"):
+        assert sorted(seen[name]) == [(nodes[0], 0), (nodes[1], 1)], (name, seen[name])
+    assert sorted(rank for _, rank in seen["launch"]) == [0, 1, 2, 3], seen["launch"]
+    assert {node for node, _ in seen["launch"]} == set(nodes)
     assert [m["step"] for m in _metrics(run_dir)] == [1]
 
 

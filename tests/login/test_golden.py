@@ -1,5 +1,5 @@
-"""Golden sbatch scripts: `hpcrl render` of every shipped Slurm site, with fixed arguments, compared line by
-line with tests/golden/<site>.sbatch, so any change to a site profile or to templates/sbatch.sh.j2 shows up
+"""Golden sbatch scripts: `hpcrl render` of every shipped Slurm site (and of a few VARIANTS of one), with
+fixed arguments, compared line by line with tests/golden/<site>.sbatch, so any change to a site profile or to templates/sbatch.sh.j2 shows up
 in review as a diff of the script a user would submit.
 
 What differs between machines and runs is replaced before comparing:
@@ -31,6 +31,15 @@ UPDATE = os.environ.get("HPCRL_UPDATE_GOLDEN") == "1"
 REGENERATE = "HPCRL_UPDATE_GOLDEN=1 .venv/bin/python -m pytest -q tests/login/test_golden.py"
 FIXED_ARGS = ["-N", "2", "-t", "01:00:00"]
 ACCOUNT = "abc123"
+# A shipped site with fields a user sets that change the script's shape, each with its own golden file
+# <name>.sbatch: site.container in its two forms (issue #27, item 4), a command before each Python step
+# (apptainer, with a staged environment: its unpack runs inside too) and srun options (pyxis).
+VARIANTS = {
+    "frontier-apptainer": ("frontier", ["site.container.image=/lustre/orion/abc123/vllm-rocm.sif",
+                                        "site.python=python3", "site.stage.python_env=/lustre/orion/abc123/env.tar.gz"]),
+    "cuda-pyxis": ("cuda", ["site.container.image=nvcr.io#nvidia/pytorch:25.01-py3", "site.python=python3",
+                            "site.container.binds=[/scratch]"]),
+}
 
 
 def _profile(name: str) -> dict:
@@ -59,31 +68,41 @@ def test_shipped_sites_are_found():
 
 @pytest.mark.parametrize("site", slurm_sites())
 def test_rendered_script_matches_golden(hpcrl, tmp_path, site):
+    _check_golden(hpcrl, tmp_path, site, site, [])
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_rendered_variant_matches_golden(hpcrl, tmp_path, variant):
+    site, extra = VARIANTS[variant]
+    _check_golden(hpcrl, tmp_path, variant, site, extra)
+
+
+def _check_golden(hpcrl, tmp_path, name: str, site: str, extra: list[str]) -> None:
     run_dir = tmp_path / "run"
-    args = ["render", "--site", site, *FIXED_ARGS, "--run-dir", run_dir]
+    args = ["render", "--site", site, *FIXED_ARGS, *extra, "--run-dir", run_dir]
     if _profile(site).get("account_required"):
         args += ["-A", ACCOUNT]
     # A developer's own site directories must not leak into the shipped profiles.
     r = hpcrl(*args, env={"HPCRL_SITES_PATH": ""})
     assert r.returncode == 0, f"hpcrl {' '.join(map(str, args))} failed:\n{r.stderr}"
     actual = normalise((run_dir / "job.sbatch").read_text(), run_dir)
-    golden = GOLDEN / f"{site}.sbatch"
+    golden = GOLDEN / f"{name}.sbatch"
     if UPDATE:
         GOLDEN.mkdir(exist_ok=True)
         golden.write_text(actual)
         return
     if not golden.is_file():
-        pytest.fail(f"no golden script {golden.relative_to(REPO)} for site {site}; create it with\n    {REGENERATE}")
+        pytest.fail(f"no golden script {golden.relative_to(REPO)} for {name}; create it with\n    {REGENERATE}")
     expected = golden.read_text()
     if actual != expected:
         diff = "".join(difflib.unified_diff(expected.splitlines(keepends=True), actual.splitlines(keepends=True),
-                                            fromfile=f"tests/golden/{site}.sbatch",
-                                            tofile=f"hpcrl render --site {site}"))
-        pytest.fail(f"the rendered script for {site} differs from its golden file:\n{diff}\n"
+                                            fromfile=f"tests/golden/{name}.sbatch",
+                                            tofile=f"hpcrl render --site {site} {' '.join(extra)}"))
+        pytest.fail(f"the rendered script for {name} differs from its golden file:\n{diff}\n"
                     f"If the change is intended, regenerate with\n    {REGENERATE}\n"
                     "and review `git diff tests/golden/`.", pytrace=False)
 
 
 def test_no_stale_golden_files():
-    stale = sorted(p.name for p in GOLDEN.glob("*.sbatch") if p.stem not in slurm_sites())
+    stale = sorted(p.name for p in GOLDEN.glob("*.sbatch") if p.stem not in [*slurm_sites(), *VARIANTS])
     assert not stale, f"golden scripts for sites that are not shipped Slurm sites (delete them): {stale}"

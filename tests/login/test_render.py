@@ -68,7 +68,8 @@ def test_frontier_script_holds_the_facts(hpcrl):
     for fact in ("#SBATCH --account=abc123", "#SBATCH --partition=batch", "#SBATCH --constraint=nvme",
                  "#SBATCH --network=disable_rdzv_get", "#SBATCH --core-spec=8", "#SBATCH --cpus-per-task=7",
                  "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8",
-                 "#SBATCH --signal=B:USR2@300", "#SBATCH --requeue",
+                 # the demo's checkpoint writes in a second: the step's allowance, in whole minutes
+                 "#SBATCH --signal=B:USR2@360", "#SBATCH --requeue",
                  "module load PrgEnv-gnu/8.7.0 cpe/26.03 miniforge3/23.11.0-0 rocm/7.1.1 rccl-net-plugin "
                  "craype-accel-amd-gfx90a",
                  'export LD_LIBRARY_PATH="$CRAY_LD_LIBRARY_PATH:$LD_LIBRARY_PATH"',

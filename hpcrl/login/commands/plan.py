@@ -13,6 +13,7 @@ from hpcrl.job.batch import describe_global_batch, global_batch
 from hpcrl.job.estimate import estimate
 from hpcrl.job.mesh_choice import sync_traffic
 from hpcrl.job.placement import format_cores
+from hpcrl.job.signal_lead import signal_lead
 from hpcrl.login import compose
 from hpcrl.login.table import print_table
 
@@ -23,6 +24,7 @@ def main(args) -> int:
     fit = estimate(spec, plan)
     est = {"trainer": fit.trainer.est_gb, "server": fit.server.est_gb}
     traffic = sync_traffic(spec, plan, fit.mesh)
+    stop = signal_lead(spec, plan) if spec.site.scheduler != "none" else None
     if args.json:
         print(json.dumps({"site": spec.site.name, "nodes": plan.nodes, "tasks_per_node": plan.tasks_per_node,
                           "tasks": [{**t.to_dict(), "est_memory_gb": est[t.role]} for t in plan.tasks],
@@ -34,7 +36,9 @@ def main(args) -> int:
                           "sync_bytes_per_node": None if traffic is None else
                           {"in_node": traffic.in_node_bytes, "cross_node": traffic.cross_node_bytes,
                            "model": traffic.model_bytes, "dtype": traffic.dtype},
-                          "global_batch": global_batch(spec, plan)}, indent=2))
+                          "global_batch": global_batch(spec, plan),
+                          "stop_signal": None if stop is None else {"signal": spec.site.signal, **stop.to_dict()}},
+                         indent=2))
         return 0
     rows = [(str(t.rank), str(t.node), str(t.local_rank), _role(t, plan), ",".join(map(str, t.gpus)),
              format_cores(t.cores), _weights(t), "-" if est[t.role] is None else f"{est[t.role]:.1f}")
@@ -57,6 +61,8 @@ def main(args) -> int:
         print(f"model {spec.recipe.model.path}: {fit.mesh.describe()}")
     if traffic is not None and plan.nodes > 1:
         print(traffic.describe())
+    if stop is not None:
+        print(stop.describe(spec.site.signal))
     print(describe_global_batch(spec, plan))
     print(fit.trainer.verdict())
     print(fit.server.verdict())

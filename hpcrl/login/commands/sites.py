@@ -30,6 +30,10 @@ def main(args) -> int:
 
 def interpreter(site) -> str:
     """Which Python the job's tasks start, in words: the commonest way a first job fails."""
+    c = site.container
+    if c.image:
+        python = f"{site.stage.dest}/bin/python" if site.stage.python_env else site.python
+        return f"{python} inside {c.image} ({c.runtime}, site.container)"
     if site.stage.python_env:
         return f"{site.stage.dest}/bin/python, staged from {site.stage.python_env} (stage.python_env)"
     if site.python == "auto":
