@@ -24,7 +24,8 @@ class ModelConfig:
     # "demo:<size>" (tiny/small/medium/base/large) is first warmed up on the demo task until it is
     # right ~40% of the time, so that GRPO visibly improves it (~3 s for tiny, longer for bigger
     # sizes); "demo:<size>:random" has random weights (GRPO does not learn the sums from there in a
-    # demo's time).
+    # demo's time); "demo:<size>:agent" is the agent demo's (examples/agent.yaml): its chat template
+    # renders tools, and it is warmed up to call a calculator now and then (~40 s for tiny).
     path: str = demo_name("tiny")
     # The tokenizer's directory (for the trainer, both engines and the exported model); "" = the model's.
     tokenizer: str = ""

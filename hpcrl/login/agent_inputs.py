@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpcrl.job.agent_config import ENVIRONMENT_COLUMN, AgentConfig, split_import_path
-from hpcrl.job.demo import DEMO_CHAT_TEMPLATE_HAS_TOOLS, is_demo
+from hpcrl.job.demo import AGENT, demo_name, demo_renders_tools, is_demo, parse_demo_model
 from hpcrl.job.errors import UserError
 from hpcrl.job.recipe import DataConfig, Recipe
 from hpcrl.login.data_rows import NamesColumn
@@ -390,9 +390,11 @@ def check_chat_template(recipe: Recipe, model_dir: Callable[[str, str], Path | N
     model = recipe.model
     field, name = ("model.tokenizer", model.tokenizer) if model.tokenizer else ("model.path", model.path)
     if is_demo(name):
-        if not DEMO_CHAT_TEMPLATE_HAS_TOOLS:
+        if not demo_renders_tools(name):
+            agent_demo = demo_name(parse_demo_model(name)[0], AGENT)
             raise UserError(f"{field}: {name}: the demo model's chat template has no tools, so it cannot take "
-                            f"agent.tools or agent.environment_factory; {TOOL_CHAT_TEMPLATE}")
+                            f"agent.tools or agent.environment_factory; use {agent_demo} (the agent demo's "
+                            f"model, examples/agent.yaml), or a model whose chat template supports tool calling")
         return
     directory = model_dir(name, field)
     templates = None if directory is None else chat_templates(directory)

@@ -209,7 +209,7 @@ class ModulePaths:
 
 
 def demo_module_paths(path: str) -> ModulePaths | None:
-    """A "demo:<size>[:random]" model's modules (Qwen2; the head is tied to the embeddings, but is
+    """A "demo:<size>[:random|:agent]" model's modules (Qwen2; the head is tied to the embeddings, but is
     a module of its own); None for a size this machine does not know (the job says so)."""
     layers = DEMO_LAYERS.get(parse_demo_model(path)[0])
     if layers is None:

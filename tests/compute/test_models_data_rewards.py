@@ -110,9 +110,10 @@ def test_demo_model_paths_are_warm_or_random(tmp_path):
     from hpcrl.compute.train.sources import resolve_model
     from hpcrl.job.demo import parse_demo_model
 
-    assert parse_demo_model("demo:tiny") == ("tiny", True) and parse_demo_model("demo:") == ("tiny", True)
-    assert parse_demo_model("demo:small:random") == ("small", False)
-    assert parse_demo_model("demo::random") == ("tiny", False)
+    assert parse_demo_model("demo:tiny") == ("tiny", "") and parse_demo_model("demo:") == ("tiny", "")
+    assert parse_demo_model("demo:small:random") == ("small", "random")
+    assert parse_demo_model("demo::random") == ("tiny", "random")
+    assert parse_demo_model("demo:tiny:agent") == ("tiny", "agent")
     random_dir = resolve_model("demo:tiny:random", tmp_path, seed=0)
     warm_dir = resolve_model("demo:tiny", tmp_path, seed=0)
     assert random_dir.endswith("model-tiny-random") and warm_dir.endswith("model-tiny")
@@ -125,6 +126,8 @@ def test_demo_model_paths_are_warm_or_random(tmp_path):
     assert _greedy_accuracy(warm_dir) >= 0.3 and _greedy_accuracy(random_dir) <= 0.1
     with pytest.raises(ValueError, match="unknown tiny model size 'huge'"):
         resolve_model("demo:huge", tmp_path)
+    with pytest.raises(ValueError, match="unknown demo model 'warm'"):
+        resolve_model("demo:tiny:warm", tmp_path)
 
 
 def test_warm_up_is_deterministic_and_part_of_the_recipe(tmp_path, monkeypatch):

@@ -319,8 +319,8 @@ def test_a_bad_agent_input_is_one_line_and_exit_2(hpcrl, project, case_id, recip
     assert not (hpcrl.home / "registry.sqlite").exists(), "a job was registered"
 
 
-def _render(hpcrl, *args) -> Path:
-    r = hpcrl("render", *TESTBED, *map(str, args))
+def _render(hpcrl, *args, **kw) -> Path:
+    r = hpcrl("render", *TESTBED, *map(str, args), **kw)
     assert r.returncode == 0, r.stderr
     return Path(r.stdout.splitlines()[0].split(":", 1)[1].strip())
 
@@ -359,6 +359,25 @@ def test_a_rollout_function_renders_with_its_module_copied(hpcrl, project):
 ])
 def test_a_rollout_function_is_callable_as_trl_calls_it(source, problem):
     assert agent_inputs.rollout_func_problem(ast.parse(source).body[0]) == problem
+
+
+def test_the_agent_demo_model_renders_tools(hpcrl, project, tmp_path):
+    _render(hpcrl, f"--run-dir={tmp_path / 'agent-demo'}", _recipe(project, GOOD), "model.path=demo:tiny:agent")
+
+
+def test_the_agent_demo_recipe_renders_from_the_repository(hpcrl, tmp_path):
+    """examples/agent.yaml, as its comment says to run it: from the repository's root."""
+    from conftest import REPO
+
+    run_dir = _render(hpcrl, f"--run-dir={tmp_path / 'agent'}", "examples/agent.yaml", cwd=REPO)
+    spec = json.loads((run_dir / rundir.SPEC_FILE).read_text())
+    recipe = spec["recipe"]
+    assert recipe["model"]["path"] == "demo:tiny:agent"
+    assert recipe["agent"]["tools"] == ["calculator_tools.calculator"]
+    assert recipe["data"]["path"] == str(REPO / "examples" / "calculator_tasks.jsonl")
+    assert recipe["rewards"][0]["func"] == "calculator_rewards.correct"
+    assert sorted(p.name for p in (run_dir / rundir.REWARDS_DIR).iterdir()) == \
+        ["calculator_rewards.py", "calculator_tools.py"]
 
 
 def test_environments_by_name_and_a_factory_function_render(hpcrl, project, tmp_path):

