@@ -18,6 +18,7 @@ commands/      one module per subcommand (run, render, submit, plan, sites, stat
                plot), each a main(args); cli.py imports only the one given
 render.py      JobSpec -> the standalone sbatch script (templates/sbatch.sh.j2)
 launch_prefix.py  site.container as the script runs it: apptainer's command or pyxis's srun options, the binds
+module_imports.py the recipe's own modules its named ones import (ast), copied with them
 shell_words.py the script's quoting: literal words, and words whose plain $VARIABLES expand
 slurm.py       the only module that runs Slurm commands; the one list of finished job states
 registry.py    the SQLite job registry behind `hpcrl status`

@@ -28,6 +28,7 @@ from hpcrl.job.site import Site
 from hpcrl.job.slurm_time import parse_walltime
 from hpcrl.job.spec import SPEC_VERSION, JobSpec
 from hpcrl.login import agent_inputs, deepspeed_inputs, profiles, trl_config, write_dirs
+from hpcrl.login.module_imports import with_imported
 from hpcrl.login.trl_config import Translation
 
 # Job names, accounts, partitions and QOS land on #SBATCH lines: one plain token only.
@@ -475,7 +476,8 @@ def _check_fit(spec: JobSpec, plan: Plan) -> None:
 def _reward_modules(recipe, recipe_path: str | None, check_installed: bool) -> tuple[str, ...]:
     """The recipe's own modules (its rewards', tools', environments' and rollout function's), to copy
     into the run directory: those in the current directory (TRL's CLI puts it on sys.path) or beside
-    the recipe, unless an installed package provides the name. Where the tasks run this very interpreter, every
+    the recipe, unless an installed package provides the name, and the modules of those places they
+    import (hpcrl.login.module_imports). Where the tasks run this very interpreter, every
     other module must be importable here: it fails now, not minutes into the job. Only top-level
     names are looked up, which executes no code (a reward module may import torch, which the login
     side never does); the module itself and its function are checked when the trainer starts, and a
@@ -503,7 +505,7 @@ def _reward_modules(recipe, recipe_path: str | None, check_installed: bool) -> t
             raise UserError(f"{where}: {shown} needs the math_verify package, which "
                             f"{sys.executable} lacks: {sys.executable} -m pip install math-verify")
     agent_inputs.check_sources(recipe, own, installed=check_installed)
-    return tuple(local)
+    return tuple(with_imported(local, lambda top: _own_module(top, dirs)))
 
 
 def _importable(top: str) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from hpcrl.job import rundir
-from conftest import _testbed_up, run_hpcrl
+from conftest import REPO, _testbed_up, run_hpcrl
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -474,3 +475,62 @@ def test_vllm_job_checkpoints_at_the_signal_requeues_and_survives_a_killed_attem
     assert "stop requested (SIGUSR2)" in log and "hpcrl: requeueing job" in log, log[-3000:]
     assert "EngineDeadError" not in log and "MPI_Init" not in log, log[-3000:]
     assert log.count("resumed from") >= 2
+
+
+NODE_TOOLS = '''
+import os
+
+LOG = LOG_PATH
+
+from calculator_tools import calculator as _calculator
+
+
+def calculator(expression: str) -> str:
+    """Evaluates an arithmetic expression: numbers, + - * / and parentheses.
+
+    Args:
+        expression: The expression, e.g. "23+48".
+    """
+    # Where this call ran: the tool worker's node (its trainer's) and process.
+    with open(LOG, "a") as log:
+        log.write(f"{os.environ.get('SLURMD_NODENAME')} {os.environ.get('SLURM_PROCID')} {os.getpid()}\\n")
+    return _calculator(expression)
+'''
+
+
+def test_an_agent_on_two_nodes_runs_each_nodes_tools_against_its_own_engine(testbed, hpcrl, cancel_after, tmp_path):
+    """examples/agent.yaml (the agent demo: demo:tiny:agent calls a calculator) on 2 nodes of one
+    trainer and one vLLM engine each: every trainer's rollouts call tools in its own tool workers on
+    its own node, stream their turns to its own node's engine, and the tool use is in the metrics."""
+    examples = REPO / "examples"
+    for name in ("calculator_tools.py", "calculator_rewards.py", "calculator_tasks.jsonl"):
+        shutil.copy(examples / name, tmp_path / name)
+    log = tmp_path / "tool-calls.log"
+    (tmp_path / "node_tools.py").write_text(NODE_TOOLS.replace("LOG_PATH", repr(str(log))))
+    recipe = (examples / "agent.yaml").read_text().replace("examples/calculator_tasks.jsonl",
+                                                            "calculator_tasks.jsonl")
+    recipe = recipe.replace("[calculator_tools.calculator]", "[node_tools.calculator]")
+    assert "node_tools.calculator" in recipe
+    (tmp_path / "agent.yaml").write_text(recipe)
+    r = hpcrl("submit", "--site", "testbed", "agent.yaml", "-N", "2", *TWO_TASKS, "grpo.max_steps=3",
+              "inference.engine=vllm", "-t", "15", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    job_id, run_dir = r.stdout.strip(), Path(r.stderr.rsplit("run directory ", 1)[1].strip())
+    cancel_after(job_id)
+    info = _wait(hpcrl, job_id, lambda i: i["state"] in FINAL, 900)
+    assert info["state"] == "COMPLETED", info
+    metrics = _metrics(run_dir)
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert all(m["tools/call_frequency"] > 0 for m in metrics), [m["tools/call_frequency"] for m in metrics]
+    trainers = {r["rank"]: r["node"] for r in _ranks(run_dir) if r["role"] == "trainer"}
+    calls = [line.split() for line in log.read_text().splitlines()]
+    workers: dict[int, set[str]] = {}
+    for _, rank, pid in calls:
+        workers.setdefault(int(rank), set()).add(pid)
+    # Both trainers (one a node) called tools, each in worker processes of its own, on its own node.
+    assert set(workers) == set(trainers) and not set.intersection(*workers.values()), workers
+    assert len({node for node, _, _ in calls}) == 2, calls
+    health = [json.loads(p.read_text()) for p in (run_dir / ".servers").glob("node-*.json")]
+    assert sorted(h["node"] for h in health) == [0, 1]
+    # Every rollout's turn is a stream request to its own node's engine: 64 rollouts a step or more.
+    assert all(h["requests"] >= 3 * 64 for h in health), health

@@ -340,6 +340,24 @@ def test_a_good_agent_recipe_renders_with_its_modules_copied(hpcrl, project):
     assert (copies / "my_env.py").read_text() == MY_ENV
 
 
+def test_the_modules_a_tool_module_imports_beside_it_are_copied_too(hpcrl, project):
+    """A tools module that imports a helper beside it (and, through it, a package beside it) runs in
+    the run directory only if they are copied with it; installed and standard modules are not."""
+    helpers = project / "helpers"
+    helpers.mkdir()
+    (helpers / "__init__.py").write_text("from helpers.digits import digit_sum\n")
+    (helpers / "digits.py").write_text("def digit_sum(n):\n    return sum(map(int, str(n)))\n")
+    (project / "calc_core.py").write_text("import json\nimport yaml\nfrom helpers import digit_sum\n")
+    (project / "wrapped_tools.py").write_text("import os\nfrom calc_core import digit_sum\n\n" + MY_TOOLS)
+    run_dir = _render(hpcrl, _recipe(project, GOOD.replace("my_tools.calculator", "wrapped_tools.calculator")))
+    spec = json.loads((run_dir / rundir.SPEC_FILE).read_text())
+    assert spec["reward_modules"] == [str(project / "wrapped_tools.py"), str(project / "my_tools.py"),
+                                      str(project / "my_env.py"), str(project / "calc_core.py"), str(helpers)]
+    copied = run_dir / rundir.REWARDS_DIR
+    assert (copied / "calc_core.py").is_file() and (copied / "helpers" / "digits.py").is_file()
+    assert not (copied / "yaml").exists() and not (copied / "json.py").exists()
+
+
 def test_a_rollout_function_renders_with_its_module_copied(hpcrl, project):
     run_dir = _render(hpcrl, _recipe(project, ROLLOUT))
     spec = json.loads((run_dir / rundir.SPEC_FILE).read_text())
