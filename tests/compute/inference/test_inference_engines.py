@@ -152,3 +152,15 @@ def test_the_server_streams_each_request_back_and_holds_syncs_until_its_streams_
     got = {rank: [(key, c.token_ids[0]) for key, c in msg["streamed"]] for rank, msg in ctx.channel.replies}
     assert got == {0: [(5, 11), (9, 12)], 1: [(5, 13)]}       # each request's own seed, whatever its batch
     assert s.streams == {} and s.requests == 3
+
+
+def test_the_transformers_engine_serves_a_stream_a_batch_a_step_each_request_as_if_alone(transformers_engine):
+    """The default add/step (an engine without continuous batching): a step generates every queued
+    request, each with its own seed's draws, the same as that request generated alone."""
+    a, b = Sampling(n=1, max_tokens=6, seed=11), Sampling(n=1, max_tokens=6, seed=12)
+    ids = transformers_engine.add([([25, 13, 25, 31], a), ([26, 13, 27, 31], b)])
+    assert transformers_engine.unfinished() == 2
+    done = dict(transformers_engine.step())
+    assert set(done) == set(ids) and transformers_engine.unfinished() == 0 and transformers_engine.step() == []
+    alone = transformers_engine.generate([[26, 13, 27, 31]], b)
+    assert [c.token_ids for c in done[ids[1]]] == [c.token_ids for c in alone]
