@@ -139,3 +139,18 @@ def test_the_examples_agree_with_the_model():
                 {"role": "assistant", "content": " 71"}]
     assert rewards.correct(completions=[answered, answered[:2], [{"role": "assistant", "content": "71 or so"}]],
                            answer=["71", "71", "71"]) == [1.0, 0.0, 0.0]
+
+
+def test_content_blocks_render_as_their_text(tok):
+    """A message whose content is a list of blocks (a dataset's prompts may be; vLLM's start-up
+    check renders one so) reads as its text, tool results included."""
+    def conversation(wrap):
+        return [{"role": "system", "content": wrap("be brief")}, {"role": "user", "content": wrap("12+13=")},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "12+13"}}}]},
+                {"role": "tool", "name": "calculator", "content": wrap("25")}, {"role": "assistant", "content": wrap("25")}]
+
+    blocks = lambda text: [{"type": "text", "text": text}]      # noqa: E731
+    for tools in (None, [tiny_agent.CALCULATOR_TOOL]):
+        assert tok.apply_chat_template(conversation(blocks), tools=tools, tokenize=False) == \
+            tok.apply_chat_template(conversation(str), tools=tools, tokenize=False)
