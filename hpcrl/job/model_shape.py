@@ -161,6 +161,11 @@ def read_safetensors_header(path: Path, max_bytes: int | None = None) -> dict:
         if len(head) != 8:
             raise ValueError(f"{path}: not a safetensors file")
         (n,) = struct.unpack("<Q", head)
+        # A length past the file's end is no header (a file that is not safetensors): reading it
+        # would allocate whatever the first 8 bytes say.
+        if n > path.stat().st_size - 8:
+            raise ValueError(f"{path}: not a safetensors file (a header of {n} bytes in a file of "
+                             f"{path.stat().st_size})")
         if max_bytes is not None and n > max_bytes:
             raise ValueError(f"{path}: a header of {n} bytes")
         header = json.loads(f.read(n))

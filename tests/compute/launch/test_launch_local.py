@@ -227,6 +227,10 @@ def test_parameter_count_from_config_and_safetensors(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 68)
     assert count_parameters(str(tmp_path)) == 17                           # exact, from the header
     assert count_parameters(str(tmp_path / "absent")) is None
+    # A file that is no safetensors (its first 8 bytes a length past its end): the config's estimate,
+    # without reading (allocating) what those bytes say.
+    (tmp_path / "model.safetensors").write_bytes(b"w" * 1000)
+    assert abs(count_parameters(str(tmp_path)) - 494_032_768) / 494_032_768 < 0.001
 
 
 # ============================================================================ under mpiexec
