@@ -33,8 +33,14 @@ class Balance:
     gain: float                  # modelled step time now / at best_server_gpus
     gpus_per_node: int = 0
     splits: int = 2              # the splits a node's GPUs allow (whole engines, a trainer left)
+    # A synchronous run's step now / with generation beside training (inference.max_staleness >= 1)
+    # under the same model; 1.0 for a run that already overlaps.
+    async_gain: float = 1.0
 
     def advice(self) -> str:
+        return self._split_advice() + self._async_advice()
+
+    def _split_advice(self) -> str:
         head = (f"generation waits {self.gen_wait_frac:.0%} of each step, the engines idle "
                 f"{self.engine_idle_frac:.0%}")
         if self.splits < 2:
@@ -45,6 +51,13 @@ class Balance:
             return f"{head}: the split of GPUs is balanced (inference.gpus={self.server_gpus})"
         return (f"{head}: try inference.gpus={self.best_server_gpus} (a model of this run's timings "
                 f"expects each step {self.gain:.1f}x shorter)")
+
+    def _async_advice(self) -> str:
+        if self.async_gain < MIN_GAIN:
+            return ""
+        return (f"; inference.max_staleness=1 would have the engines sample the next generation while the "
+                f"trainers train, one weight sync behind (the same model: each step {self.async_gain:.1f}x "
+                f"shorter; README: Asynchronous generation)")
 
 
 def _step_s(gen_work: float, train_work: float, server_gpus: int, gpus: int, overlapped: bool) -> float:
@@ -68,10 +81,12 @@ def advise(*, gpus_per_node: int, server_gpus: int, step_s: float, gen_wait_s: f
         return None
     best = min(splits, key=lambda s: (splits[s], abs(s - server_gpus)))
     gain = now / splits[best] if splits[best] > 0 else 1.0
+    overlapping = _step_s(gen_work, train_work, server_gpus, gpus_per_node, True)
+    async_gain = 1.0 if overlapped or overlapping <= 0 else now / overlapping
     return Balance(gen_wait_frac=min(1.0, gen_wait_s / step_s),
                    engine_idle_frac=max(0.0, 1.0 - engine_busy_s / step_s),
                    server_gpus=server_gpus, best_server_gpus=best, gain=gain, gpus_per_node=gpus_per_node,
-                   splits=len(splits))
+                   splits=len(splits), async_gain=async_gain)
 
 
 def _engine_busy_fracs(run_dir: str | os.PathLike) -> dict[int, float]:

@@ -91,6 +91,11 @@ ADVANTAGE_MEAN = "advantage_mean"
 ADVANTAGE_STD = "advantage_std"
 WEIGHT_VERSION = "weight_version"
 OFF_POLICY_LAG = "off_policy_lag"
+# TRL AsyncGRPOTrainer's names: weight syncs between a completion's sampling and its training, and
+# the completions dropped for lagging more than inference.max_staleness (the run's total).
+STALENESS_MEAN = "sample/staleness_mean"
+STALENESS_MAX = "sample/staleness_max"
+DROPPED_STALE_TOTAL = "sample/dropped_stale_total"
 LOG_METRIC_NAMES = "log_metric_names"       # what reward functions logged with log_metric
 TIME_GENERATION_S = "time_generation_s"
 TIME_GENERATION_S_BY_NODE = "time_generation_s_by_node"

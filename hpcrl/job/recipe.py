@@ -271,6 +271,12 @@ class InferenceConfig:
     # otherwise idle through training): completions are then one generation behind the policy.
     # grpo.vllm_importance_sampling_correction reweights for the lag (README: what it did on the demo).
     overlap_generation: bool = False
+    # Asynchronous generation (TRL AsyncGRPOTrainer's max_staleness): up to this many generations are
+    # asked for ahead of the one training, and the engines sample them back to back, taking each
+    # weight sync between two requests. A completion more than this many syncs behind the policy
+    # when its turn comes is dropped (counted: sample/dropped_stale_total). 0: synchronous; 1 is
+    # overlap_generation (which sets it). README: "Asynchronous generation".
+    max_staleness: int = 0
     sync_bucket_mb: int = 256       # gather/send granularity: bounds the sender's extra memory
     start_timeout_s: float = 600.0  # how long trainers wait for the server to come up
     # A trainer's wait for one server answer. A generation's wait grows with its work: this plus
@@ -280,6 +286,11 @@ class InferenceConfig:
     # mistaken for one (14B, 7 trainers x 128 completions x 4k tokens: 600 + 7,340 s).
     request_timeout_s: float = 600.0
     generation_s_per_ktoken: float = 2.0
+
+    @property
+    def staleness(self) -> int:
+        """The staleness bound the trainers keep: max_staleness, or 1 with overlap_generation."""
+        return max(self.max_staleness, 1 if self.overlap_generation else 0)
 
     def eager(self, device: str) -> bool:
         """enforce_eager as the engine gets it: the recipe's, else on for the CPU build only."""
@@ -298,6 +309,8 @@ class InferenceConfig:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise UserError(f"{where}.max_model_len: must be at least 1, or null for the model's own context, "
                             f"got {self.max_model_len}")
+        if self.max_staleness < 0:
+            raise UserError(f"{where}.max_staleness: must be >= 0 (0: synchronous generation), got {self.max_staleness}")
         for name in ("sync_every", "sync_bucket_mb"):
             if getattr(self, name) < 1:
                 raise UserError(f"{where}.{name}: must be at least 1, got {getattr(self, name)}")
@@ -470,6 +483,12 @@ class Recipe:
         if self.grpo.max_tool_calling_iterations is not None and not self.agent.enabled:
             raise UserError("grpo.max_tool_calling_iterations: bounds an agent's tool calls; it needs agent.tools "
                             "or agent.environment_factory (leave it unset otherwise)")
+        if self.inference.max_staleness > 1 and (self.agent.enabled or self.agent.rollout_func):
+            # Their rollouts run in a thread of the trainer's, over one conversation with the engines
+            # at a time; several generations in flight need one each (not yet).
+            raise UserError(f"inference.max_staleness: at most 1 with agent rollouts (agent.tools, "
+                            f"agent.environment_factory or agent.rollout_func) in this version, got "
+                            f"{self.inference.max_staleness}")
         if self.checkpoint.save_merged_model and not self.model.use_peft:
             raise UserError("checkpoint.save_merged_model: only with model.use_peft (without LoRA the model "
                             "directory is the whole model already)")

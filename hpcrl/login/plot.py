@@ -177,12 +177,17 @@ def write_plot(run_dir: str | Path, output: Optional[str | Path] = None) -> Path
         has_kl = any(not math.isnan(v) for v in col[mk.KL])
         logged = logged_metric_names(steps)
         has_tools = any(mk.TOOLS_CALL_FREQUENCY in rec for rec in steps)       # an agent's run
-        ratios = (1.7, *((1.1,) if logged else ()), *((0.9,) if has_tools else ()), 0.9 if has_kl else 0.28, 0.9,
-                  1.1, 0.9)
+        # Trained off-policy (overlap_generation, max_staleness): how far behind, and what it cost.
+        has_lag = any(_num(rec.get(mk.STALENESS_MAX)) > 0 or _num(rec.get(mk.OFF_POLICY_LAG)) > 0 for rec in steps)
+        ratios = (1.7, *((1.1,) if logged else ()), *((0.9,) if has_tools else ()), *((0.9,) if has_lag else ()),
+                  0.9 if has_kl else 0.28, 0.9, 1.1, 0.9)
         fig, (ax_r, *middle, ax_kl, ax_len, ax_t, ax_tok) = plt.subplots(
             len(ratios), 1, sharex=True,
-            figsize=(11, (12.5 if has_kl else 11.4) + (1.8 if logged else 0) + (1.5 if has_tools else 0)), dpi=100,
+            figsize=(11, (12.5 if has_kl else 11.4) + (1.8 if logged else 0) + (1.5 if has_tools else 0)
+                     + (1.5 if has_lag else 0)), dpi=100,
             layout="constrained", height_ratios=ratios)
+        ax_lag = middle[len(middle) - has_lag:]
+        middle = middle[:len(middle) - has_lag]
         ax_logged, ax_tools = middle[:len(middle) - has_tools], middle[len(middle) - has_tools:]
 
         def line(ax, ys, color, label=None, lw=2.0, raw_too=True, z=3.0):
@@ -252,6 +257,24 @@ def write_plot(run_dir: str | Path, output: Optional[str | Path] = None) -> Path
                 line(ax, [_num(rec.get(key)) for rec in steps], C_FUNCS[i % len(C_FUNCS)], label=label, lw=1.6)
             ax.set_ylim(bottom=0)
             ax.legend(loc="best", ncol=3)
+
+        # -- off-policy: staleness (weight syncs behind), drops, and the sampler/trainer mismatch
+        for ax in ax_lag:
+            ax.set_title("Off-policy: completions behind the policy")
+            for i, (key, label) in enumerate([(mk.STALENESS_MEAN, "staleness (syncs, mean)"),
+                                              (mk.STALENESS_MAX, "staleness (syncs, max)"),
+                                              (mk.DROPPED_STALE_TOTAL, "dropped as too stale (total)")]):
+                line(ax, [_num(rec.get(key)) for rec in steps], C_FUNCS[i % len(C_FUNCS)], label=label, lw=1.6)
+            ax.set_ylim(bottom=0)
+            ax.set_ylabel("syncs / completions")
+            kl = [_num(rec.get(mk.SAMPLING_MISMATCH_KL)) for rec in steps]
+            if any(not math.isnan(v) for v in kl):
+                twin = ax.twinx()
+                twin.grid(False)
+                line(twin, kl, C_KL, label="mismatch KL (engine vs trainer)", lw=1.4, raw_too=False)
+                twin.set_ylabel("mismatch KL")
+                twin.legend(loc="lower right")
+            ax.legend(loc="upper left", ncol=3)
 
         # -- KL
         ax_kl.set_title("KL to the reference model")

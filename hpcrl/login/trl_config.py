@@ -56,6 +56,10 @@ RENAMED = {
     "rollout_func": "agent.rollout_func",
 }
 
+# TRL AsyncGRPOConfig's keys (not GRPOConfig fields): a configuration written for TRL's asynchronous
+# trainer keeps its bound on staleness.
+ASYNC_RENAMED = {"max_staleness": "inference.max_staleness"}
+
 _LOGGED = "hpcrl logs every step to metrics.jsonl"
 _ENGINES = "hpcrl starts its own inference engines on every node (the inference: section)"
 _NO_DDP = "hpcrl's trainers are sharded with FSDP2 or DeepSpeed ZeRO-3, not DDP"
@@ -376,6 +380,9 @@ def translate(data: dict, whole: bool = True) -> Translation:
             continue
         if key in TRAINER_ARGUMENTS:
             _trainer_argument(key, value, t, out)
+            continue
+        if key in ASYNC_RENAMED:
+            _put(out, ASYNC_RENAMED[key], value, key, t)
             continue
         if mixture and key in _MIXTURE_IGNORES:
             t.inert[key] = "TRL loads `datasets` and ignores it when both are given"

@@ -14,7 +14,10 @@ def test_generation_bound_run_is_told_to_generate_on_more_gpus():
     # work: generation 60 GPU-s, training 70 GPU-s: a/s + b/(8-s) is least at s=4 (15 + 17.5 = 32.5 s).
     assert b.best_server_gpus == 4 and b.gain == pytest.approx(70 / 32.5)
     assert b.advice() == ("generation waits 86% of each step, the engines idle 14%: try inference.gpus=4 "
-                          "(a model of this run's timings expects each step 2.2x shorter)")
+                          "(a model of this run's timings expects each step 2.2x shorter); "
+                          "inference.max_staleness=1 would have the engines sample the next generation while the "
+                          "trainers train, one weight sync behind (the same model: each step 1.2x shorter; "
+                          "README: Asynchronous generation)")
 
 
 def test_overlapped_run_balances_the_longer_phase():
@@ -30,7 +33,12 @@ def test_a_balanced_run_is_told_so():
     b = advise(gpus_per_node=8, server_gpus=4, step_s=20, gen_wait_s=10, engine_busy_s=10, train_s=10,
                overlapped=False)
     assert b.best_server_gpus == 4
-    assert b.advice().endswith("the split of GPUs is balanced (inference.gpus=4)")
+    # Balanced, and synchronous: generation beside training would halve the step (max(10, 10) of 20 s).
+    assert "the split of GPUs is balanced (inference.gpus=4); inference.max_staleness=1" in b.advice()
+    assert b.async_gain == pytest.approx(2.0) and "each step 2.0x shorter" in b.advice()
+    already = advise(gpus_per_node=8, server_gpus=4, step_s=10, gen_wait_s=0, engine_busy_s=10, train_s=10,
+                     overlapped=True)
+    assert already.advice().endswith("the split of GPUs is balanced (inference.gpus=4)")
 
 
 def test_small_gains_are_not_advice():

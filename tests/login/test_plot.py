@@ -31,7 +31,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def make_run(run_dir: Path, steps: int, *, kl: bool = True, funcs=("correct", "format_ok"), seed: int = 0,
-             tools: bool = False) -> Path:
+             tools: bool = False, staleness: int = 0) -> Path:
     """A run directory as a training job leaves it: job.json and one metrics line per step."""
     rng = random.Random(seed)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -56,6 +56,10 @@ def make_run(run_dir: Path, steps: int, *, kl: bool = True, funcs=("correct", "f
             if tools:           # an agent's run: TRL's tools/ metrics and the turns per rollout
                 rec.update({"tools/call_frequency": 0.5 + p, "tools/failure_frequency": 0.2 - 0.1 * p,
                             "tools/turns_mean": 1.4 + p, "tools/time_s": 0.05})
+            if staleness:       # inference.max_staleness: syncs behind, drops, the engine/trainer mismatch
+                rec.update({"sample/staleness_mean": min(s - 1, staleness) * 0.9,
+                            "sample/staleness_max": min(s - 1, staleness), "sample/dropped_stale_total": s // 7,
+                            "off_policy_lag": min(s - 1, staleness), "sampling/mismatch_kl": 0.002 * (1 + p)})
             f.write(json.dumps(rec) + "\n")
     return run_dir
 
@@ -108,6 +112,14 @@ def test_an_agents_run_gets_a_tool_use_panel(tmp_path):
     _, h_plain = check_png(plot.write_plot(plain))
     _, h_agent = check_png(plot.write_plot(agent))
     assert h_agent > h_plain
+
+
+def test_an_asynchronous_run_gets_an_off_policy_panel(tmp_path):
+    plain = make_run(tmp_path / "plain", 20)
+    stale = make_run(tmp_path / "async", 20, staleness=4)
+    _, h_plain = check_png(plot.write_plot(plain))
+    _, h_async = check_png(plot.write_plot(stale))
+    assert h_async > h_plain
 
 
 def test_plot_keeps_the_last_line_of_a_step_and_skips_torn_lines(tmp_path):

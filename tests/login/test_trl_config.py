@@ -200,6 +200,13 @@ def test_trls_tensor_parallel_size_is_one_engine_of_that_size_unless_the_recipe_
     assert (inf.gpus, inf.tensor_parallel_size) == (4, 2)         # two engines of 2 GPUs a node
 
 
+def test_trls_async_max_staleness_is_the_inference_bound(trl_yaml):
+    """TRL AsyncGRPOConfig's max_staleness: weight syncs a sample may lag before it is dropped."""
+    trl_yaml.write_text(trl_yaml.read_text() + "max_staleness: 4\n")
+    inf = compose.build_recipe(str(trl_yaml)).recipe.inference
+    assert (inf.max_staleness, inf.staleness) == (4, 4)
+
+
 def test_a_key_at_trls_default_is_accepted(trl_yaml):
     trl_yaml.write_text(trl_yaml.read_text() + "cast_lm_head_to_fp32: false\nuse_adaptive_entropy: false\n")
     t = compose.build_recipe(str(trl_yaml)).trl

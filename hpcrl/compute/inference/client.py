@@ -5,6 +5,7 @@ gives in its health reply); the transports are in hpcrl.compute.sync."""
 
 from __future__ import annotations
 
+import itertools
 import selectors
 import time
 from dataclasses import replace
@@ -30,28 +31,46 @@ def generation_timeout_s(inference, prompts: int, sampling: Sampling, trainers: 
 
 
 class _Engine:
-    """One engine of the node as a trainer sees it: its channel, one conversation at a time."""
+    """One engine of the node as a trainer sees it: its channel, on which several requests may be
+    outstanding (generations asked for ahead, a sync meanwhile). Each message carries a request id
+    (``rid``) that the server's reply repeats; replies read while waiting for another are kept for
+    whoever waits on them."""
 
     def __init__(self, ctx: LaunchContext, rank: int):
         self.ctx, self.rank = ctx, rank
         self.channel = ctx.channels[rank]
         self.label = (f"the server on node {ctx.task.node} (rank {rank})" if ctx.plan.engines_per_node == 1 else
                       f"engine {ctx.plan.task(rank).engine} on node {ctx.task.node} (rank {rank})")
-        self.in_flight = False
+        self.in_flight = False          # a stream is open on it
+        self.rids = itertools.count(1)
+        self.early: dict = {}           # rid -> a reply read before its turn
+        self.generating: dict[int, float] = {}      # rid -> the bound of a generation not yet answered
+
+    def send(self, msg: dict) -> int:
+        rid = next(self.rids)
+        self.channel.send({**msg, "rid": rid})
+        return rid
 
     def request(self, msg: dict, timeout: float, setting: str = "inference.request_timeout_s") -> dict:
-        # A reply must not be taken for another's: nothing else may be in flight on the channel.
-        assert not self.in_flight, f"{msg['op']!r} sent to {self.label} while a generation is in flight"
-        self.channel.send(msg)
-        return self.reply(msg["op"], timeout, setting)
+        assert not self.in_flight, f"{msg['op']!r} sent to {self.label} while a stream is open"
+        if self.generating:
+            # The server answers between two generations: those ahead of this message may run first.
+            timeout += sum(self.generating.values())
+            setting += " + the bounds of the generations queued ahead of it"
+        return self.reply(self.send(msg), msg["op"], timeout, setting)
 
-    def reply(self, op: str, timeout: float, setting: str) -> dict:
-        """The engine's answer to ``op`` within ``timeout``; ``setting`` says which recipe fields
-        set that bound, for the message of an engine that stays silent."""
-        try:
-            return self.channel.recv(timeout=timeout)
-        except TimeoutError:
-            raise ServerUnavailable(f"{self.label} did not answer {op!r} within {timeout:.0f} s ({setting})") from None
+    def reply(self, rid, op: str, timeout: float, setting: str) -> dict:
+        """The engine's answer to the message ``rid`` (an ``op``) within ``timeout``; ``setting``
+        says which recipe fields set that bound, for the message of an engine that stays silent."""
+        deadline = time.monotonic() + timeout
+        while rid not in self.early:
+            try:
+                got = self.channel.recv(timeout=max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                raise ServerUnavailable(f"{self.label} did not answer {op!r} within {timeout:.0f} s ({setting})") from None
+            self.early[got.get("rid")] = got
+        self.generating.pop(rid, None)
+        return self.early.pop(rid)
 
 
 class ServerGenerator:
@@ -93,30 +112,32 @@ class ServerGenerator:
         return engine_class(self.engine).trainer_sync(self.model, peer)
 
     def submit(self, prompts: Sequence[Sequence[int]], sampling: Sampling) -> "_ServerGeneration":
-        """Ask the engine(s) for completions and return at once; `result()` takes them."""
-        assert self.in_flight is None, "a second generation submitted before the first was taken"
+        """Ask the engine(s) for completions and return at once; `result()` takes them. Several
+        may be outstanding: each engine generates them in the order asked."""
+        assert self.in_flight is None, "a generation submitted while a stream is open"
         parts, start, n = [], 0, len(self.engines)
         for i, e in enumerate(self.engines.values()):
             end = start + len(prompts) // n + (i < len(prompts) % n)
-            e.channel.send({"op": "generate", "prompts": [list(p) for p in prompts[start:end]], "sampling": sampling,
-                            "first_index": start})
-            e.in_flight = True
+            rid = e.send({"op": "generate", "prompts": [list(p) for p in prompts[start:end]], "sampling": sampling,
+                          "first_index": start})
             served = max(1, len(self.ctx.plan.served_by(e.rank)))
-            parts.append((e, start, generation_timeout_s(self.inf, end - start, sampling, served)))
+            e.generating[rid] = generation_timeout_s(self.inf, end - start, sampling, served)
+            parts.append((e, start, rid))
             start = end
-        self.in_flight = _ServerGeneration(self, parts)
-        return self.in_flight
+        return _ServerGeneration(self, parts)
 
     def open_stream(self) -> "_ServerStream":
         """A stream of single requests to the engine(s) (types.Stream); nothing else may be in
         flight until it is closed."""
-        assert self.in_flight is None, "a stream opened while a generation is in flight"
+        assert self.in_flight is None and not any(e.generating for e in self.engines.values()), \
+            "a stream opened while a generation is in flight"
         self.in_flight = _ServerStream(self)
         return self.in_flight
 
     def push_weights(self, model, version: int) -> dict:
-        # The sender's sync messages share the channels with generation: none may be in flight.
-        assert self.in_flight is None, "weights pushed while a generation is in flight"
+        """Generations may be in flight (inference.max_staleness): the engines take the weights
+        between two of them. A stream may not: its rollouts' turns share one version."""
+        assert self.in_flight is None, "weights pushed while a stream is open"
         traffic: dict[str, int] = {}
         for sync in self.syncs:
             sync.sync(version)
@@ -137,9 +158,9 @@ class ServerGenerator:
 class _ServerGeneration:
     """Generate requests on the channels whose replies have not been read yet."""
 
-    def __init__(self, client: ServerGenerator, parts: list[tuple[_Engine, int, float]]):
+    def __init__(self, client: ServerGenerator, parts: list[tuple[_Engine, int, int]]):
         self.client = client
-        self.parts = parts              # (engine, index of its first prompt, its timeout)
+        self.parts = parts              # (engine, index of its first prompt, request id)
         self.completions: list[Completion] | None = None
 
     def result(self) -> list[Completion]:
@@ -147,13 +168,15 @@ class _ServerGeneration:
             c, out = self.client, []
             setting = (f"inference.request_timeout_s={c.inf.request_timeout_s:g} + inference.generation_s_per_ktoken="
                        f"{c.inf.generation_s_per_ktoken:g} per 1,000 completion tokens requested")
-            for engine, start, timeout in self.parts:
-                reply = engine.reply("generate", timeout, setting)
-                engine.in_flight = False
+            for engine, start, rid in self.parts:
+                # Its own bound, and those of the generations asked for before it, which go first.
+                ahead = [bound for r, bound in engine.generating.items() if r <= rid]
+                if len(ahead) > 1:
+                    setting += f", for it and the {len(ahead) - 1} generation(s) asked for before it"
+                reply = engine.reply(rid, "generate", sum(ahead), setting)
                 if not reply.get("ok"):
                     raise RuntimeError(f"{engine.label} refused to generate: {reply.get('error')}")
                 out += [replace(comp, prompt_index=comp.prompt_index + start) for comp in reply["completions"]]
-            c.in_flight = None
             self.completions = out
         return self.completions
 
@@ -196,7 +219,7 @@ class _ServerStream:
             return []
         done = []
         for e in ready:
-            reply = e.reply("stream", 0, "")
+            reply = e.reply("stream", "stream", 0, "")
             if not reply.get("ok"):
                 raise RuntimeError(f"{e.label} refused to generate: {reply.get('error')}")
             done += reply["streamed"]
@@ -212,7 +235,7 @@ class _ServerStream:
     def _send(self) -> None:
         for e, requests in self.unsent.items():
             if requests:
-                e.channel.send({"op": "stream", "requests": requests})
+                e.send({"op": "stream", "requests": requests})
                 self.waiting[e] += len(requests)
                 e.in_flight = True
                 self.unsent[e] = []

@@ -4,6 +4,10 @@ trainers the plan gives it and takes the weights from its sender.
 One loop in the role's main thread: take messages from the node channel, answer weight-sync
 messages at once (the sender waits on them), and batch generation requests until every trainer
 it serves has asked (or a short window passes), so the engine sees one large batch per step.
+A trainer may have several generation requests queued (inference.max_staleness): they are
+generated in turn, and a weight sync that arrives meanwhile lands between two of them (no
+generation starts while a sync is open). Every reply carries the ``rid`` of the message it
+answers, so that a trainer can tell a sync's answers from a generation's.
 Streams (the agents' per-sample rollouts, types.Stream) are served continuously instead: their
 requests join the engine's running batch as they come, and each goes back as soon as it is done;
 while any is outstanding, weight-sync messages and batch requests wait for them to drain, so a
@@ -18,6 +22,7 @@ import json
 import os
 import threading
 import time
+from collections import deque
 from dataclasses import replace
 from pathlib import Path
 
@@ -58,7 +63,8 @@ class Server:
         self.ctx = ctx
         self.engine = engine
         self.receiver: ServerSync = engine.weight_receiver()
-        self.pending: dict[int, dict] = {}     # trainer rank -> its generate request
+        self.pending: dict[int, deque[dict]] = {}     # trainer rank -> its generate requests, in order
+        self.batch_opened = 0.0                         # when the oldest unserved request arrived
         self.streams: dict[str, tuple[int, int]] = {}   # engine request id -> (trainer rank, its key)
         self.deferred: list[tuple[int, dict]] = []      # messages waiting for the streams to drain
         self.done: set[int] = set()
@@ -99,11 +105,25 @@ class Server:
                 for rank, msg in deferred:
                     self.handle(rank, msg)
                 continue
-            received = self._receive(HEALTH_EVERY_S)
+            wait_s = self._batch_wait_s()
+            if wait_s == 0.0:
+                self._generate_pending()
+                continue
+            received = self._receive(wait_s)
             if received is not None:
                 self.handle(*received)
         self.write_health("finished")
         return 0
+
+    def _batch_wait_s(self) -> float:
+        """How long to wait for more messages before the next batch (0: generate it now). A batch
+        waits for every trainer still training to have asked, or BATCH_WINDOW_S from the oldest
+        request; none starts while a sync is open (its sender is still sending)."""
+        if not self.pending or self.receiver.state == "open":
+            return HEALTH_EVERY_S
+        if set(self.pending) >= set(self.ctx.channel.expected) - self.done:
+            return 0.0
+        return max(0.0, self.batch_opened + BATCH_WINDOW_S - time.monotonic())
 
     def _receive(self, timeout: float) -> tuple[int, dict] | None:
         """The next message from any trainer, or None after `timeout`. A trainer may close its end
@@ -119,54 +139,39 @@ class Server:
 
     def handle(self, rank: int, msg: dict) -> None:
         op = msg.get("op")
-        ch = self.ctx.channel
         if self.streams and (op == "generate" or (op or "").startswith("weights_")):
             self.deferred.append((rank, msg))
         elif op == "stream":
-            self._add_streamed(rank, msg["requests"])
+            self._add_streamed(rank, msg)
         elif op == "generate":
-            self.pending[rank] = msg
-            self._maybe_generate()
+            if not self.pending:
+                self.batch_opened = time.monotonic()
+            self.pending.setdefault(rank, deque()).append(msg)
         elif op and op.startswith("weights_"):
             reply = self.receiver.handle(msg)
             if op == "weights_finish" and reply.get("ok"):
                 self.engine.version = int(msg.get("version") or 0)
-            ch.reply(rank, reply)
+            self._reply(rank, msg, reply)
         elif op == "health":
-            ch.reply(rank, {"ok": True, "engine": self.engine.name, "weight_version": self.engine.version,
-                            "consistent": self.receiver.consistent, "dtype": self.engine.dtype})
+            self._reply(rank, msg, {"ok": True, "engine": self.engine.name, "weight_version": self.engine.version,
+                                    "consistent": self.receiver.consistent, "dtype": self.engine.dtype})
         elif op == "done":
             self.done.add(rank)
             self.pending.pop(rank, None)
-            self._maybe_generate()
         else:
-            ch.reply(rank, {"ok": False, "error": f"unknown request {op!r}"})
+            self._reply(rank, msg, {"ok": False, "error": f"unknown request {op!r}"})
 
-    def _maybe_generate(self) -> None:
-        """Generate once every trainer still training has asked, or after a short window. Other
-        messages that arrive in the window are handled as they come."""
-        deadline = time.monotonic() + BATCH_WINDOW_S
-        while self.pending and set(self.pending) != set(self.ctx.channel.expected) - self.done:
-            received = self._receive(deadline - time.monotonic())
-            if received is None:
-                break
-            rank, msg = received
-            if msg.get("op") == "generate":
-                self.pending[rank] = msg
-            else:
-                self.handle(rank, msg)      # a "done" may generate the batch itself
-        if self.pending:
-            self._generate_pending()
+    def _reply(self, rank: int, msg: dict, reply: dict) -> None:
+        self.ctx.channel.reply(rank, {**reply, "rid": msg.get("rid")})
 
     def _generate_pending(self) -> None:
-        batch = sorted(self.pending.items())
-        self.pending.clear()
-        if self.streams:        # a stream began in the batching window: its requests go first
-            self.deferred += [(rank, msg) for rank, msg in batch]
-            return
+        """The oldest request of every trainer that has one, as one batch."""
+        batch = [(rank, queue.popleft()) for rank, queue in sorted(self.pending.items())]
+        self.pending = {rank: queue for rank, queue in self.pending.items() if queue}
+        self.batch_opened = time.monotonic()
         if not self.receiver.consistent:
-            for rank, _ in batch:
-                self.ctx.channel.reply(rank, {"ok": False, "error": "weights are not servable (a sync is open or failed)"})
+            for rank, msg in batch:
+                self._reply(rank, msg, {"ok": False, "error": "weights are not servable (a sync failed)"})
             return
         prompts, samplings, owners = [], [], []
         for rank, msg in batch:
@@ -196,14 +201,15 @@ class Server:
             rank, i = owners[c.prompt_index]
             by_rank[rank].append(replace(c, prompt_index=i))
         self.requests += len(batch)
-        for rank, comps in by_rank.items():
-            self.ctx.channel.reply(rank, {"ok": True, "completions": comps})
+        for rank, msg in batch:
+            self._reply(rank, msg, {"ok": True, "completions": by_rank[rank]})
 
     # -------------------------------------------------------------- streams
-    def _add_streamed(self, rank: int, requests: list[tuple[int, list[int], Sampling]]) -> None:
+    def _add_streamed(self, rank: int, msg: dict) -> None:
         """A trainer's stream requests into the engine's running batch: (key, prompt ids, sampling)."""
+        requests: list[tuple[int, list[int], Sampling]] = msg["requests"]
         if not self.receiver.consistent:
-            self.ctx.channel.reply(rank, {"ok": False, "error": "weights are not servable (a sync is open or failed)"})
+            self._reply(rank, msg, {"ok": False, "error": "weights are not servable (a sync is open or failed)"})
             return
         if self.serving_since is None:
             self.serving_since = time.time()
@@ -222,7 +228,7 @@ class Server:
             by_rank.setdefault(rank, []).extend((key, c) for c in completions)
         for rank, done in by_rank.items():
             if rank not in self.done:       # a trainer gone without its results: nothing to send
-                self.ctx.channel.reply(rank, {"ok": True, "streamed": done})
+                self._reply(rank, {"rid": "stream"}, {"ok": True, "streamed": done})
         if self.streams and not self.engine.unfinished():
             # else the loop would step an idle engine forever while its trainers wait
             raise RuntimeError(f"the {self.engine.name} engine dropped {len(self.streams)} streamed request(s) "

@@ -78,8 +78,9 @@ class Generator(Protocol):
     """What the trainer loop needs from generation.
 
     `submit` may return before the completions exist, so the trainer can train while they are
-    sampled; the trainer takes every pending result before it pushes weights (`push_weights` never
-    runs while a generation is in flight)."""
+    sampled. Several may be outstanding (inference.max_staleness), and `push_weights` may run while
+    they are: a generation not yet begun is then sampled with the new weights, and each completion
+    says which version it had."""
 
     def submit(self, prompts: Sequence[Sequence[int]], sampling: Sampling) -> PendingGeneration:
         """len(prompts) * n completions, grouped by prompt (all n of prompt 0 first)."""
@@ -117,7 +118,10 @@ class StreamingGenerator(Generator, Protocol):
         ...
 
 
-def check_version(completions: Sequence[Completion], expected: int) -> None:
-    stale = {c.weight_version for c in completions if c.weight_version != expected}
+def check_version(completions: Sequence[Completion], oldest: int) -> None:
+    """Completions asked for when the generator had weight version ``oldest`` are sampled with it
+    or (asynchronous generation: a sync landed before their turn) a later one, never an earlier."""
+    stale = {c.weight_version for c in completions if c.weight_version < oldest}
     if stale:
-        raise StaleWeights(f"completions sampled with weight version(s) {sorted(stale)}, trainer is at {expected}")
+        raise StaleWeights(f"completions sampled with weight version(s) {sorted(stale)}, older than version "
+                           f"{oldest}, which the generator had when they were asked for")

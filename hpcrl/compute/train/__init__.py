@@ -3,6 +3,7 @@
 role.py              the trainer role's entry: the parts built from the job spec, then the loop
 trainer.py           the GRPO loop of one rank: generate -> reward -> advantages -> loss -> step -> sync
 generation.py        a generation as the loop holds it: asked for, then scored and packed
+ahead.py             generations asked for ahead (overlap, max_staleness): their staleness, the drops
 rollouts.py          what the loop asks of generation: single-turn completions, or hpcrl.compute.agents' tool rollouts
 scoring.py           a rank's share of a generation scored: rewards, advantages, the logged statistics
 batch.py             a generation's tensors: packing, and log-probabilities a micro-batch at a time

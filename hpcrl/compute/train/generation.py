@@ -18,8 +18,8 @@ __all__ = ["Requested", "Generation"]
 
 @dataclass
 class Requested:
-    """A generation asked for: its prompts, the weight version its completions must carry, and the
-    generator's handle until the completions are taken."""
+    """A generation asked for: its prompts, the weight version the generator had then (its
+    completions carry it or a later one), and the generator's handle until they are taken."""
     batch: data_mod.PromptBatch
     version: int
     pending: PendingGeneration | None
@@ -68,8 +68,10 @@ class Generation:
     completions: float
     truncated: float                        # completions cut at max_completion_length
     reward_stats: dict[str, float]
-    lag: int                                # weight versions its completions are behind the policy
+    lag: int                                # weight versions its oldest completion is behind the policy
     wait_s: float = 0.0
+    # Weight syncs between its completions' sampling and the policy it trains (mean, max).
+    staleness: tuple[float, int] = (0.0, 0)
     logps_s: float = 0.0
 
     def state_dict(self, steps_done: int) -> dict:
@@ -78,7 +80,8 @@ class Generation:
                                ref_logps=self.ref_logps,
                                gen_tokens=[self.completion_tokens, self.completions, self.truncated,
                                            self.loss_tokens],
-                               rstats=self.reward_stats, done=steps_done, lag=self.lag), torch.device("cpu"))
+                               rstats=self.reward_stats, done=steps_done, lag=self.lag,
+                               staleness=list(self.staleness)), torch.device("cpu"))
 
     @classmethod
     def from_state(cls, state: dict | None, device: torch.device) -> "Generation | None":
@@ -91,7 +94,8 @@ class Generation:
         return cls(tensors=tensors, advantages=state["advantages"], old_logps=state["old_logps"],
                    ref_logps=state["ref_logps"], completion_tokens=tokens,
                    loss_tokens=loss_tokens[0] if loss_tokens else tokens, completions=completions,
-                   truncated=truncated, reward_stats=state["rstats"], lag=state.get("lag", 0))
+                   truncated=truncated, reward_stats=state["rstats"], lag=state.get("lag", 0),
+                   staleness=tuple(state.get("staleness", (0.0, 0))))
 
 
 def _to_device(obj, device):

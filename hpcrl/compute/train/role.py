@@ -110,7 +110,7 @@ def _log_balance(ctx: LaunchContext) -> None:
 
     balance, per_node = from_run(ctx.run_dir, gpus_per_node=ctx.spec.site.node.gpus,
                                  server_gpus=ctx.plan.server_gpus, tensor_parallel_size=ctx.plan.tensor_parallel_size,
-                                 overlapped=ctx.spec.recipe.inference.overlap_generation)
+                                 overlapped=ctx.spec.recipe.inference.staleness > 0)
     for line in per_node:
         ctx.log(line)
     if balance is not None:

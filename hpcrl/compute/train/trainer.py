@@ -18,6 +18,11 @@ in hand, so the server samples it while the trainers train: its completions come
 one generation older than the policy that trains on them (one-step off-policy;
 grpo.vllm_importance_sampling_correction reweights for it). The trainer takes it before pushing
 new weights, so a sync never meets a generation in flight.
+
+inference.max_staleness = k > 1 keeps k generations asked for ahead, and pushes weights while they
+are in flight: the engines take each sync between two generations, so one not yet begun is sampled
+with the newer weights. A completion is trained on at most k syncs after the weights it was sampled
+with (hpcrl.compute.train.ahead: the generations ahead, their staleness, the drops).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from hpcrl.job.recipe import LaunchConfig, Recipe
 from hpcrl.compute.train import checkpoint as ckpt
 from hpcrl.compute.train import data as data_mod
 from hpcrl.compute.train import fsdp as fsdp_mod
+from hpcrl.compute.train.ahead import Ahead
 from hpcrl.compute.train.base_diff import BaseDiff
 from hpcrl.compute.train.batch import micro_batched_logps, pack_batch, policy_forward, router_aux_coef
 from hpcrl.compute.train.engine import TrainEngine
@@ -150,8 +156,9 @@ class Trainer:
         self.generation: Generation | None = None
         self.generation_steps_done = 0
         self.last_sync_stats: dict = {}
-        self.overlap = self.recipe.inference.overlap_generation
-        self.next: Requested | None = None      # asked for ahead of its turn (overlap_generation)
+        # Generations asked for ahead of their turn (overlap_generation: one; max_staleness: k).
+        self.staleness = self.recipe.inference.staleness
+        self.ahead = Ahead(self.staleness, self._request, log=setup.log)
         self.ckpt_dir = Path(self.recipe.checkpoint.dir or setup.run_dir / rundir.CHECKPOINTS_DIR)
         self.logprob_chunk_tokens = self.recipe.trainer.logprob_chunk_tokens
         self.evaluator = None if setup.eval_dataset is None else Evaluator(
@@ -214,7 +221,8 @@ class Trainer:
         of them began (generating counts in it)."""
         mu = self.steps_per_generation
         self._heartbeat("training")
-        self._ask_ahead(mu - self.generation_steps_done)       # (a resume in the middle of a generation)
+        # The generations after this one, asked for now (from a resume in the middle of a generation too).
+        self.ahead.fill(self.step + mu - self.generation_steps_done, mu, self.grpo.max_steps)
         for it in range(self.generation_steps_done, mu):
             if self.step >= self.grpo.max_steps:
                 break
@@ -265,7 +273,7 @@ class Trainer:
         state = extra.get("generation")
         self.generation = Generation.from_state(state, self.setup.device)
         self.generation_steps_done = 0 if state is None else int(state["done"])
-        self.next = Requested.from_state(extra.get("next"))
+        self.ahead.load_state_dict(extra)
         self._load_reference_shards(extra.get("reference"))
         self.setup.log(f"resumed from {latest} at step {self.step}")
         return True
@@ -288,15 +296,11 @@ class Trainer:
 
     def save(self) -> Path:
         t0 = time.perf_counter()
-        if self.next is not None:
-            self.next.take()        # a checkpoint keeps completions, never a request in flight
         generation = None if self.generation is None else self.generation.state_dict(self.generation_steps_done)
         extra = {"sampler": self.sampler.state_dict(),
                  "tokens_seen": self.trainer_state.num_input_tokens_seen,
                  "generation": generation,
-                 # A generation asked for ahead is kept whole: the sampler is past
-                 # its prompts, and a resume trains on exactly these completions.
-                 "next": None if self.next is None else self.next.state_dict(),
+                 **self.ahead.state_dict(),
                  # grpo.sync_ref_model moves the reference: this rank's shards of it.
                  "reference": self._reference_shards()}
         path = self.engine.save(self.ckpt_dir, self.step, extra, keep=self.recipe.checkpoint.keep,
@@ -405,23 +409,15 @@ class Trainer:
         rows, pending = self.rollouts.submit(batch, sampling)
         return Requested(batch, self.weight_version, pending, wait_s=time.perf_counter() - t0, rows=rows)
 
-    def _ask_ahead(self, steps_left_in_generation: int) -> None:
-        """Overlap: ask for the next generation now, if the run will train on it."""
-        next_first_step = self.step + steps_left_in_generation
-        if self.overlap and self.next is None and next_first_step < self.grpo.max_steps:
-            self.next = self._request(next_first_step)
-
     def _next_generation(self) -> Generation:
         """The generation due now (asked for ahead, or asked for here), scored and ready to train on;
         the one after it is asked for as soon as this one's completions are in hand."""
         setup = self.setup
         self._heartbeat("generating")
-        requested = self.next or self._request(self.step)
-        self.next = None
-        completions = requested.take()
-        self._ask_ahead(self.steps_per_generation)
+        requested, completions, staleness = self.ahead.next(self.step)
+        self.ahead.fill(self.step + self.steps_per_generation, self.steps_per_generation, self.grpo.max_steps)
         batch = requested.rollout_rows(self.grpo.num_generations)
-        lag = self.weight_version - requested.version
+        lag = self.weight_version - min((c.weight_version for c in completions), default=self.weight_version)
         advantages, reward_stats = self.scorer.score(batch, completions, self.step)
         tensors = pack_batch(batch.prompt_ids, completions, _pad_id(setup.tokenizer), setup.device,
                              mask_truncated=self.grpo.mask_truncated_completions)
@@ -432,6 +428,7 @@ class Trainer:
         return Generation(tensors=tensors, advantages=advantages, old_logps=old_logps, ref_logps=ref_logps,
                           completion_tokens=tokens, loss_tokens=loss_tokens, completions=count, truncated=truncated,
                           reward_stats=reward_stats, lag=lag, wait_s=requested.wait_s,
+                          staleness=(sum(staleness) / max(1, len(staleness)), max(staleness, default=0)),
                           logps_s=time.perf_counter() - t0)
 
     @torch.no_grad()
@@ -526,6 +523,8 @@ class Trainer:
             mk.WEIGHT_VERSION: self.weight_version,
             # How many weight versions the completions trained on are behind the policy.
             mk.OFF_POLICY_LAG: gen.lag,
+            mk.STALENESS_MEAN: gen.staleness[0], mk.STALENESS_MAX: gen.staleness[1],
+            mk.DROPPED_STALE_TOTAL: self.ahead.dropped,
             mk.TIME_GENERATION_S: gen.wait_s if first else 0.0, mk.TIME_TRAIN_S: train_s,
             mk.TIME_SYNC_S: sync_s, mk.SYNC_S: sync_s if sync_s else None,
         }
@@ -555,8 +554,6 @@ class Trainer:
     def _evaluate(self) -> dict:
         """eval_... metrics of the weights as they are after this step (TRL evaluates the model it
         trains): the server gets them first if it has older ones."""
-        if self.next is not None:
-            self.next.take()        # one conversation with the server at a time
         if self.weight_version != self.step:
             self._sync_weights()
         self._heartbeat("evaluating")
@@ -572,8 +569,10 @@ class Trainer:
 
     def _sync_weights(self) -> float:
         """Push the policy to generation; returns the seconds the push took."""
-        if self.next is not None:
-            self.next.take()    # the server finishes it before it takes weights
+        if self.staleness <= 1:
+            # Overlap: the generation ahead is sampled with the weights it was asked under, one sync
+            # behind. Beyond, the engines take the weights between the generations in flight.
+            self.ahead.take_all()
         return self._push(self.step)
 
     def _push(self, version: int) -> float:
@@ -581,6 +580,7 @@ class Trainer:
         self._heartbeat("syncing")
         stats = self.generator.push_weights(self.engine.sync_module, version) or {}
         self.weight_version = version
+        self.ahead.pushed_version(version)
         self.last_sync_stats = stats
         return time.perf_counter() - t0
 

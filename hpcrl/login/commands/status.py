@@ -92,7 +92,7 @@ def _balance(run_dir, job: dict) -> list[str]:
     from hpcrl.job.balance import from_run
 
     balance, lines = from_run(run_dir, gpus_per_node=gpus, server_gpus=inference.get("gpus", 1),
-                              overlapped=bool(inference.get("overlap_generation")),
+                              overlapped=bool(inference.get("overlap_generation") or inference.get("max_staleness")),
                               tensor_parallel_size=inference.get("tensor_parallel_size", 1))
     return lines + ([balance.advice()] if balance else [])
 

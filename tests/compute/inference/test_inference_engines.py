@@ -97,9 +97,13 @@ def test_the_server_batches_by_what_the_engine_says_it_can(tmp_path, monkeypatch
                           task=SimpleNamespace(node=0, engine=None, rank=2), channel=_Channel({0, 1}))
     engine = server.make_engine(ctx, "/m")
     s = server.Server(ctx, engine)
-    s.pending = {0: {"prompts": [[1], [2]], "sampling": Sampling(n=1, max_tokens=1, seed=5), "first_index": 0},
-                 1: {"prompts": [[3]], "sampling": Sampling(n=1, max_tokens=1, seed=7), "first_index": 4}}
+    s.handle(0, {"op": "generate", "prompts": [[1], [2]], "sampling": Sampling(n=1, max_tokens=1, seed=5),
+                 "first_index": 0, "rid": 3})
+    s.handle(1, {"op": "generate", "prompts": [[3]], "sampling": Sampling(n=1, max_tokens=1, seed=7),
+                 "first_index": 4, "rid": 8})
+    assert s._batch_wait_s() == 0.0         # every trainer has asked
     s._generate_pending()
+    assert [(rank, msg["rid"]) for rank, msg in ctx.channel.replies] == [(0, 3), (1, 8)]
     got = {rank: [(c.prompt_index, c.token_ids[0]) for c in msg["completions"]] for rank, msg in ctx.channel.replies}
     if per_prompt:      # one call, a seed per prompt: the trainer's seed, its first index and position
         assert len(engine.calls) == 1
@@ -164,3 +168,75 @@ def test_the_transformers_engine_serves_a_stream_a_batch_a_step_each_request_as_
     assert set(done) == set(ids) and transformers_engine.unfinished() == 0 and transformers_engine.step() == []
     alone = transformers_engine.generate([[26, 13, 27, 31]], b)
     assert [c.token_ids for c in done[ids[1]]] == [c.token_ids for c in alone]
+
+
+def test_queued_generations_are_served_in_order_with_a_sync_landing_between_two(tmp_path, monkeypatch):
+    """inference.max_staleness: a trainer has several generations queued on the server; a sync that
+    arrives while they are queued lands between two of them, no generation starts while it is open,
+    and each reply carries the request id (rid) of the message it answers."""
+    from hpcrl.compute.inference import server
+    from hpcrl.compute.sync.channel_sync import ChannelReceiver
+
+    monkeypatch.setitem(ENGINES, "echo", f"{__name__}:EchoEngine")
+    monkeypatch.setattr(EchoEngine, "weight_receiver", lambda self: ChannelReceiver(self))
+    monkeypatch.setattr(EchoEngine, "load_weights", lambda self, tensors: None, raising=False)
+    recipe = SimpleNamespace(inference=SimpleNamespace(engine="echo"))
+    ctx = SimpleNamespace(spec=SimpleNamespace(recipe=recipe), device="cpu", run_dir=tmp_path,
+                          task=SimpleNamespace(node=0, engine=None, rank=2), channel=_Channel({0}))
+    s = server.Server(ctx, server.make_engine(ctx, "/m"))
+
+    def generate(rid):
+        return {"op": "generate", "prompts": [[rid]], "sampling": Sampling(n=1, max_tokens=1, seed=rid),
+                "first_index": 0, "rid": rid}
+
+    for rid in (1, 2, 3):
+        s.handle(0, generate(rid))
+    assert s._batch_wait_s() == 0.0
+    s._generate_pending()                                   # the oldest first
+    s.handle(0, {"op": "weights_start", "version": 4, "rid": 4})
+    assert s._batch_wait_s() == server.HEALTH_EVERY_S       # held while the sync is open
+    s.handle(0, {"op": "weights_bucket", "tensors": [], "rid": 5})
+    s.handle(0, {"op": "weights_finish", "version": 4, "rid": 6})
+    while s.pending:
+        s._generate_pending()
+    replies = [(msg["rid"], [c.weight_version for c in msg.get("completions", [])]) for _, msg in ctx.channel.replies]
+    assert replies == [(1, [0]), (4, []), (5, []), (6, []), (2, [4]), (3, [4])]
+
+
+def test_a_trainer_tells_a_syncs_reply_from_a_generations_by_its_request_id():
+    """The client's side: a sync message sent while a generation is outstanding gets its own reply
+    even when the generation's comes first; the generation's is kept for result(), and the sync's
+    bound grows by the generation's (the server answers it only between two generations)."""
+    from hpcrl.compute.inference.client import ServerGenerator
+    from hpcrl.job.placement import make_plan
+    from hpcrl.job.recipe import InferenceConfig
+    from hpcrl.login import profiles
+
+    class Channel:
+        def __init__(self):
+            self.sent, self.waited, self.queue = [], [], []
+
+        def send(self, msg):
+            self.sent.append(msg)
+            if msg["op"] == "weights_start":    # the generation's reply is read first
+                self.queue += [{"ok": True, "rid": 1, "completions": [Completion(0, (9,), (0.0,), "", False, 0)]},
+                               {"ok": True, "rid": msg["rid"], "state": "open"}]
+
+        def recv(self, timeout=None):
+            self.waited.append(timeout)
+            return self.queue.pop(0)
+
+    local = profiles.load("local")
+    plan = make_plan(local, 1)
+    inf = InferenceConfig(request_timeout_s=100, generation_s_per_ktoken=1.0)
+    channel = Channel()
+    ctx = SimpleNamespace(spec=SimpleNamespace(recipe=SimpleNamespace(inference=inf)), plan=plan,
+                          task=plan.task(0), channels={plan.task(0).servers[0]: channel})
+    gen = ServerGenerator(ctx, model=None)
+    pending = gen.submit([[1, 2]], Sampling(n=1, max_tokens=1000))     # 1,000 tokens: a bound of 101 s
+    engine = gen.engines[plan.task(0).servers[0]]
+    reply = engine.request({"op": "weights_start", "version": 1}, 100)
+    assert reply == {"ok": True, "rid": 2, "state": "open"}
+    assert channel.waited[0] == pytest.approx(201, abs=0.5)             # its own 100 s and the generation's 101 s
+    assert [c.token_ids for c in pending.result()] == [(9,)]           # kept, not read again
+    assert len(channel.waited) == 2 and engine.generating == {} and engine.early == {}

@@ -19,8 +19,10 @@ same completions, old log-probabilities and advantages instead of generating ane
 
 With inference.overlap_generation the next generation is asked for while the current one trains;
 the generator here samples only when the trainer takes the result (as a server samples while the
-trainer trains), so a take after a weight push would carry the new version and fail the version
-check. The checkpoint holds the generation asked for ahead, and the resumed run trains on it.
+trainer trains), so a take after a weight push would carry the new version and show a lag of 0.
+The checkpoint holds the generation asked for ahead, and the resumed run trains on it. With
+inference.max_staleness=2 two are asked for ahead and sampled at once (an eager server): the
+checkpoint holds both, and every completion is two syncs behind once the queue is full.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ TIMING_KEYS = {"time", "time_generation_s", "time_train_s", "time_sync_s", "sync
                "time_wait_s", "tokens_per_s"}
 
 
-def _recipe(run_dir: str, every: int, mu: int, overlap: bool, lora: bool = False):
+def _recipe(run_dir: str, every: int, mu: int, staleness: int, lora: bool = False):
     from hpcrl.job.recipe import CheckpointConfig, GRPOConfig, InferenceConfig, ModelConfig, Recipe
 
     grpo = GRPOConfig(
@@ -51,7 +53,7 @@ def _recipe(run_dir: str, every: int, mu: int, overlap: bool, lora: bool = False
         max_completion_length=8, beta=0.04, num_iterations=mu, max_steps=N_STEPS, warmup_steps=0.3,
         lr_scheduler_type="cosine", max_grad_norm=1.0, weight_decay=0.01, seed=7, gradient_checkpointing=False,
         # Overlapped, the one-step lag is reweighted, with bounds other than the defaults.
-        vllm_importance_sampling_correction=overlap, vllm_importance_sampling_mode="token_truncate",
+        vllm_importance_sampling_correction=staleness > 0, vllm_importance_sampling_mode="token_truncate",
         vllm_importance_sampling_clip_min=0.5, vllm_importance_sampling_clip_max=2.0)
     # LoRA: the checkpoint holds the adapters and their optimizer state only; dropout on the
     # adapters' inputs makes the restored RNG state matter too.
@@ -59,7 +61,8 @@ def _recipe(run_dir: str, every: int, mu: int, overlap: bool, lora: bool = False
                         lora_target_modules="all-linear") if lora else ModelConfig()
     return Recipe(model=model, grpo=grpo,
                   checkpoint=CheckpointConfig(every=every, keep=2, dir=str(Path(run_dir) / "ckpt")),
-                  inference=InferenceConfig(overlap_generation=overlap))
+                  inference=InferenceConfig(overlap_generation=staleness == 1,
+                                            max_staleness=staleness if staleness > 1 else 0))
 
 
 class _SampledWhenTaken:
@@ -95,7 +98,7 @@ def record_metrics(rank: int, metrics_path, die_after: int | None):
     return on_metrics
 
 
-def _w_run(rank, world, model_dir, run_dir, metrics_path, every, mu, overlap, die_after, seed, lora=False,
+def _w_run(rank, world, model_dir, run_dir, metrics_path, every, mu, staleness, die_after, seed, lora=False,
            engine_name="fsdp2"):
     import torch
     from torch.distributed.device_mesh import init_device_mesh
@@ -107,7 +110,7 @@ def _w_run(rank, world, model_dir, run_dir, metrics_path, every, mu, overlap, di
     from hpcrl.compute.train.trainer import Trainer
 
     torch.manual_seed(seed + rank)
-    recipe = _recipe(run_dir, every, mu, overlap, lora)
+    recipe = _recipe(run_dir, every, mu, staleness, lora)
     ckpt.control_group(60)
     engine = None
     if engine_name == "deepspeed":
@@ -126,7 +129,7 @@ def _w_run(rank, world, model_dir, run_dir, metrics_path, every, mu, overlap, di
     setup = cpu_trainer_setup(recipe, run_dir, model_dir, policy, reference, rank=rank, world=world,
                               tokenizer=AutoTokenizer.from_pretrained(model_dir), on_metrics=on_metrics, engine=engine)
     generator = InProcessGenerator(TransformersEngine(model_dir, device="cpu", dtype="float32", seed=recipe.grpo.seed))
-    trainer = Trainer(setup, _SampledWhenTaken(generator) if overlap else generator)
+    trainer = Trainer(setup, _SampledWhenTaken(generator) if staleness == 1 else generator)
     outcome = trainer.run()
     assert outcome == "finished" and trainer.step == N_STEPS, (outcome, trainer.step)
 
@@ -149,19 +152,19 @@ def _differences(a: dict, b: dict) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("mu,overlap,lora,engine", [(1, False, False, "fsdp2"), (2, False, False, "fsdp2"),
-                                                    (1, True, False, "fsdp2"), (2, False, True, "fsdp2"),
-                                                    (2, False, False, "deepspeed")],
-                         ids=["mu1", "mu2", "mu1-overlap", "mu2-lora", "mu2-deepspeed"])
-def test_killed_and_resumed_run_repeats_the_uninterrupted_one(tmp_path, model_dir, mu, overlap, lora, engine):
+@pytest.mark.parametrize("mu,staleness,lora,engine", [(1, 0, False, "fsdp2"), (2, 0, False, "fsdp2"),
+                                                      (1, 1, False, "fsdp2"), (1, 2, False, "fsdp2"),
+                                                      (2, 0, True, "fsdp2"), (2, 0, False, "deepspeed")],
+                         ids=["mu1", "mu2", "mu1-overlap", "mu1-staleness2", "mu2-lora", "mu2-deepspeed"])
+def test_killed_and_resumed_run_repeats_the_uninterrupted_one(tmp_path, model_dir, mu, staleness, lora, engine):
     runs = {name: tmp_path / name for name in ("whole", "killed")}
     for d in runs.values():
         d.mkdir()
     whole, first, second = tmp_path / "whole.jsonl", tmp_path / "first.jsonl", tmp_path / "second.jsonl"
 
-    spawn(_w_run, tmp_path / "a", model_dir, str(runs["whole"]), str(whole), 0, mu, overlap, None, 100, lora,
+    spawn(_w_run, tmp_path / "a", model_dir, str(runs["whole"]), str(whole), 0, mu, staleness, None, 100, lora,
           engine, timeout=300)
-    spawn(_w_run, tmp_path / "b", model_dir, str(runs["killed"]), str(first), K, mu, overlap, K, 100, lora,
+    spawn(_w_run, tmp_path / "b", model_dir, str(runs["killed"]), str(first), K, mu, staleness, K, 100, lora,
           engine, timeout=300, expect={0: -signal.SIGKILL, 1: -signal.SIGKILL})
     ckpt_dir = runs["killed"] / "ckpt"
     assert (ckpt_dir / "latest").read_text().strip() == f"step-{K}"
@@ -173,17 +176,19 @@ def test_killed_and_resumed_run_repeats_the_uninterrupted_one(tmp_path, model_di
         model_keys = [k for k in stored if k.startswith("model.")]
         assert model_keys and all(".lora_A." in k or ".lora_B." in k for k in model_keys), model_keys[:5]
         assert all(".lora_" in k for k in stored if k.startswith("optim.state."))
-    spawn(_w_run, tmp_path / "c", model_dir, str(runs["killed"]), str(second), K, mu, overlap, None, 555, lora,
+    spawn(_w_run, tmp_path / "c", model_dir, str(runs["killed"]), str(second), K, mu, staleness, None, 555, lora,
           engine, timeout=300)
 
     a, b, c = _read(whole), _read(first), _read(second)
     assert sorted(a) == list(range(1, N_STEPS + 1))
     assert sorted(b) == list(range(1, K + 1)), "the first leg was killed after step k"
     assert sorted(c) == list(range(K + 1, N_STEPS + 1)), "the second leg resumed at step k+1"
-    # Overlapped, every generation but the first was sampled one weight version behind the policy.
+    # Overlapped, every generation but the first was sampled one weight version behind the policy;
+    # with two ahead, two once the queue is full.
     lags = [a[s]["off_policy_lag"] for s in sorted(a)]
-    assert lags == ([0] + [1] * (N_STEPS - 1) if overlap else [0] * N_STEPS), lags
-    if overlap:     # token_truncate at [0.5, 2.0]: every ratio inside the bounds, some moved off 1
+    assert lags == [min(s - 1, staleness) for s in sorted(a)], lags
+    assert [a[s]["sample/staleness_max"] for s in sorted(a)] == lags
+    if staleness:   # token_truncate at [0.5, 2.0]: every ratio inside the bounds, some moved off 1
         lo, hi = min(a[s]["sampling/importance_sampling_ratio/min"] for s in a), \
             max(a[s]["sampling/importance_sampling_ratio/max"] for s in a)
         assert 0.5 <= lo and hi <= 2.0 and (lo < 0.999 or hi > 1.001), (lo, hi)
