@@ -78,6 +78,20 @@ class InProcessGenerator:
 # ----------------------------------------------------------------------------------------------
 # Builders and checks that test files in different folders share
 
+def spy_on_packing(trainer_module) -> list[tuple[list, int, int]]:
+    """What the trainer loop packs, from now on in this process: (prompt ids, loss tokens, attended
+    completion tokens) of every generation (trainer_module: hpcrl.compute.train.trainer)."""
+    packed, real = [], trainer_module.pack_batch
+
+    def spy(prompt_ids, completions, *args, **kwargs):
+        out = real(prompt_ids, completions, *args, **kwargs)
+        packed.append((prompt_ids, int(out["loss_mask"].sum()), int(out["completion_mask"].sum())))
+        return out
+
+    trainer_module.pack_batch = spy
+    return packed
+
+
 def greedy(model, tokenizer, prompts: list[str], n: int = 8) -> list[str]:
     out = []
     for p in prompts:

@@ -20,7 +20,7 @@ from typing import Any
 
 from hpcrl.compute.agents.conversation import ToolChat
 from hpcrl.compute.agents.per_sample import Start, run_per_sample
-from hpcrl.compute.agents.rollout import Rollout, tool_call_loop
+from hpcrl.compute.agents.rollout import Rollout, round_seed, tool_call_loop
 from hpcrl.compute.inference.types import Completion, Generator, Sampling
 from hpcrl.compute.train.data import PromptBatch, is_conversational
 
@@ -138,8 +138,7 @@ class AgentRollouts:
                         for p, t, s, c in zip(ids, tools, sessions, turn)]
 
             def generate(prompt_ids: list[list[int]], round_: int):
-                seed = None if sampling.seed is None else sampling.seed * 7_919 + round_ + 1
-                out = self.generator.submit(prompt_ids, replace(sampling, n=1, seed=seed)).result()
+                out = self.generator.submit(prompt_ids, replace(sampling, n=1, seed=round_seed(sampling.seed, round_))).result()
                 return sorted(out, key=lambda c: c.prompt_index)
 
             tool_call_loop(rollouts, self.chat, self.pool, generate, max_iterations=self.max_iterations,

@@ -20,11 +20,11 @@ from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from hpcrl.compute.agents.conversation import ToolChat
-from hpcrl.compute.agents.rollout import (Rollout, continuation, extend, submit_tools, tool_messages,
+from hpcrl.compute.agents.rollout import (Rollout, continuation, extend, submit_tools, tool_messages, turn_seed,
                                           tools_bound_s)
 from hpcrl.compute.inference.types import Completion, Sampling, Stream
 
-__all__ = ["Start", "run_per_sample", "turn_seed"]
+__all__ = ["Start", "run_per_sample"]
 
 # How often the loop looks at the engines while tools run (a tool's end does not wake the wait on
 # the engines' channels): small against a tool call or an engine step.
@@ -38,10 +38,6 @@ class Start:
     tools: list[dict]
     session: Any
 
-
-def turn_seed(seed: int | None, rollout: int, turn: int) -> int | None:
-    """The seed of ``rollout``'s ``turn`` (0: the first) within a generation seeded ``seed``."""
-    return None if seed is None else (seed * 1_000_003 + rollout * 1_009 + turn) % 2**63
 
 
 def run_per_sample(starts: Sequence[Start], chat: ToolChat, pool, stream: Stream, sampling: Sampling, *,

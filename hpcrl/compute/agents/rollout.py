@@ -53,6 +53,19 @@ class Rollout:
 Continue = Callable[[list[list[int]], int], Sequence[Any]]
 
 
+def round_seed(seed: int | None, request: int) -> int | None:
+    """The seed of a rollout call's ``request``-th request after its first (0: the second), in the
+    lockstep loop and in a rollout function's calls: all of a call's requests differ, and a call
+    seeded alike repeats itself."""
+    return None if seed is None else seed * 7_919 + request + 1
+
+
+def turn_seed(seed: int | None, rollout: int, turn: int) -> int | None:
+    """The seed of ``rollout``'s ``turn`` (0: the first) within a generation seeded ``seed``, in the
+    per-sample loop: a request's draws do not depend on the batch it lands in."""
+    return None if seed is None else (seed * 1_000_003 + rollout * 1_009 + turn) % 2**63
+
+
 def tool_call_loop(rollouts: Sequence[Rollout], chat: ToolChat, pool, generate: Continue, *, max_iterations: int,
                    max_completion_length: int, context_len: int) -> None:
     """Run the tool rounds of ``rollouts`` in place until none calls a tool, or for

@@ -17,6 +17,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, fields, replace
 from typing import Any, Sequence
 
+from hpcrl.compute.agents.rollout import round_seed
 from hpcrl.compute.inference.types import Completion, Generator, Sampling
 
 __all__ = ["ClientSampling", "EngineCalls", "EngineClient", "EngineGeneration", "TrainerView", "TrainingArgs"]
@@ -47,7 +48,7 @@ class EngineCalls:
         if not prompt_ids:
             return []
         with self.lock:
-            seed = None if self.sampling.seed is None else self.sampling.seed * 7_919 + self.requests + 1
+            seed = round_seed(self.sampling.seed, self.requests)
             self.requests += 1
             out = self.generator.submit([list(p) for p in prompt_ids],
                                         replace(self.sampling, seed=seed, **changes)).result()

@@ -13,7 +13,7 @@ import json
 import textwrap
 
 from dist_harness import spawn
-from support import TOOL_MODULE, ScriptedToolGenerator, cpu_trainer_setup, tool_tokenizer
+from support import TOOL_MODULE, ScriptedToolGenerator, cpu_trainer_setup, spy_on_packing, tool_tokenizer
 
 REWARDS = textwrap.dedent('''
     def answer(completions, answer, **kwargs):
@@ -83,15 +83,7 @@ def _w_agent(rank, world, model_dir, run_dir, environment):
     recipe = Recipe(grpo=grpo, agent=agent, rewards=(RewardSpec("agent_rewards:answer"),),
                     logging=LoggingConfig(log_completions=1))
     policy, reference = load_policy_and_reference(model_dir, mesh, torch.device("cpu"), recipe)
-    packed = []
-    real_pack = trainer_mod.pack_batch
-
-    def pack_spy(*args, **kwargs):
-        out = real_pack(*args, **kwargs)
-        packed.append((int(out["loss_mask"].sum()), int(out["completion_mask"].sum())))
-        return out
-
-    trainer_mod.pack_batch = pack_spy
+    packed = spy_on_packing(trainer_mod)
     metrics, rows = [], []
     tok = tool_tokenizer()
     setup = cpu_trainer_setup(recipe, run_dir, model_dir, policy, reference, rank=rank, world=world, tokenizer=tok,
@@ -103,7 +95,7 @@ def _w_agent(rank, world, model_dir, run_dir, environment):
     finally:
         trainer.rollouts.close()
     # Tool results are attended to but take no loss.
-    assert packed and all(0 < loss < attended for loss, attended in packed), packed
+    assert packed and all(0 < loss < attended for _, loss, attended in packed), packed
     if rank != 0:
         return
     last = metrics[-1]

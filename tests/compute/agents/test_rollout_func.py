@@ -113,7 +113,7 @@ def _w_train(rank, world, model_dir, run_dir):
     from hpcrl.job import rundir
     from hpcrl.job.agent_config import AgentConfig
     from hpcrl.job.recipe import InferenceConfig, LoggingConfig, Recipe, RewardSpec
-    from support import cpu_trainer_setup
+    from support import cpu_trainer_setup, spy_on_packing
 
     ckpt.control_group(60)
     modules = Path(run_dir) / rundir.REWARDS_DIR
@@ -131,15 +131,7 @@ def _w_train(rank, world, model_dir, run_dir):
                     rewards=(RewardSpec("game_rewards:env"),), logging=LoggingConfig(log_completions=1),
                     inference=InferenceConfig(overlap_generation=True))
     policy, reference = load_policy_and_reference(model_dir, mesh, torch.device("cpu"), recipe)
-    packed = []
-    real_pack = trainer_mod.pack_batch
-
-    def pack_spy(prompt_ids, completions, *args, **kwargs):
-        out = real_pack(prompt_ids, completions, *args, **kwargs)
-        packed.append((prompt_ids, int(out["loss_mask"].sum()), int(out["completion_mask"].sum())))
-        return out
-
-    trainer_mod.pack_batch = pack_spy
+    packed = spy_on_packing(trainer_mod)
     metrics, rows = [], []
     tok = tool_tokenizer()
     setup = cpu_trainer_setup(recipe, run_dir, model_dir, policy, reference, rank=rank, world=world, tokenizer=tok,
