@@ -71,8 +71,10 @@ def run_job(nodes: int, model: Path, staged: bool, env: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--smoke", action="store_true",
-                    help="that it runs (--nodes 1 --size tiny unless given); its run directories are removed")
+    ap.add_argument("--smoke", action="store_true", help="that it runs (--nodes 1 --size tiny unless given)")
+    # Each run directory holds the job's checkpoints and model (1.6 GB a run at the base size: six
+    # runs filled this machine's disk once), so they go unless asked for.
+    ap.add_argument("--keep", action="store_true", help="keep the work directory (model, run directories)")
     ap.add_argument("--nodes", type=int, nargs="+", default=None, help="default 1 2 4")
     ap.add_argument("--size", default=None, help='hpcrl.compute.models.tiny size of the model loaded (default "base")')
     args = ap.parse_args(argv)
@@ -84,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return bench(args, work)
     finally:
-        if args.smoke:
+        if args.keep:
+            print(f"bench_load: kept {work}", file=sys.stderr)
+        else:
             shutil.rmtree(work, ignore_errors=True)
 
 
