@@ -87,6 +87,7 @@ class ServerGenerator:
         self.engine = None              # the engines' name and dtype, from their first health replies
         self.engine_dtype: str | None = None
         self.syncs: list[TrainerSync] = []
+        self.hold_group = None          # inference.max_staleness > 1: the trainers' barrier before a sync
         self.in_flight: _ServerGeneration | None = None
 
     def wait_ready(self) -> None:
@@ -100,6 +101,13 @@ class ServerGenerator:
         self._make_syncs()
 
     def _make_syncs(self) -> None:
+        if self.inf.staleness > 1:
+            import torch.distributed as dist        # (choosing an engine imports no torch: not at the top)
+
+            # The trainers' barrier before a sync that meets generations in flight (_hold_engines):
+            # a gloo group of its own, whose wait each trainer bounds by call (a collective: every
+            # trainer builds it here).
+            self.hold_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         sends_to = self.ctx.task.sends_to
         for round_ in range(self.ctx.plan.sync_rounds):
             target = self.engines[sends_to[round_]] if round_ < len(sends_to) else None
@@ -138,12 +146,37 @@ class ServerGenerator:
         """Generations may be in flight (inference.max_staleness): the engines take the weights
         between two of them. A stream may not: its rollouts' turns share one version."""
         assert self.in_flight is None, "weights pushed while a stream is open"
+        if self.inf.staleness > 1:
+            self._hold_engines()
         traffic: dict[str, int] = {}
         for sync in self.syncs:
             sync.sync(version)
             for k, v in sync.last_traffic.items():
                 traffic[k] = traffic.get(k, 0) + v
         return traffic
+
+    def _hold_engines(self) -> None:
+        """Before a sync that meets generations in flight: every trainer has its engines finish the
+        generation they are on and start no other (``weights_hold``), then waits for the others.
+        Without it the trainers would wait for a busy engine inside the sync's gathers, bounded by
+        launch.collective_timeout_s instead of the generation's own bound."""
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        bound = self.inf.request_timeout_s + sum(sum(e.generating.values()) for e in self.engines.values())
+        for e in self.engines.values():
+            reply = e.request({"op": "weights_hold"}, self.inf.request_timeout_s)
+            if not reply.get("ok"):
+                raise RuntimeError(f"{e.label} refused to hold for a weight sync: {reply.get('error')}")
+        if self.hold_group is not None and dist.get_world_size(self.hold_group) > 1:
+            try:
+                dist.monitored_barrier(group=self.hold_group, timeout=timedelta(seconds=bound))
+            except RuntimeError as err:
+                raise ServerUnavailable(
+                    f"a trainer's engines were not ready for a weight sync within {bound:.0f} s of the first "
+                    f"(inference.request_timeout_s + the bounds of the generations in flight, "
+                    f"inference.max_staleness={self.inf.max_staleness}): {err}") from None
 
     def close(self) -> None:
         for e in self.engines.values():

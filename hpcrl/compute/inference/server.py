@@ -5,9 +5,10 @@ One loop in the role's main thread: take messages from the node channel, answer 
 messages at once (the sender waits on them), and batch generation requests until every trainer
 it serves has asked (or a short window passes), so the engine sees one large batch per step.
 A trainer may have several generation requests queued (inference.max_staleness): they are
-generated in turn, and a weight sync that arrives meanwhile lands between two of them (no
-generation starts while a sync is open). Every reply carries the ``rid`` of the message it
-answers, so that a trainer can tell a sync's answers from a generation's.
+generated in turn, and a weight sync that arrives meanwhile lands between two of them: a trainer's
+``weights_hold``, answered between two generations, announces it, and no generation starts from
+then until it is done. Every reply carries the ``rid`` of the message it answers, so that a
+trainer can tell a sync's answers from a generation's.
 Streams (the agents' per-sample rollouts, types.Stream) are served continuously instead: their
 requests join the engine's running batch as they come, and each goes back as soon as it is done;
 while any is outstanding, weight-sync messages and batch requests wait for them to drain, so a
@@ -65,6 +66,7 @@ class Server:
         self.receiver: ServerSync = engine.weight_receiver()
         self.pending: dict[int, deque[dict]] = {}     # trainer rank -> its generate requests, in order
         self.batch_opened = 0.0                         # when the oldest unserved request arrived
+        self.held = False                               # a sync is announced: start no generation
         self.streams: dict[str, tuple[int, int]] = {}   # engine request id -> (trainer rank, its key)
         self.deferred: list[tuple[int, dict]] = []      # messages waiting for the streams to drain
         self.done: set[int] = set()
@@ -119,7 +121,7 @@ class Server:
         """How long to wait for more messages before the next batch (0: generate it now). A batch
         waits for every trainer still training to have asked, or BATCH_WINDOW_S from the oldest
         request; none starts while a sync is open (its sender is still sending)."""
-        if not self.pending or self.receiver.state == "open":
+        if not self.pending or self.held or self.receiver.state == "open":
             return HEALTH_EVERY_S
         if set(self.pending) >= set(self.ctx.channel.expected) - self.done:
             return 0.0
@@ -147,10 +149,15 @@ class Server:
             if not self.pending:
                 self.batch_opened = time.monotonic()
             self.pending.setdefault(rank, deque()).append(msg)
+        elif op == "weights_hold":
+            self.held = True            # answered now, between two generations: the sync may begin
+            self._reply(rank, msg, {"ok": True})
         elif op and op.startswith("weights_"):
             reply = self.receiver.handle(msg)
             if op == "weights_finish" and reply.get("ok"):
                 self.engine.version = int(msg.get("version") or 0)
+            if op in ("weights_finish", "weights_abort"):
+                self.held = False
             self._reply(rank, msg, reply)
         elif op == "health":
             self._reply(rank, msg, {"ok": True, "engine": self.engine.name, "weight_version": self.engine.version,

@@ -193,14 +193,17 @@ def test_queued_generations_are_served_in_order_with_a_sync_landing_between_two(
         s.handle(0, generate(rid))
     assert s._batch_wait_s() == 0.0
     s._generate_pending()                                   # the oldest first
-    s.handle(0, {"op": "weights_start", "version": 4, "rid": 4})
-    assert s._batch_wait_s() == server.HEALTH_EVERY_S       # held while the sync is open
-    s.handle(0, {"op": "weights_bucket", "tensors": [], "rid": 5})
-    s.handle(0, {"op": "weights_finish", "version": 4, "rid": 6})
+    s.handle(0, {"op": "weights_hold", "rid": 4})           # a sync announced: nothing starts
+    assert s._batch_wait_s() == server.HEALTH_EVERY_S
+    s.handle(0, {"op": "weights_start", "version": 4, "rid": 5})
+    s.handle(0, {"op": "weights_bucket", "tensors": [], "rid": 6})
+    assert s._batch_wait_s() == server.HEALTH_EVERY_S       # nor while the sync is open
+    s.handle(0, {"op": "weights_finish", "version": 4, "rid": 7})
+    assert s._batch_wait_s() == 0.0
     while s.pending:
         s._generate_pending()
     replies = [(msg["rid"], [c.weight_version for c in msg.get("completions", [])]) for _, msg in ctx.channel.replies]
-    assert replies == [(1, [0]), (4, []), (5, []), (6, []), (2, [4]), (3, [4])]
+    assert replies == [(1, [0]), (4, []), (5, []), (6, []), (7, []), (2, [4]), (3, [4])]
 
 
 def test_a_trainer_tells_a_syncs_reply_from_a_generations_by_its_request_id():
