@@ -204,6 +204,11 @@ def write_plot(run_dir: str | Path, output: Optional[str | Path] = None) -> Path
                 ax.plot(px, py, color=color, lw=lw, label=label, zorder=z, marker="o", ms=4, mec="white", mew=0.8)
             return True
 
+        def metric_lines(ax, keys_and_labels):
+            """One line a metric, each in the next of the reward functions' colours."""
+            for i, (key, label) in enumerate(keys_and_labels):
+                line(ax, [_num(rec.get(key)) for rec in steps], C_FUNCS[i % len(C_FUNCS)], label=label, lw=1.6)
+
         # -- reward
         ax_r.set_title("Reward")
         rew, std = col[mk.REWARD], col[mk.REWARD_STD]
@@ -251,20 +256,18 @@ def write_plot(run_dir: str | Path, output: Optional[str | Path] = None) -> Path
         # -- an agent's tool use (TRL's tools/ metrics, hpcrl's turns per rollout)
         for ax in ax_tools:
             ax.set_title("Tool use")
-            for i, (key, label) in enumerate([(mk.TOOLS_CALL_FREQUENCY, "calls per completion"),
-                                              (mk.TOOLS_FAILURE_FREQUENCY, "failed calls per call"),
-                                              (mk.TOOLS_TURNS_MEAN, "turns per rollout")]):
-                line(ax, [_num(rec.get(key)) for rec in steps], C_FUNCS[i % len(C_FUNCS)], label=label, lw=1.6)
+            metric_lines(ax, [(mk.TOOLS_CALL_FREQUENCY, "calls per completion"),
+                              (mk.TOOLS_FAILURE_FREQUENCY, "failed calls per call"),
+                              (mk.TOOLS_TURNS_MEAN, "turns per rollout")])
             ax.set_ylim(bottom=0)
             ax.legend(loc="best", ncol=3)
 
         # -- off-policy: staleness (weight syncs behind), drops, and the sampler/trainer mismatch
         for ax in ax_lag:
             ax.set_title("Off-policy: completions behind the policy")
-            for i, (key, label) in enumerate([(mk.STALENESS_MEAN, "staleness (syncs, mean)"),
-                                              (mk.STALENESS_MAX, "staleness (syncs, max)"),
-                                              (mk.DROPPED_STALE_TOTAL, "dropped as too stale (total)")]):
-                line(ax, [_num(rec.get(key)) for rec in steps], C_FUNCS[i % len(C_FUNCS)], label=label, lw=1.6)
+            metric_lines(ax, [(mk.STALENESS_MEAN, "staleness (syncs, mean)"),
+                              (mk.STALENESS_MAX, "staleness (syncs, max)"),
+                              (mk.DROPPED_STALE_TOTAL, "dropped as too stale (total)")])
             ax.set_ylim(bottom=0)
             ax.set_ylabel("syncs / completions")
             kl = [_num(rec.get(mk.SAMPLING_MISMATCH_KL)) for rec in steps]
