@@ -204,9 +204,9 @@ class _ServerGeneration:
             for engine, start, rid in self.parts:
                 # Its own bound, and those of the generations asked for before it, which go first.
                 ahead = [bound for r, bound in engine.generating.items() if r <= rid]
-                if len(ahead) > 1:
-                    setting += f", for it and the {len(ahead) - 1} generation(s) asked for before it"
-                reply = engine.reply(rid, "generate", sum(ahead), setting)
+                why = setting + (f", for it and the {len(ahead) - 1} generation(s) asked for before it"
+                                 if len(ahead) > 1 else "")
+                reply = engine.reply(rid, "generate", sum(ahead), why)
                 if not reply.get("ok"):
                     raise RuntimeError(f"{engine.label} refused to generate: {reply.get('error')}")
                 out += [replace(comp, prompt_index=comp.prompt_index + start) for comp in reply["completions"]]

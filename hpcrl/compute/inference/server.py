@@ -120,7 +120,7 @@ class Server:
     def _batch_wait_s(self) -> float:
         """How long to wait for more messages before the next batch (0: generate it now). A batch
         waits for every trainer still training to have asked, or BATCH_WINDOW_S from the oldest
-        request; none starts while a sync is open (its sender is still sending)."""
+        request; none starts once a sync is announced (``weights_hold``) or open, until it is done."""
         if not self.pending or self.held or self.receiver.state == "open":
             return HEALTH_EVERY_S
         if set(self.pending) >= set(self.ctx.channel.expected) - self.done:
