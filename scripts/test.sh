@@ -20,7 +20,11 @@ cleanup() {
 trap cleanup EXIT
 export SLURM_CONF=$SLURM_BASE/etc/slurm.conf
 # The slowest tests are listed last, so that CI time can be kept in view (aim: under 30 minutes).
-.venv/bin/python -m pytest -ra --durations=25 "$@"
+# Three pytest-xdist workers on two cores: much of a test's time is waiting (on Slurm's scheduler, a
+# process start, a peer). A test file stays on one worker, the whole-run folders start first
+# (tests/conftest.py). HPCRL_TEST_WORKERS=0 runs the tests in this process, one by one.
+workers=${HPCRL_TEST_WORKERS:-3}
+.venv/bin/python -m pytest -ra --durations=25 -n "$workers" --dist loadscope --no-loadscope-reorder "$@"
 # The GPU tier (tests/compute/train/test_gpu.py) skips above without a GPU. Its own logic runs here on the CPU
 # (HPCRL_GPU_TIER_DEVICE=cpu: gloo, no CUDA kernel or NCCL), so that the tier a session lent a GPU
 # runs has not rotted meanwhile (~80 s). Only with the whole suite.

@@ -148,3 +148,22 @@ def gpu_device() -> str:
             pytest.fail(f"{GPU_TIER_SWITCH} is set, but {why}")
         pytest.skip(why)
     return device
+
+
+# ----------------------------------------------------------------------------------------------
+# Parallel runs (pytest-xdist: scripts/test.sh runs `-n 3 --dist loadscope --no-loadscope-reorder`)
+
+# Whole runs first: a test file stays on one worker (loadscope: its module fixtures, a tiny model or a
+# vLLM engine, are built once), so the suite ends no sooner than its longest file started; starting
+# the minutes-long files first lets the many quick ones fill the gaps.
+SLOW_FOLDERS_FIRST = ("tests/e2e/", "tests/compute/")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("dist", "no") == "no":
+        return
+    def rank(item):
+        path = item.nodeid.split("::")[0]
+        return next((i for i, folder in enumerate(SLOW_FOLDERS_FIRST) if path.startswith(folder)),
+                    len(SLOW_FOLDERS_FIRST))
+    items.sort(key=rank)          # stable: the order inside a folder is kept
