@@ -36,8 +36,13 @@ Asynchronous generation (--async, issue 31): the hpcrl systems at inference.max_
 and 4 (`hpcrl`, `hpcrl-overlap`, `hpcrl-k2`, `hpcrl-k4`), no TRL. Each row adds warm steps a second
 and the engine's idle share of its serving time (its health file: busy_s against the time since its
 first request, warm-up included). Last line: async_steps_per_s_ratio_k4_over_k0=X engine_idle_k4=Y.
-Completions are forced to one length, not long-tailed (not yet: a logits processor that ends each
-request at its own length).
+--long-tail [N] (hpcrl systems only): instead of one length for all, one completion in N (default 8)
+runs to max_completion_length and the others end at max_completion_length / N (a logits processor that
+masks the stop tokens before a completion's length and allows nothing else at it): the long tail that
+makes a synchronous step wait for its slowest sequence while the engine's other slots stand empty.
+Rows add the staleness of the completions trained on (mean) and the generations dropped as too stale;
+the last line adds long_tail_len_over_max (mean completion length / max_completion_length; with
+N = 8, (1 + 7/8) / 8 = 0.23 when the processor does its work).
 
 Last line:  step_throughput_vs_trl=X step_throughput_vs_trl_in_order=Y
             X = median step tokens/s of hpcrl-overlap / median of TRL (warm steps); Y: the same for
@@ -49,6 +54,7 @@ Last line:  step_throughput_vs_trl=X step_throughput_vs_trl_in_order=Y
                                                            # model, 2 prompts x 2 x 8 tokens, 2 steps, no
                                                            # in-order hpcrl (its line: step_throughput_vs_trl)
     .venv/bin/python scripts/bench_step.py --async         # max_staleness 0, 1, 2, 4 (--smoke --async: seconds)
+    .venv/bin/python scripts/bench_step.py --async --long-tail   # the same, 1 completion in 8 long
     .venv/bin/python scripts/bench_step.py --hpcrl-src /tmp/hpcrl-exp --hpcrl-set trainer.threads=2
 """
 
@@ -73,6 +79,7 @@ REPO = Path(__file__).resolve().parent.parent
 REWARD = "hpcrl.compute.train.rewards:demo_correct"
 ENGINE_READY = re.compile(r"engine (?:\d+ )?ready in ([\d.]+) s")      # the server's line
 MIN_TOKENS_ENV = "HPCRL_BENCH_MIN_TOKENS"
+LONG_TAIL_ENV = "HPCRL_BENCH_LONG_TAIL"
 PLUGIN_MODULE = "hpcrl_bench_min_tokens"
 
 # A vLLM v1 logits processor that applies one min_tokens to every request (vLLM's own
@@ -80,9 +87,12 @@ PLUGIN_MODULE = "hpcrl_bench_min_tokens"
 PLUGIN_SOURCE = f'''"""Written by scripts/bench_step.py: force every completion to {MIN_TOKENS_ENV} tokens."""
 import os
 
-from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor
+import torch
+from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor, process_dict_updates
+from vllm.v1.sample.logits_processor.interface import LogitsProcessor
 
 MIN_TOKENS = int(os.environ.get("{MIN_TOKENS_ENV}", "0"))
+LONG_TAIL = int(os.environ.get("{LONG_TAIL_ENV}", "0"))
 
 
 class ForceMinTokens(MinTokensLogitsProcessor):
@@ -91,6 +101,39 @@ class ForceMinTokens(MinTokensLogitsProcessor):
         if not MIN_TOKENS or len(output_tok_ids) >= MIN_TOKENS:
             return None
         return (MIN_TOKENS, output_tok_ids, params.all_stop_token_ids, params.structured_outputs is not None)
+
+
+class ForceLongTail(LogitsProcessor):
+    """One request in LONG_TAIL runs to its max_tokens, the others end at max_tokens // LONG_TAIL:
+    stop tokens are masked before a request's length, and only a stop token is allowed at it."""
+    added = 0           # requests seen by this engine process: every LONG_TAIL-th is a long one
+
+    def __init__(self, vllm_config, device, is_pin_memory):
+        self.rows = {{}}   # batch row -> (length, output token ids so far, stop token ids)
+
+    def is_argmax_invariant(self):
+        return False
+
+    @classmethod
+    def _track(cls, params, _prompt_ids, output_tok_ids):
+        stops = sorted(params.all_stop_token_ids)
+        if not LONG_TAIL or not stops or not params.max_tokens:
+            return None
+        long = cls.added % LONG_TAIL == 0
+        cls.added += 1
+        return (params.max_tokens if long else max(1, params.max_tokens // LONG_TAIL), output_tok_ids, stops)
+
+    def update_state(self, batch_update):
+        process_dict_updates(self.rows, batch_update, self._track)
+
+    def apply(self, logits):
+        for row, (length, out, stops) in self.rows.items():
+            if len(out) < length:
+                logits[row, stops] = -float("inf")
+            else:
+                logits[row] = -float("inf")
+                logits[row, stops[0]] = 0.0
+        return logits
 '''
 
 
@@ -228,14 +271,17 @@ def run_hpcrl(args, model_dir: Path, work: Path, tag: str, system: str = "hpcrl"
                       "overlap_generation": staleness == 1, "max_staleness": staleness if staleness > 1 else 0},
         "checkpoint": {"every": 0, "keep": 1},
     }
-    if c["force_length"]:
+    if args.long_tail:
+        recipe["inference"]["engine_args"] = {"logits_processors": [f"{PLUGIN_MODULE}:ForceLongTail"]}
+    elif c["force_length"]:
         recipe["inference"]["engine_args"] = {"logits_processors": [f"{PLUGIN_MODULE}:ForceMinTokens"]}
     recipe_path = work / f"recipe-{tag}.json"
     recipe_path.write_text(json.dumps(recipe, indent=1))      # JSON is YAML
     env = dict(os.environ)
     paths = [str(plugin_dir)] + ([str(Path(args.hpcrl_src).resolve())] if args.hpcrl_src else [])
     env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in [env.get("PYTHONPATH")] if p])
-    env[MIN_TOKENS_ENV] = str(c["completion_length"] if c["force_length"] else 0)
+    env[MIN_TOKENS_ENV] = str(c["completion_length"] if c["force_length"] and not args.long_tail else 0)
+    env[LONG_TAIL_ENV] = str(args.long_tail)
     cmd = [sys.executable, "-m", "hpcrl", "run", str(recipe_path), *args.hpcrl_set, "--run-dir", str(run_dir)]
     log_path = work / f"hpcrl-{tag}.log"
     load0, cpu0, t0 = loadavg(), cpu_stat(), time.perf_counter()
@@ -260,7 +306,8 @@ def run_hpcrl(args, model_dir: Path, work: Path, tag: str, system: str = "hpcrl"
         tokens = m[mk.COMPLETIONS_MEAN_LENGTH] * batch
         steps.append(dict(step=m[mk.STEP], step_s=m[mk.TIME_STEP_S], gen_s=m[mk.TIME_GENERATION_S],
                           sync_s=m[mk.TIME_SYNC_S], train_s=m[mk.TIME_TRAIN_S], other_s=m[mk.TIME_WAIT_S],
-                          tokens=tokens, len_mean=m[mk.COMPLETIONS_MEAN_LENGTH]))
+                          tokens=tokens, len_mean=m[mk.COMPLETIONS_MEAN_LENGTH],
+                          stale=m.get(mk.STALENESS_MEAN, 0.0), dropped=m.get(mk.DROPPED_STALE_TOTAL, 0)))
     # Start-up: from the command to the end of the first step, less that step.
     ready = ENGINE_READY.search(log_path.read_text(errors="replace"))
     startup = float(ready.group(1)) if ready else None
@@ -381,6 +428,9 @@ def summarize(runs: list[dict], warmup: int) -> dict:
     out["gen_tok_s"] = median([s["tokens"] / s["gen_s"] if s["gen_s"] > 0.05 * s["step_s"] else None for s in warm])
     out["train_tok_s"] = median([s["tokens"] / s["train_s"] if s["train_s"] else None for s in warm])
     out["step_tok_s"] = median([s["tokens"] / s["step_s"] for s in warm])
+    # Off-policy: the mean staleness of what was trained on; the generations dropped, whole run.
+    out["stale"] = median([s.get("stale", float("nan")) for s in warm])
+    out["dropped"] = max((r["steps"][-1].get("dropped", float("nan")) for r in runs), default=float("nan"))
     out["load"] = median([x for r in runs for x in (r["load_start"], r["load_end"])])
     # hpcrl's engine: its idle share of the whole run (warm-up included), and warm steps a second.
     out["engine_idle"] = median([r.get("engine_idle") for r in runs])
@@ -392,13 +442,20 @@ def summarize(runs: list[dict], warmup: int) -> dict:
     return out
 
 
+def length_rule(args) -> str:
+    if args.long_tail:
+        return (f"long tail: 1 in {args.long_tail} to full length, the rest end at "
+                f"{max(1, args.completion_length // args.long_tail)}")
+    return "forced to full length" if args.force_length else "EOS allowed"
+
+
 def print_report(args, results: dict[str, list[dict]]) -> float | None:
     cols = [("steps", "n", "{:d}"), ("step s", "step_s", "{:.2f}"), ("gen s", "gen_s", "{:.2f}"),
             ("sync s", "sync_s", "{:.3f}"), ("train s", "train_s", "{:.2f}"), ("other s", "other_s", "{:.2f}"),
             ("len", "len_mean", "{:.1f}"), ("tok/step", "tokens", "{:.0f}"), ("gen tok/s", "gen_tok_s", "{:.0f}"),
             ("train tok/s", "train_tok_s", "{:.0f}"), ("step tok/s", "step_tok_s", "{:.1f}"),
             ("core-s/step", "core_s", "{:.1f}"), ("steps/s", "steps_per_s", "{:.2f}"),
-            ("engine idle", "engine_idle", "{:.2f}"),
+            ("engine idle", "engine_idle", "{:.2f}"), ("stale", "stale", "{:.2f}"), ("dropped", "dropped", "{:.0f}"),
             ("load", "load", "{:.1f}"), ("steal %", "steal", "{:.0f}")]
     sums = {name: summarize(runs, args.warmup) for name, runs in results.items()}
     rows = [[name] + [fmt.format(s[key]) if s[key] == s[key] else "nan" for _, key, fmt in cols]
@@ -417,11 +474,11 @@ def print_report(args, results: dict[str, list[dict]]) -> float | None:
             return f"{(b / a if inverse else a / b):.2f}x"
         rows.append([hname + "/trl", "", r("step_s", True) + "*", r("gen_s", True) + "*", "", r("train_s", True) + "*",
                      "", "", "", r("gen_tok_s"), r("train_tok_s"), r("step_tok_s"), r("core_s", True) + "*", "", "",
-                     "", ""])
+                     "", "", "", ""])
         ratios[hname] = h["step_tok_s"] / t["step_tok_s"]
     print()
     print_table(f"GRPO step, {args.model_size} model, {args.prompts} prompts x {args.generations} completions x "
-                f"{args.completion_length} tokens ({'forced to full length' if args.force_length else 'EOS allowed'}), "
+                f"{args.completion_length} tokens ({length_rule(args)}), "
                 f"lr {args.lr}, beta {args.beta}, loss {args.loss_type}; medians over warm steps "
                 f"(first {args.warmup} skipped), {args.rounds} round(s); machine: {os.cpu_count()} cores",
                 ["system"] + [c[0] for c in cols], rows)
@@ -446,6 +503,9 @@ def print_report(args, results: dict[str, list[dict]]) -> float | None:
             print(f"  {name} round {run['tag']}: wall {run['wall_s']:.0f} s ({extra}); load {run['load_start']:.1f}"
                   f" -> {run['load_end']:.1f}; CPU steal {100 * run.get('steal', float('nan')):.0f} %; "
                   f"step times {per_step}")
+    if args.long_tail:
+        # The tail as generated: 1 in N at full length, the rest at 1/N of it (a smoke test bounds it).
+        ratios["long_tail_len"] = next(iter(sums.values()))["len_mean"] / args.completion_length
     if "hpcrl" in sums and "hpcrl-k4" in sums:
         ratios["async_k4"] = sums["hpcrl-k4"]["steps_per_s"] / sums["hpcrl"]["steps_per_s"]
         ratios["engine_idle_k4"] = sums["hpcrl-k4"]["engine_idle"]
@@ -475,6 +535,9 @@ def main(argv=None) -> int:
                     help="asynchronous generation: --systems hpcrl,hpcrl-overlap,hpcrl-k2,hpcrl-k4 (inference."
                          "max_staleness 0, 1, 2, 4), no TRL; last line async_steps_per_s_ratio_k4_over_k0 and "
                          "engine_idle_k4")
+    ap.add_argument("--long-tail", type=int, nargs="?", const=8, default=0, metavar="N",
+                    help="hpcrl systems only: 1 completion in N (default 8) to max_completion_length, the rest "
+                         "end at max_completion_length / N (instead of all forced to full length)")
     ap.add_argument("--rounds", type=int, default=1, help="alternate the systems this many times, pool warm steps")
     ap.add_argument("--systems", default=None,
                     help="which, in order (default hpcrl,hpcrl-overlap,trl; --smoke: hpcrl-overlap,trl)")
@@ -512,6 +575,11 @@ def main(argv=None) -> int:
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     if not systems or set(systems) - {*STALENESS, "trl"}:
         ap.error(f"--systems: a comma-separated list of {', '.join(STALENESS)}, trl")
+    if args.long_tail and "trl" in systems:
+        ap.error("--long-tail: hpcrl systems only (TRL's generate has no per-completion length); "
+                 "add --async or --systems without trl")
+    if args.long_tail < 0 or args.long_tail == 1:
+        ap.error(f"--long-tail: 1 completion in N, N >= 2 (got {args.long_tail})")
 
     sys.path.insert(0, str(Path(args.hpcrl_src).resolve() if args.hpcrl_src else REPO))
     from hpcrl.compute.models.tiny import make_tiny_model
@@ -543,6 +611,8 @@ def main(argv=None) -> int:
     if "async_k4" in ratios:
         parts += [f"async_steps_per_s_ratio_k4_over_k0={ratios['async_k4']:.2f}",
                   f"engine_idle_k4={ratios['engine_idle_k4']:.2f}"]
+    if "long_tail_len" in ratios:
+        parts.append(f"long_tail_len_over_max={ratios['long_tail_len']:.2f}")
     if parts:
         print(" ".join(parts))
     return 0

@@ -60,12 +60,18 @@ BENCHES = [  # script, arguments besides --smoke, the keys of its last line, sec
     bench("bench_load.py", [], {"load_s_staged_over_broadcast_at_1", "cross_node_load_bytes_broadcast_at_1",
                                 "cross_node_load_bytes_staged"}, 360, pytest.mark.slow, needs_testbed, testbed=True),
     bench("bench_step.py", [], {"step_throughput_vs_trl"}, 480, pytest.mark.slow, needs_mpi, *needs_vllm),
-    # Asynchronous generation (inference.max_staleness): the synchronous and the k = 4 systems only.
-    bench("bench_step.py", ["--async", "--systems", "hpcrl,hpcrl-k4"],
-          {"async_steps_per_s_ratio_k4_over_k0", "engine_idle_k4"}, 300, pytest.mark.slow, needs_mpi, *needs_vllm),
+    # Asynchronous generation (inference.max_staleness): the synchronous and the k = 4 systems only, with
+    # a long tail of completions (1 in 2 to the 8 tokens, the others end at 4).
+    bench("bench_step.py", ["--async", "--systems", "hpcrl,hpcrl-k4", "--long-tail", "2"],
+          {"async_steps_per_s_ratio_k4_over_k0", "engine_idle_k4", "long_tail_len_over_max"}, 300,
+          pytest.mark.slow, needs_mpi, *needs_vllm),
     bench("bench_agent.py", [], {"agent_rollouts_per_s_ratio_vs_lockstep", "agent_ratio_at_1_turns"}, 240,
           pytest.mark.slow, *needs_vllm),
 ]
+
+
+# Figures a smoke run can bound: the run did its work, not only printed a number.
+BOUNDS = {"long_tail_len_over_max": (0.5, 0.95)}   # --long-tail 2 of 8 tokens: halves at 8 and at 4 (or 5, the stop)
 
 
 def run_bench(cmd: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
@@ -112,6 +118,8 @@ def test_bench_smoke(script, args, keys, timeout, testbed, request, hpcrl_home, 
         except ValueError:
             pytest.fail(f"{key}={value}: not a number")
         assert not math.isnan(number), f"{key}={value}"
+        low, high = BOUNDS.get(key, (-math.inf, math.inf))
+        assert low <= number <= high, f"{key}={value}: expected within [{low}, {high}]"
     tables = read_tables(proc.stdout)
     assert tables, f"no table in:\n{proc.stdout[-3000:]}"
     for title, headers, rows in tables:
