@@ -37,8 +37,14 @@ Prints the inputs, a table per scaling (strong: a fixed global batch; weak: a fi
 node), writes the figure (--out, default docs/step_model.png), and, last, one line:
     speedup_strong_at_256=X speedup_weak_at_256=Y sync_s_hpcrl=Z sync_s_single_server_at_256=W
     sync_share_at_256_hpcrl=... sync_share_at_256_single_server=... crossover_nodes_strong=C
+    async_speedup_at_256_k1=... async_speedup_at_256_continuous=... engine_idle_at_256_k0=...
+    engine_idle_at_256_continuous=...
 X, Y = single server's step / hpcrl's step at 256 nodes; C = the fewest nodes at which hpcrl's step
-is the shorter (strong scaling; inf where it never is).
+is the shorter (strong scaling; inf where it never is). The async_* figures: hpcrl's step with a
+long tail of completion lengths, in order against a batch generated ahead (k >= 1, as built) and
+against engines that refill their freed slots (continuous per sample, not built), at 256 nodes;
+engine idle = the share of an engine's decode capacity a step leaves unused. The same rule,
+applied to bench_step --async's measured CPU phases, is printed beside the bench's measurements.
 
     .venv/bin/python scripts/model_step.py [--out docs/step_model.png] [--no-plot] [--server-gpus 8]
     .venv/bin/python scripts/model_step.py --smoke     # the same, the figure drawn into a temporary file
@@ -98,6 +104,14 @@ class Inputs:
     global_batch: int = _in(4096, "completions", "chosen: strong scaling (512 prompts x 8)")
     per_node_batch: int = _in(64, "completions", "chosen: weak scaling (8 prompts x 8 a node)")
     server_gpus: int = _in(8, "GCD", "chosen: a node of its own (TRL's multi-node docs, peers.md)")
+    # Asynchronous generation (issue 31): a long tail of completion lengths, as bench_step --long-tail makes it.
+    tail_every: int = _in(8, "", "chosen: 1 completion in 8 runs to completion_tokens (bench_step --long-tail)")
+    tail_ratio: float = _in(8.0, "x", "chosen: the long ones 8x the others (the issue: some 8x the median)")
+    cpu_gen_s: float = _in(4.73, "s", "measured here: bench_step --async, k=0, generation waited (README)")
+    cpu_train_s: float = _in(22.0, "s", "measured here: bench_step --async, k=0, training (README)")
+    cpu_steps_ratio_k4: float = _in(1.34, "x", "measured here: bench_step --async, steps/s k=4 over k=0")
+    cpu_engine_idle_k0: float = _in(0.83, "", "measured here: bench_step --async, engine idle at k=0")
+    cpu_engine_idle_k4: float = _in(0.79, "", "measured here: bench_step --async, engine idle at k=4")
 
     @property
     def wire_bytes(self) -> float:
@@ -179,6 +193,49 @@ def sync_s_single(inp: Inputs, nodes: int) -> float:
 
 # ------------------------------------------------------------------ a step of each design
 
+# ------------------------------------------------------------------ asynchronous generation (hpcrl)
+
+def decode_step_s(inp: Inputs, batch: float) -> float:
+    """One decode step of an engine holding `batch` sequences (the roofline of generation_s)."""
+    weights_s = inp.params * 2 / (inp.hbm_tbs * 1e12 * inp.decode_hbm_fraction)
+    return max(weights_s, max(batch, 1) * 2 * inp.params / (inp.peak_tflops * 1e12 * inp.decode_flops_fraction))
+
+
+def generation_tail_s(inp: Inputs, completions: float, engines: int) -> tuple[float, float]:
+    """(a batch generated to its last token, the same tokens with every slot kept full).
+    In a batch the short completions end at L / tail_ratio, and the long ones (1 in tail_every)
+    decode the remaining steps at a batch tail_every times smaller; an engine that refills freed
+    slots with the next step's requests (continuous, per sample) does the same tokens at full batch."""
+    b = math.ceil(completions / engines)
+    long_len = inp.completion_tokens
+    short_len = long_len / inp.tail_ratio
+    batch = short_len * decode_step_s(inp, b) + (long_len - short_len) * decode_step_s(inp, b / inp.tail_every)
+    mean_len = (long_len + (inp.tail_every - 1) * short_len) / inp.tail_every
+    return batch, mean_len * decode_step_s(inp, b)
+
+
+def async_step(inp: Inputs, nodes: int, completions: float) -> dict[str, float]:
+    """hpcrl's step with the long tail, in three schedules. The sync stops the engines in each.
+    k = 0: generate (to the last token), then train. k >= 1 as built: the next batch is generated
+    while this one trains, a batch at a time (the server runs each trainer's oldest request to its
+    end), so the tail stays in the generation. Continuous (not built): engines refill freed slots,
+    so generation is the tokens at full batch. Engine idle: the share of the step its decode
+    capacity was not used (1 - tokens at full batch / step)."""
+    batch, steady = generation_tail_s(inp, completions, nodes * inp.engines_per_node)
+    train = training_s(inp, completions, nodes * inp.trainers_per_node) + allreduce_s(inp, nodes)
+    sync = sync_s_hpcrl(inp)
+    steps = {"k0": batch + train + sync, "k1": max(batch, train) + sync, "continuous": max(steady, train) + sync}
+    return {"batch gen": batch, "steady gen": steady, "train": train, "sync": sync,
+            **{f"step {k}": v for k, v in steps.items()}, **{f"idle {k}": 1 - steady / v for k, v in steps.items()}}
+
+
+def async_check_on_cpu(inp: Inputs) -> dict[str, float]:
+    """The same rule (generation hidden behind training once k >= 1) on bench_step's CPU phases:
+    predicted steps/s ratio and engine idle, beside what the bench measured."""
+    k0, k4 = inp.cpu_gen_s + inp.cpu_train_s, max(inp.cpu_gen_s, inp.cpu_train_s)
+    return {"ratio": k0 / k4, "idle k0": 1 - inp.cpu_gen_s / k0, "idle k4": 1 - inp.cpu_gen_s / k4}
+
+
 def single_trainers(inp: Inputs, nodes: int) -> int:
     return nodes * inp.gpus_per_node - inp.server_gpus
 
@@ -212,7 +269,7 @@ def scaling(inp: Inputs, kind: str, nodes: list[int] = NODES) -> list[dict]:
     rows = []
     for n in nodes:
         completions = inp.global_batch if kind == "strong" else inp.per_node_batch * n
-        rows.append({"nodes": n, "completions": completions,
+        rows.append({"nodes": n, "completions": completions, "async": async_step(inp, n, completions),
                      "hpcrl": step_hpcrl(inp, n, completions), "single": step_single(inp, n, completions)})
     return rows
 
@@ -254,6 +311,21 @@ def print_tables(inp: Inputs, runs: dict[str, list[dict]]) -> None:
         title = (f"{kind} scaling, seconds a step (single server: {inp.server_gpus} GCDs)"
                  + (f", {inp.global_batch:,} completions" if kind == "strong" else f", {inp.per_node_batch} completions a node"))
         print_table(title, headers, table)
+    rows = runs["strong"]
+    keys = ["batch gen", "steady gen", "train", "sync", "step k0", "step k1", "step continuous"]
+    table = [[str(r["nodes"])] + [_fmt(r["async"][k]) for k in keys]
+             + [f"{r['async']['step k0'] / r['async'][f'step {k}']:.2f}x" for k in ("k1", "continuous")]
+             + [f"{r['async'][f'idle {k}']:.2f}" for k in ("k0", "k1", "continuous")] for r in rows]
+    print_table(f"hpcrl with a long tail (1 completion in {inp.tail_every} {inp.tail_ratio:g}x the others), strong "
+                f"scaling, seconds a step: in order (k0), a batch ahead (k>=1, as built), continuous per sample "
+                f"(not built)", ["nodes", "batch gen", "steady gen", "train+allred", "sync", "step k0", "step k>=1",
+                                 "step contin.", "k>=1/k0", "contin./k0", "idle k0", "idle k>=1", "idle contin."], table)
+    cpu = async_check_on_cpu(inp)
+    print_table("the async rule on this CPU (bench_step --async phases): predicted against measured",
+                ["figure", "predicted", "measured"],
+                [["steps/s k=4 over k=0", f"{cpu['ratio']:.2f}", f"{inp.cpu_steps_ratio_k4:.2f}"],
+                 ["engine idle k=0", f"{cpu['idle k0']:.2f}", f"{inp.cpu_engine_idle_k0:.2f}"],
+                 ["engine idle k=4", f"{cpu['idle k4']:.2f}", f"{inp.cpu_engine_idle_k4:.2f}"]])
 
 
 def summary(inp: Inputs, runs: dict[str, list[dict]]) -> dict[str, float | int]:
@@ -269,6 +341,10 @@ def summary(inp: Inputs, runs: dict[str, list[dict]]) -> dict[str, float | int]:
         f"sync_share_at_{n}_hpcrl": strong["hpcrl"]["sync"] / strong["hpcrl"]["step"],
         f"sync_share_at_{n}_single_server": strong["single"]["sync"] / strong["single"]["step"],
         "crossover_nodes_strong": cross,
+        f"async_speedup_at_{n}_k1": strong["async"]["step k0"] / strong["async"]["step k1"],
+        f"async_speedup_at_{n}_continuous": strong["async"]["step k0"] / strong["async"]["step continuous"],
+        f"engine_idle_at_{n}_k0": strong["async"]["idle k0"],
+        f"engine_idle_at_{n}_continuous": strong["async"]["idle continuous"],
     }
 
 

@@ -43,7 +43,9 @@ def bench(script, args, keys, timeout, *marks, testbed=False):
 BENCHES = [  # script, arguments besides --smoke, the keys of its last line, seconds it may take
     bench("model_step.py", [], {"speedup_strong_at_256", "speedup_weak_at_256", "sync_s_hpcrl",
                                 "sync_s_single_server_at_256", "sync_share_at_256_hpcrl",
-                                "sync_share_at_256_single_server", "crossover_nodes_strong"}, 60),
+                                "sync_share_at_256_single_server", "crossover_nodes_strong",
+                                "async_speedup_at_256_k1", "async_speedup_at_256_continuous",
+                                "engine_idle_at_256_k0", "engine_idle_at_256_continuous"}, 60),
     bench("bench_cli.py", [], {"worst_cli_over_python_start", "render_over_import_floor"}, 180,
           needs_testbed, testbed=True),
     bench("bench_scale.py", [], {"rendezvous_s_at_16", "failure_detect_s_at_16", "growth_exponent_rendezvous"}, 240,
