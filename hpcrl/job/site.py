@@ -22,6 +22,13 @@ _VAR = r"\$[A-Za-z_][A-Za-z0-9_]*|\$\{[A-Za-z_][A-Za-z0-9_]*\}"
 BIND_PATH = re.compile(rf"^(?:/|{_VAR})(?:[^$`\"'\\:,\s]|{_VAR})*$")
 # Control characters (a newline, a tab) would break the script's line a value lands on.
 CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f]")
+# NCCL's interface and HCA lists: names separated by commas, the whole list optionally prefixed by
+# "^" (exclude) and/or "=" (exact names); an HCA may carry its port ("mlx5_0:1").
+_NCCL_NAME = r"[A-Za-z0-9_.\-]+"
+NCCL_IFNAME = re.compile(rf"^\^?=?{_NCCL_NAME}(?:,{_NCCL_NAME})*$")
+NCCL_HCA = re.compile(rf"^\^?=?{_NCCL_NAME}(?::\d+)?(?:,{_NCCL_NAME}(?::\d+)?)*$")
+# The user's home directory as a path is written in a site file: what "outside $HOME" refuses.
+HOME_WORDS = re.compile(r"^(?:~|\$HOME\b|\$\{HOME\})")
 
 
 @dataclass(frozen=True)
@@ -94,6 +101,42 @@ class Stage:
     # expanded there); "srun": one task per node copies it (model_dest is expanded on each node,
     # so it may name the node, e.g. $SLURMD_NODENAME where nodes share a disk).
     model_via: Literal["sbcast", "srun"] = "sbcast"
+    # A persistent cache of compiled kernels (Triton's, vLLM's, and on AMD MIOpen's) on the shared file
+    # system: copied to each node's kernel_cache_dest before the run (TRITON_CACHE_DIR, VLLM_CACHE_ROOT,
+    # MIOPEN_* point there), and what the job compiled anew copied back at its end, best effort. Without
+    # it the caches on node-local storage are empty in every job, and every job compiles again. "" =
+    # none; "auto" = .kernel-cache beside the run directory (the runs directory, which compute nodes
+    # write); else a directory.
+    kernel_cache: str = ""
+    # Node-local storage the kernel cache is copied to (one path, the same on every node).
+    kernel_cache_dest: str = "/tmp/hpcrl-kernels-$USER"
+
+    def validate(self, where: str) -> None:
+        if self.kernel_cache not in ("", "auto"):
+            _check_path(self.kernel_cache, f"{where}.kernel_cache", "a directory on the shared file system")
+        _check_path(self.kernel_cache_dest, f"{where}.kernel_cache_dest", "a node-local directory")
+
+
+@dataclass(frozen=True)
+class Nccl:
+    """NCCL's view of the cluster's fabric, exported as NCCL_SOCKET_IFNAME and NCCL_IB_HCA when set:
+    left to itself NCCL picks the first interface it likes (often the management Ethernet, or a
+    docker bridge) and every InfiniBand HCA, storage ones included. A site's [env] may set the same
+    variables; [env] wins."""
+    # Interfaces for NCCL's bootstrap and socket transport: "ib0", "eth0,eth1", "^docker,lo" (all
+    # but), "=eth0" (exactly). "" = NCCL's own choice.
+    socket_ifname: str = ""
+    # The HCAs (and ports) for NCCL's InfiniBand/RoCE transport: "mlx5_0:1,mlx5_1:1", "^mlx5_4"
+    # (all but), "=mlx5_0" (exactly). "" = every HCA NCCL finds.
+    ib_hca: str = ""
+
+    def validate(self, where: str) -> None:
+        if self.socket_ifname and not NCCL_IFNAME.match(self.socket_ifname):
+            raise UserError(f"{where}.socket_ifname: {self.socket_ifname!r} is not a list of network interfaces "
+                            f"like \"ib0\", \"eth0,eth1\" or \"^docker,lo\" (names, commas, an optional leading ^ or =)")
+        if self.ib_hca and not NCCL_HCA.match(self.ib_hca):
+            raise UserError(f"{where}.ib_hca: {self.ib_hca!r} is not a list of HCAs like \"mlx5_0:1,mlx5_1:1\" or "
+                            f"\"^mlx5_4\" (names with an optional :port, commas, an optional leading ^ or =)")
 
 
 @dataclass(frozen=True)
@@ -137,6 +180,12 @@ class Container:
             if not opt.startswith("-") or re.search(r"\s", opt) or CONTROL_CHARS.search(opt):
                 raise UserError(f"{where}.options[{i}]: {opt!r} is not one option word like \"--cleanenv\" "
                                 f"or \"--env=NAME=value\"")
+
+
+def _check_path(path: str, where: str, what: str) -> None:
+    if not BIND_PATH.match(path):
+        raise UserError(f"{where}: {path!r} is not {what}: an absolute path (plain $VARIABLES allowed), "
+                        f"without : , quotes, backslashes or spaces")
 
 
 def _check_bind(path: str, where: str) -> None:
@@ -189,6 +238,14 @@ class Site:
     stage: Stage = field(default_factory=Stage)
     # The image the tasks' Python runs in (container.image "" = none).
     container: Container = field(default_factory=Container)
+    # NCCL_SOCKET_IFNAME and NCCL_IB_HCA (nccl.* "" = NCCL's own choice).
+    nccl: Nccl = field(default_factory=Nccl)
+    # The tasks' HF_HOME (the Hugging Face caches: datasets' prepared data, the hub's files), never
+    # under $HOME, which is small, slow or read-only on many clusters' compute nodes. "" = hpcrl sets
+    # none (the job keeps the submitting shell's, or [env]'s); "auto" = the submitting shell's $HF_HOME
+    # where that is outside $HOME, else .hf-home beside the run directory (the runs directory, on the
+    # file system compute nodes write); else a directory.
+    hf_home: str = ""
     runs_dir: str = "runs"
     # Directories compute nodes cannot write (Frontier mounts /ccs/home and /ccs/proj read-only
     # there): a run or checkpoint directory under one is refused at render, before the queue.
@@ -217,6 +274,12 @@ class Site:
             raise UserError(f"{where}.startup_s: must be >= 0, got {self.startup_s}")
         if self.container.image:
             self._check_container(where)
+        if self.hf_home not in ("", "auto"):
+            if HOME_WORDS.match(self.hf_home):
+                raise UserError(f"{where}.hf_home: {self.hf_home!r} is under $HOME, which compute nodes of many "
+                                f"clusters cannot write (or not much): name a directory on the shared or scratch "
+                                f"file system, or \"auto\"")
+            _check_path(self.hf_home, f"{where}.hf_home", "a directory for HF_HOME")
 
     def _check_container(self, where: str) -> None:
         if self.scheduler == "none":

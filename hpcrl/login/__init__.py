@@ -17,6 +17,7 @@ profiles.py    finding site profiles: shipped, $HPCRL_SITES_PATH, ~/.config/hpcr
 commands/      one module per subcommand (run, render, submit, plan, sites, status, logs, cancel,
                plot), each a main(args); cli.py imports only the one given
 render.py      JobSpec -> the standalone sbatch script (templates/sbatch.sh.j2)
+job_env.py     the job's environment from the site's fields (NCCL's fabric, GPU order, HF_HOME, kernel cache)
 launch_prefix.py  site.container as the script runs it: apptainer's command or pyxis's srun options, the binds
 module_imports.py the recipe's own modules its named ones import (ast), copied with them
 shell_words.py the script's quoting: literal words, and words whose plain $VARIABLES expand

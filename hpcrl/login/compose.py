@@ -27,7 +27,7 @@ from hpcrl.job.recipe import TRL_REWARDS_MATH_VERIFY, expand_shorthands, reward_
 from hpcrl.job.site import Site
 from hpcrl.job.slurm_time import parse_walltime
 from hpcrl.job.spec import SPEC_VERSION, JobSpec
-from hpcrl.login import agent_inputs, deepspeed_inputs, profiles, trl_config, write_dirs
+from hpcrl.login import agent_inputs, deepspeed_inputs, job_env, profiles, trl_config, write_dirs
 from hpcrl.login.module_imports import with_imported
 from hpcrl.login.trl_config import Translation
 
@@ -309,6 +309,7 @@ def _compose(recipe: Recipe, recipe_path: str | None, site_name: str, run_dir: s
         write_dirs.check_output_dir(site, output_dir, recipe.model.path)
     from hpcrl.login.inputs import model_to_stage
 
+    site = job_env.resolve(site, run_path)       # "auto" paths beside the run directory
     model_source = model_to_stage(recipe, site) if recipe.mode == "train" else ""
     if model_source:
         _check_text(model_source, "model.path")

@@ -33,7 +33,7 @@ from hpcrl.job.lora import ALL_LINEAR, DECODER_LINEARS, decoder_linear_path, lor
 from hpcrl.job.model_shape import read_safetensors_header
 from hpcrl.job.recipe import DATASET_BUILDERS, DataSource, ModelConfig, Recipe
 from hpcrl.job.site import Site
-from hpcrl.login import agent_inputs, data_rows
+from hpcrl.login import agent_inputs, data_rows, job_env
 
 DEMO_DATA = "demo"
 # Split names datasets infers from file names, beyond the split's own name.
@@ -75,8 +75,8 @@ def model_to_stage(recipe: Recipe, site: Site) -> str:
 def _job_env(site: Site) -> dict[str, str | None]:
     """This environment with the site's variables on top, as the job gets it; a site's cache
     variable pointing where this machine cannot look becomes None (not checked)."""
-    env: dict[str, str | None] = dict(os.environ)
-    for key, value in site.env.items():
+    env: dict[str, str | None] = {**os.environ, **job_env.kept_hub_cache(site)}
+    for key, value in {**job_env.hf_variables(site), **site.env}.items():
         expanded = os.path.expandvars(str(value))
         env[key] = expanded
         if key.startswith("HF_") and ("$" in expanded or not Path(expanded).expanduser().exists()):

@@ -9,7 +9,8 @@ srun reads its own options up to the program, so one place on the line serves bo
 
 Bound besides container.binds: the run directory; the parent of each node-local staging directory
 the job uses (stage.dest's with stage.python_env: the tarball lands beside it; stage.model_dest's
-when the model is staged: the copy is made beside it, then renamed); container.net_plugin_dir. A
+when the model is staged: the copy is made beside it, then renamed); stage.kernel_cache_dest with
+stage.kernel_cache (the tasks' kernel caches); container.net_plugin_dir. A
 directory under another bind is not bound again. Every value is quoted: plain $VARIABLES expand in
 the job's shell, nothing else does.
 """
@@ -72,6 +73,8 @@ def container_binds(spec: JobSpec) -> list[str]:
         staged.append(("stage.dest", _parent(site.stage.dest)))
     if _model_parent(spec):
         staged.append(("stage.model_dest", _model_parent(spec)))
+    if spec.site.stage.kernel_cache:
+        staged.append(("stage.kernel_cache_dest", site.stage.kernel_cache_dest.rstrip("/")))
     for where, path in staged:
         if not BIND_PATH.match(path):
             raise UserError(f"site.{where}: its directory {path!r} cannot be bound into site.container: an absolute "

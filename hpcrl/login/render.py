@@ -12,7 +12,7 @@ from hpcrl import __version__
 from hpcrl.job import rundir
 from hpcrl.job.slurm_time import format_walltime
 from hpcrl.job.spec import JobSpec
-from hpcrl.login import launch_prefix
+from hpcrl.login import job_env, launch_prefix
 from hpcrl.login.shell_words import env_quote, quote
 
 
@@ -41,9 +41,10 @@ def render_sbatch(spec: JobSpec) -> str:
     site, plan = spec.site, spec.plan()
     cpus = site.node.cpus_per_task or (site.node.cores // plan.tasks_per_node if site.node.cores else 1)
     return _environment().get_template("sbatch.sh.j2").render(
-        spec=spec, site=site, plan=plan, res=spec.recipe.resources, env=spec.environment(),
+        spec=spec, site=site, plan=plan, res=spec.recipe.resources, env=job_env.environment(spec),
         walltime=format_walltime(spec.time_s), cpus_per_task=max(1, cpus),
         gpu_request=site.gpu_request.format(gpus=site.node.gpus) if site.gpu_request else "",
         signal_name=site.signal_name, signal_lead=spec.signal_lead_s, hpcrl_version=__version__,
         rundir=rundir, max_restarts=spec.recipe.launch.max_restarts, container=launch_prefix.container_launch(spec),
+        kernel_cache=job_env.staged_kernel_cache(spec),
     )

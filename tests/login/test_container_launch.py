@@ -63,7 +63,8 @@ def test_pyxis_is_srun_options_before_the_program(hpcrl):
                         "site.container.options=[--no-container-mount-home]")
     assert _container_words(script) == [
         "--container-image=nvcr.io#nvidia/pytorch:25.01-py3",
-        "--container-mounts=$HPCRL_RUN_DIR:$HPCRL_RUN_DIR,/scratch:/scratch",      # /scratch/models is inside
+        # /scratch/models is inside /scratch; the kernel cache's node-local copy (site.stage.kernel_cache) is bound
+        "--container-mounts=$HPCRL_RUN_DIR:$HPCRL_RUN_DIR,/scratch:/scratch,/tmp/hpcrl-kernels-$USER:/tmp/hpcrl-kernels-$USER",
         "--container-workdir=$HPCRL_RUN_DIR", "--no-container-mount-home"]
     assert 'hpcrl_each_node "${HPCRL_CONTAINER[@]}" "$HPCRL_PYTHON" -m hpcrl.compute.launch.shm_sweep' in script
     assert '  "${HPCRL_CONTAINER[@]}" "$HPCRL_PYTHON" -u -m hpcrl.compute.launch' in script

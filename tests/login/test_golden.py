@@ -4,6 +4,7 @@ in review as a diff of the script a user would submit.
 
 What differs between machines and runs is replaced before comparing:
   @RUN_DIR@   the run directory (a pytest temporary directory)
+  @RUNS_DIR@  its parent, where site "auto" paths go (hf_home, stage.kernel_cache)
   @PYTHON@    the interpreter running hpcrl (sys.executable), for sites with python = "auto"
   @VERSION@   the hpcrl version in the "Rendered by hpcrl ..." comment
 
@@ -30,6 +31,7 @@ GOLDEN = TESTS / "golden"
 UPDATE = os.environ.get("HPCRL_UPDATE_GOLDEN") == "1"
 REGENERATE = "HPCRL_UPDATE_GOLDEN=1 .venv/bin/python -m pytest -q tests/login/test_golden.py"
 FIXED_ARGS = ["-N", "2", "-t", "01:00:00"]
+GOLDEN_HUB_CACHE = "/shared/hf/hub"
 ACCOUNT = "abc123"
 # A shipped site with fields a user sets that change the script's shape, each with its own golden file
 # <name>.sbatch: site.container in its two forms (issue #27, item 4), a command before each Python step
@@ -57,7 +59,8 @@ def slurm_sites() -> list[str]:
 
 
 def normalise(script: str, run_dir: Path) -> str:
-    for value, placeholder in ((str(run_dir), "@RUN_DIR@"), (sys.executable, "@PYTHON@")):
+    for value, placeholder in ((str(run_dir), "@RUN_DIR@"), (str(run_dir.parent), "@RUNS_DIR@"),
+                               (sys.executable, "@PYTHON@")):
         script = script.replace(shlex.quote(value), placeholder).replace(value, placeholder)
     return re.sub(r"^(# Rendered by hpcrl )\S+( for site )", r"\g<1>@VERSION@\g<2>", script, flags=re.M)
 
@@ -82,8 +85,9 @@ def _check_golden(hpcrl, tmp_path, name: str, site: str, extra: list[str]) -> No
     args = ["render", "--site", site, *FIXED_ARGS, *extra, "--run-dir", run_dir]
     if _profile(site).get("account_required"):
         args += ["-A", ACCOUNT]
-    # A developer's own site directories must not leak into the shipped profiles.
-    r = hpcrl(*args, env={"HPCRL_SITES_PATH": ""})
+    # A developer's own site directories must not leak into the shipped profiles, nor their Hugging Face
+    # cache into site.hf_home = "auto" (which keeps the submitting shell's hub cache).
+    r = hpcrl(*args, env={"HPCRL_SITES_PATH": "", "HF_HOME": "", "HF_HUB_CACHE": GOLDEN_HUB_CACHE})
     assert r.returncode == 0, f"hpcrl {' '.join(map(str, args))} failed:\n{r.stderr}"
     actual = normalise((run_dir / "job.sbatch").read_text(), run_dir)
     golden = GOLDEN / f"{name}.sbatch"

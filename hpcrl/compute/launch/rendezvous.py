@@ -154,11 +154,23 @@ def discover(environ: Mapping[str, str], mode: str = "auto", tasks_per_fake_node
         return slurm_identity(environ, fake), None, None, f"{why}: roles from SLURM_* variables"
     identity, world, node_comm = mpi_identity(environ, fake)
     slurm_tasks = int(environ.get("SLURM_STEP_NUM_TASKS") or environ.get("SLURM_NTASKS") or 0) if in_slurm else 0
-    if identity.size == 1 and slurm_tasks > 1 and mode == "auto":
-        return slurm_identity(environ, fake), None, None, (
-            f"MPI sees a world of 1 but Slurm started {slurm_tasks} tasks (srun's --mpi plugin does not "
-            f"match this MPI: pmi2 for MPICH, pmix for Open MPI): roles from SLURM_* variables")
+    if identity.size == 1 and slurm_tasks > 1:
+        why = world_of_one(slurm_tasks, environ)
+        if mode == "mpi":
+            raise LaunchError(f"launch.rendezvous=mpi but {why}")
+        return slurm_identity(environ, fake), None, None, f"{why}: roles from SLURM_* variables"
     return identity, world, node_comm, ""
+
+
+def world_of_one(slurm_tasks: int, environ: Mapping[str, str]) -> str:
+    """Why MPI_Init gave a task a world of its own while srun started `slurm_tasks`: srun's PMI is not
+    the one this MPI speaks (Open MPI 5 has no pmi2, and the usual `srun --mpi=pmi2` leaves each task
+    alone; the PyPI mpich wheel does not speak Cray PMI). One line, naming the fix."""
+    plugin = environ.get("SLURM_MPI_TYPE") or ("pmix" if "PMIX_RANK" in environ else "pmi2" if "PMI_FD" in environ else "")
+    used = f"srun --mpi={plugin}" if plugin else "srun's --mpi plugin"
+    return (f"MPI sees a world of 1 but Slurm started {slurm_tasks} tasks ({used} does not match the MPI mpi4py "
+            f"was built with: --mpi=pmix for Open MPI, --mpi=pmi2 for MPICH, --mpi=cray_shasta for Cray MPICH; "
+            f"set it in site.srun_options)")
 
 
 def placement_problem(identity: Identity, plan: Plan) -> str | None:

@@ -24,6 +24,7 @@ from pathlib import Path
 from hpcrl.job import rundir
 from hpcrl.job.errors import UserError
 from hpcrl.job.rundir import LOCAL_LOG_FILE
+from hpcrl.login import job_env
 from hpcrl.login.local.console import ConsoleFilter, print_failure
 from hpcrl.login.local.mpiexec import find_mpiexec, launch_command, mpi_flavor
 from hpcrl.login.local.progress import Progress, print_summary
@@ -47,7 +48,7 @@ def run(args) -> int:
     env = dict(os.environ)
     # The site's variables, as the sbatch script exports them; no shell runs between here and the
     # ranks, so $HOME and the like in them are expanded here.
-    env.update({k: os.path.expandvars(v) for k, v in spec.environment().items()})
+    env.update({k: os.path.expandvars(v) for k, v in job_env.environment(spec).items()})
     env.update(HPCRL_RUN_DIR=spec.run_dir, HPCRL_LAUNCH_ID=f"local-{uuid.uuid4().hex[:12]}", PYTHONUNBUFFERED="1")
     if args.resume:
         run_dir = Path(spec.run_dir)
