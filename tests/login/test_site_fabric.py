@@ -232,6 +232,34 @@ def test_the_kernel_cache_is_copied_in_at_stage_time_and_new_kernels_back_at_the
     assert (cache / "triton" / "abc" / "k.json").read_text() == "old"
 
 
+@pytest.mark.slurm
+def test_the_kernel_cache_goes_through_a_real_job_on_the_testbed(testbed, hpcrl, tmp_path):
+    """The same lines in a real 2-node job: sbcast to every node, the tasks' cache variables pointing
+    into the copy, and a kernel the nodes' copy holds that the cache lacks goes back at the end."""
+    import time
+
+    cache, dest = tmp_path / "shared" / "kernels", tmp_path / "local" / "kernels"
+    (cache / "triton").mkdir(parents=True)
+    (cache / "triton" / "old.json").write_text("old")
+    (dest / "vllm").mkdir(parents=True)                     # what a job compiled: the copy-back finds it
+    (dest / "vllm" / "new.py").write_text("new")
+    r = hpcrl("submit", "--site", "testbed", "-N", "2", "-t", "5", "mode=control",
+              f"site.stage.kernel_cache={cache}", f"site.stage.kernel_cache_dest={dest}")
+    assert r.returncode == 0, r.stderr
+    job_id, run_dir = r.stdout.strip(), Path(r.stderr.rsplit("run directory ", 1)[1].strip())
+    deadline = time.monotonic() + 240
+    while (state := json.loads(hpcrl("status", job_id, "--json").stdout)["state"]) not in (
+            "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+        assert time.monotonic() < deadline, f"job {job_id} still {state} after 240 s"
+        time.sleep(2)
+    log = (run_dir / f"slurm-{job_id}.out").read_text()
+    assert state == "COMPLETED", log[-3000:]
+    assert "kernel cache" not in log, log[-3000:]             # neither copy warned
+    assert (dest / "triton" / "old.json").read_text() == "old"
+    assert (cache / "vllm" / "new.py").read_text() == "new"
+    assert f"export TRITON_CACHE_DIR={dest}/triton" in (run_dir / "job.sbatch").read_text()
+
+
 def test_a_failed_kernel_cache_copy_never_fails_the_job(tmp_path):
     cache, dest = tmp_path / "shared" / "kernels", tmp_path / "local" / "kernels"
     spec = _spec(tmp_path, "cuda", f"site.stage.kernel_cache={cache}", f"site.stage.kernel_cache_dest={dest}")
