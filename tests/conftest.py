@@ -151,7 +151,7 @@ def gpu_device() -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# Parallel runs (pytest-xdist: scripts/test.sh runs `-n 3 --dist loadscope --no-loadscope-reorder`)
+# Parallel runs (pytest-xdist: HPCRL_TEST_WORKERS=N scripts/test.sh runs `-n N --dist loadscope --no-loadscope-reorder`)
 
 # Whole runs first: a test file stays on one worker (loadscope: its module fixtures, a tiny model or a
 # vLLM engine, are built once), so the suite ends no sooner than its longest file started; starting
