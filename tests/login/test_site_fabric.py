@@ -210,12 +210,18 @@ def _run_bash(text: str, env: dict) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=60)
 
 
-def test_the_kernel_cache_is_copied_in_at_stage_time_and_new_kernels_back_at_the_end(tmp_path):
+def _kernel_cache_lines(tmp_path):
+    """(the shared cache, its node-local copy, the script's stage-in lines, its copy-back lines)."""
     cache, dest = tmp_path / "shared" / "kernels", tmp_path / "local" / "kernels"
     spec = _spec(tmp_path, "cuda", f"site.stage.kernel_cache={cache}", f"site.stage.kernel_cache_dest={dest}")
     script = render_sbatch(spec)
     stage_in = _script_part(script, "HPCRL_KERNEL_CACHE=", 'rm -f "$HPCRL_KERNEL_DEST.pack"\n')
     copy_back = _script_part(script, '{ tar -cf - -C "$HPCRL_KERNEL_DEST"', "kernel cache $HPCRL_KERNEL_CACHE\" >&2\n")
+    return cache, dest, stage_in, copy_back
+
+
+def test_the_kernel_cache_is_copied_in_at_stage_time_and_new_kernels_back_at_the_end(tmp_path):
+    cache, dest, stage_in, copy_back = _kernel_cache_lines(tmp_path)
     (cache / "triton" / "abc").mkdir(parents=True)
     (cache / "triton" / "abc" / "k.json").write_text("old")
     r = _run_bash(stage_in + "echo staged", {})
@@ -261,11 +267,7 @@ def test_the_kernel_cache_goes_through_a_real_job_on_the_testbed(testbed, hpcrl,
 
 
 def test_a_failed_kernel_cache_copy_never_fails_the_job(tmp_path):
-    cache, dest = tmp_path / "shared" / "kernels", tmp_path / "local" / "kernels"
-    spec = _spec(tmp_path, "cuda", f"site.stage.kernel_cache={cache}", f"site.stage.kernel_cache_dest={dest}")
-    script = render_sbatch(spec)
-    stage_in = _script_part(script, "HPCRL_KERNEL_CACHE=", 'rm -f "$HPCRL_KERNEL_DEST.pack"\n')
-    copy_back = _script_part(script, '{ tar -cf - -C "$HPCRL_KERNEL_DEST"', "kernel cache $HPCRL_KERNEL_CACHE\" >&2\n")
+    cache, dest, stage_in, copy_back = _kernel_cache_lines(tmp_path)
     r = _run_bash(stage_in + "echo went-on", {"SBCAST_FAILS": "1"})
     assert r.returncode == 0 and r.stdout == "went-on\n", r.stderr
     assert "was not copied to every node; their kernels compile anew" in r.stderr
