@@ -189,9 +189,7 @@ def _check_path(path: str, where: str, what: str) -> None:
 
 
 def _check_bind(path: str, where: str) -> None:
-    if not BIND_PATH.match(path):
-        raise UserError(f"{where}: {path!r} is not a directory to bind: an absolute path (plain $VARIABLES "
-                        f"allowed), without : , quotes, backslashes or spaces")
+    _check_path(path, where, "a directory to bind")
 
 
 @dataclass(frozen=True)
