@@ -20,9 +20,11 @@ __init__.py, so every test file's name must be unique in the tree."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -32,6 +34,17 @@ REPO = TESTS.parent
 TESTBED_CONF = Path(os.environ.get("SLURM_BASE", "/tmp/hpcrl-testbed")) / "etc" / "slurm.conf"
 if "SLURM_CONF" not in os.environ and TESTBED_CONF.is_file():
     os.environ["SLURM_CONF"] = str(TESTBED_CONF)
+
+
+def pytest_configure(config):
+    # One cache of warmed-up demo models for the session's runs and jobs (hpcrl.compute.models.tiny):
+    # the first run with a demo model warms it up, the others copy it. Never the user's ~/.cache.
+    config._hpcrl_model_cache = tempfile.mkdtemp(prefix="hpcrl-model-cache-")
+    os.environ["HPCRL_MODEL_CACHE"] = config._hpcrl_model_cache
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(getattr(config, "_hpcrl_model_cache", ""), ignore_errors=True)
 
 
 def _testbed_up() -> str | None:

@@ -133,6 +133,7 @@ def test_demo_model_paths_are_warm_or_random(tmp_path):
 def test_warm_up_is_deterministic_and_part_of_the_recipe(tmp_path, monkeypatch):
     import threading
 
+    monkeypatch.setenv(tiny.CACHE_ENV, "")       # every build warms up (the cache: the next test)
     quick = dataclasses.replace(tiny.DEMO_WARMUP, target=0.2)
     calls = []
     real = tiny.warm_up
@@ -154,6 +155,39 @@ def test_warm_up_is_deterministic_and_part_of_the_recipe(tmp_path, monkeypatch):
     again = json.loads((out / tiny.MARKER).read_text())["warmup_result"]
     assert (again["steps"], again["p_correct"]) == (first["steps"], first["p_correct"])
     assert 0.2 <= first["p_correct"] < 0.5
+
+
+def test_the_next_run_copies_a_warmed_up_model_from_the_cache(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv(tiny.CACHE_ENV, str(cache))
+    quick = dataclasses.replace(tiny.DEMO_WARMUP, target=0.2)
+    calls = []
+    real = tiny.warm_up
+    monkeypatch.setattr(tiny, "warm_up", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    first = tiny.make_tiny_model(tmp_path / "run-1" / "model-tiny", warmup=quick)
+    second = tiny.make_tiny_model(tmp_path / "run-2" / "model-tiny", warmup=quick)
+    assert len(calls) == 1
+    assert sorted(p.name for p in second.iterdir()) == sorted(p.name for p in first.iterdir())
+    assert all((second / p.name).read_bytes() == p.read_bytes() for p in first.iterdir())
+    # Another seed is another model; a random model is not cached (built in about a second).
+    tiny.make_tiny_model(tmp_path / "run-3" / "model-tiny", seed=1, warmup=quick)
+    tiny.make_tiny_model(tmp_path / "run-3" / "model-tiny-random")
+    assert len(calls) == 2 and len(list(cache.iterdir())) == 2
+    # A damaged entry is built again and replaced, not copied.
+    for e in cache.iterdir():
+        (e / "model.safetensors").unlink()
+    tiny.make_tiny_model(tmp_path / "run-4" / "model-tiny", warmup=quick)
+    assert len(calls) == 3
+    tiny.make_tiny_model(tmp_path / "run-5" / "model-tiny", warmup=quick)
+    assert len(calls) == 3, "the replaced entry was not used"
+    # A cache that cannot be written (here a file where its directory should be) costs a build only.
+    monkeypatch.setenv(tiny.CACHE_ENV, str(tmp_path / "run-1" / "model-tiny" / "config.json"))
+    assert tiny.make_tiny_model(tmp_path / "run-6" / "model-tiny", warmup=quick).is_dir() and len(calls) == 4
+    monkeypatch.setenv(tiny.CACHE_ENV, "")
+    assert tiny.model_cache_dir() is None
+    monkeypatch.delenv(tiny.CACHE_ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert tiny.model_cache_dir() == tmp_path / "xdg" / "hpcrl" / "models"
 
 
 def test_cli_warm_up(tmp_path, capsys):

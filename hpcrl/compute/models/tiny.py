@@ -19,12 +19,20 @@ weights: the cheapest model where any model will do). The warm-up runs on one CP
 ~3 s for tiny, ~15 s for small, ~45 s for medium, minutes for base and large (use ":random" where
 only the size matters, e.g. for benchmarks). The agent demo's model (``demo:<size>:agent``) has a
 tokenizer and a warm-up of its own (hpcrl.compute.models.tiny_agent).
+
+A warmed-up build is kept in a cache shared by runs ($HPCRL_MODEL_CACHE, else
+$XDG_CACHE_HOME/hpcrl/models, i.e. ~/.cache/hpcrl/models; "" turns it off), keyed by the recipe and
+by the source of the code that builds it, so that the next run with the same demo model copies a few
+megabytes instead of warming up again (the agent demo's warm-up is ~45 s). The cache is best effort:
+where it cannot be read or written, the model is built in place as without it.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
+import inspect
 import json
 import os
 import shutil
@@ -48,6 +56,7 @@ __all__ = [
     "model_config",
     "param_count",
     "make_tiny_model",
+    "model_cache_dir",
     "main",
 ]
 
@@ -388,8 +397,74 @@ def make_tiny_model(
     out.parent.mkdir(parents=True, exist_ok=True)
     with _build_lock(out):
         if not _is_built(out, recipe):  # else another caller built it while this one waited
-            _build(out, size, seed, dtype, warmup, recipe)
+            cached = _cache_entry(recipe, warmup)
+            if cached is None or not _copy_from_cache(cached, out, recipe):
+                _build(out, size, seed, dtype, warmup, recipe)
+                if cached is not None:
+                    _copy_to_cache(out, cached, recipe)
     return out
+
+
+CACHE_ENV = "HPCRL_MODEL_CACHE"
+
+
+def model_cache_dir() -> Path | None:
+    """Where warmed-up builds are kept between runs; None where the cache is off (the variable set to "")."""
+    if CACHE_ENV in os.environ:
+        return Path(os.environ[CACHE_ENV]) if os.environ[CACHE_ENV] else None
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base, "hpcrl", "models")
+
+
+def _cache_entry(recipe: dict, warmup: WarmUpSettings | None) -> Path | None:
+    """The cache's directory for this recipe, or None (no warm-up: a random model is built in about a
+    second; or no cache). The key holds the source of this module and of the warm-up's, so that an
+    edited warm-up never hands back a model built by the old one."""
+    root = model_cache_dir()
+    if warmup is None or root is None:
+        return None
+    key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode())
+    for module in {__file__, inspect.getfile(type(warmup))}:
+        try:
+            key.update(Path(module).read_bytes())
+        except OSError:
+            return None
+    return root / f"{recipe['size']}-{type(warmup).__name__.lower()}-{key.hexdigest()[:20]}"
+
+
+def _copy_from_cache(cached: Path, out: Path, recipe: dict) -> bool:
+    """Copy a cached build into place (atomically, as a build); False where there is none to copy."""
+    if not _is_built(cached, recipe):
+        return False
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        shutil.copytree(cached, tmp, dirs_exist_ok=True)
+        if not _is_built(tmp, recipe):        # the entry changed while it was copied
+            return False
+        _put_in_place(tmp, out, recipe)
+        return True
+    except OSError:
+        return False
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _copy_to_cache(out: Path, cached: Path, recipe: dict) -> None:
+    """Best effort: a cache that cannot be written (read-only home on a compute node, a full disk)
+    costs the next run a build, nothing more. A damaged entry is replaced."""
+    tmp = None
+    try:
+        if cached.exists() and not _is_built(cached, recipe):
+            shutil.rmtree(cached)
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{cached.name}.", dir=cached.parent))
+        shutil.copytree(out, tmp, dirs_exist_ok=True)
+        os.rename(tmp, cached)          # fails where another run stored it first: theirs is the same
+    except OSError:
+        pass
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _build(out: Path, size: str, seed: int, dtype: str, warmup: WarmUpSettings | None, recipe: dict) -> None:
@@ -417,17 +492,22 @@ def _build(out: Path, size: str, seed: int, dtype: str, warmup: WarmUpSettings |
             model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / MARKER).write_text(json.dumps(marker, indent=1) + "\n")
-        if out.exists():
-            if _is_built(out, recipe):  # another process finished first
-                return
-            shutil.rmtree(out)  # ours (marker checked above), stale recipe
-        try:
-            os.rename(tmp, out)
-        except OSError:
-            if not _is_built(out, recipe):
-                raise
+        _put_in_place(tmp, out, recipe)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _put_in_place(tmp: Path, out: Path, recipe: dict) -> None:
+    """Rename a whole model directory to `out`, replacing one of ours with another recipe."""
+    if out.exists():
+        if _is_built(out, recipe):  # another process finished first
+            return
+        shutil.rmtree(out)  # ours (marker checked by make_tiny_model), stale recipe
+    try:
+        os.rename(tmp, out)
+    except OSError:
+        if not _is_built(out, recipe):
+            raise
 
 
 @contextlib.contextmanager
