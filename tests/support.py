@@ -8,6 +8,7 @@ directory every such test reads is conftest.py's ``model_dir`` fixture."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import textwrap
 from pathlib import Path
@@ -77,6 +78,25 @@ class InProcessGenerator:
 
 # ----------------------------------------------------------------------------------------------
 # Builders and checks that test files in different folders share
+
+def eager_cpu_llm(**kwargs):
+    """vllm.LLM(**kwargs) as hpcrl's eager engine on CPU starts: torch.compile off in the engine's
+    processes (hpcrl.compute.inference.vllm_engine.EAGER_ENV), which take the variable as they spawn;
+    this process's environment is left as it was."""
+    from vllm import LLM
+
+    from hpcrl.compute.inference.vllm_engine import EAGER_ENV
+
+    saved = os.environ.get(EAGER_ENV)
+    os.environ[EAGER_ENV] = "1"
+    try:
+        return LLM(**kwargs)
+    finally:
+        if saved is None:
+            os.environ.pop(EAGER_ENV, None)
+        else:
+            os.environ[EAGER_ENV] = saved
+
 
 def spy_on_packing(trainer_module) -> list[tuple[list, int, int]]:
     """What the trainer loop packs, from now on in this process: (prompt ids, loss tokens, attended

@@ -272,12 +272,17 @@ def test_hpcrl_cancel_checkpoints_then_cancels_without_a_requeue(testbed, hpcrl,
     # (test_status_when_slurmctld_does_not_answer).
 
 
-def test_a_trl_users_config_on_two_nodes(testbed, hpcrl, cancel_after, tmp_path):
-    """The YAML `hpcrl run` takes in tests/login/test_trl_config.py, submitted as it is to 2 nodes."""
+def test_a_trl_users_config_on_two_nodes_with_its_model_staged_by_sbcast(testbed, hpcrl, cancel_after, tmp_path):
+    """The YAML `hpcrl run` takes in tests/login/test_trl_config.py, submitted as it is to 2 nodes.
+    Its model goes to the nodes as on Frontier (site.stage.model_via sbcast, model_dest): Slurm fans
+    the files out from the batch host to one path on every node (here the same directory, written by
+    both slurmds), and each node's trainer and engine load that copy. (The srun way, one copy a node
+    named by $SLURMD_NODENAME: test_staging_and_every_task_run_once_per_node_inside_the_site_container.)"""
     from support import check_trl_user_run, write_trl_user_files
 
     cfg = write_trl_user_files(tmp_path)
-    r = hpcrl("submit", "--site", "testbed", cfg, "-N", "2", *TWO_TASKS, "-t", "15", cwd=tmp_path)
+    r = hpcrl("submit", "--site", "testbed", cfg, "-N", "2", *TWO_TASKS, "-t", "15", "site.stage.model_via=sbcast",
+              "site.stage.model_dest=$HPCRL_RUN_DIR/node-local/model", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     job_id, run_dir = r.stdout.strip(), Path(r.stderr.rsplit("run directory ", 1)[1].strip())
     cancel_after(job_id)
@@ -285,6 +290,20 @@ def test_a_trl_users_config_on_two_nodes(testbed, hpcrl, cancel_after, tmp_path)
     assert info["state"] == "COMPLETED", info
     # Two trainers: 4 prompts a generation over the 12, so 3 steps.
     check_trl_user_run(run_dir, tmp_path / "out", 3)
+    log = Path(info["log"]).read_text()
+    model, copy = tmp_path / "my-model", run_dir / "node-local" / "model"
+    assert {p.name: p.stat().st_size for p in copy.iterdir() if p.name != ".hpcrl-staged.json"} == \
+        {p.name: p.stat().st_size for p in model.iterdir()}
+    assert f"s from each node's own copy at {copy}\n" in log
+    assert json.loads((run_dir / "job.json").read_text())["model_source"] == str(model)
+    # The run's summary and `hpcrl status JOBID`: each node's wait for generation, and the advice
+    # on the split of its GPUs (1 trainer + 1 engine a node: only one split exists).
+    shown = hpcrl("status", job_id).stdout
+    for text in (log, shown):
+        assert re.search(r"node 0: trainers waited \d+% of each step for generation, the engine idled \d+%", text)
+        assert re.search(r"node 1: trainers waited \d+% of each step", text)
+        assert "no other split of a node's 2 GPUs exists (inference.gpus=1, the rest training)" in text
+    assert "  balance    node 0: trainers waited" in shown
 
 
 # Stands in for `apptainer exec` (site.container): checks what the real one checks (its image and every bind
@@ -375,49 +394,17 @@ def test_staging_and_every_task_run_once_per_node_inside_the_site_container(test
     assert sorted(rank for _, rank in seen["launch"]) == [0, 1, 2, 3], seen["launch"]
     assert {node for node, _ in seen["launch"]} == set(nodes)
     assert [m["step"] for m in _metrics(run_dir)] == [1]
-
-
-@pytest.mark.parametrize("via", ["srun", "sbcast"])
-def test_a_staged_model_is_loaded_by_each_node_from_its_own_copy(testbed, hpcrl, cancel_after, tmp_path, via):
-    """site.stage.model_dest: one copy per node before the launch, which each node's trainers and
-    engine load. "srun": one task per node copies it, and the testbed's nodes, which share a disk,
-    each name their own by $SLURMD_NODENAME; "sbcast" (frontier's): Slurm fans the files out from
-    the batch host to one path on every node (here the same directory, written by both slurmds)."""
-    from hpcrl.compute.models.tiny import make_tiny_model
-
-    model = make_tiny_model(tmp_path / "shared" / "tiny", size="tiny", seed=0)
-    dest = "$HPCRL_RUN_DIR/node-local/$SLURMD_NODENAME/model" if via == "srun" else "$HPCRL_RUN_DIR/node-local/model"
-    job_id, run_dir = _submit(hpcrl, "-N", "2", *TWO_TASKS, "inference.engine=transformers", "grpo.max_steps=2",
-                              "-t", "10", f"model.path={model}", f"site.stage.model_via={via}",
-                              f"site.stage.model_dest={dest}")
-    cancel_after(job_id)
-    info = _wait(hpcrl, job_id, lambda i: i["state"] in FINAL, 600)
-    log = (run_dir / f"slurm-{job_id}.out").read_text()
-    assert info["state"] == "COMPLETED", log[-3000:]
-    if via == "srun":
-        # Whichever 2 of the testbed's nodes the job got, in Slurm's order (node 0 first).
-        nodes = sorted(set(re.findall(r"^hpcrl: (n\d+): model staged at ", log, re.M)), key=lambda n: int(n[1:]))
-        assert len(nodes) == 2, log[-3000:]
-        copies = {n: run_dir / "node-local" / n / "model" for n in nodes}
-        for node, copy in copies.items():
-            assert f"hpcrl: {node}: model staged at {copy} (copied " in log
-            assert (copy / ".hpcrl-staged.json").is_file()
-        first = copies[nodes[0]]
-    else:
-        first = run_dir / "node-local" / "model"
-    assert {p.name: p.stat().st_size for p in first.iterdir() if p.name != ".hpcrl-staged.json"} == \
-        {p.name: p.stat().st_size for p in model.iterdir()}
-    assert f"s from each node's own copy at {first}\n" in log
-    assert [m["step"] for m in _metrics(run_dir)] == [1, 2]
+    # site.stage.model_dest with model_via srun: one task a node copies the model, and the testbed's
+    # nodes, which share a disk, each name their own copy by $SLURMD_NODENAME; each node's trainer and
+    # engine load their node's. (sbcast: test_a_trl_users_config_on_two_nodes_with_its_model_staged_by_sbcast.)
+    copies = {n: run_dir / "node-local" / n / "model" for n in nodes}
+    for node, copy in copies.items():
+        assert f"hpcrl: {node}: model staged at {copy} (copied " in log, log[-3000:]
+        assert (copy / ".hpcrl-staged.json").is_file()
+        assert {p.name: p.stat().st_size for p in copy.iterdir() if p.name != ".hpcrl-staged.json"} == \
+            {p.name: p.stat().st_size for p in model.iterdir()}
+    assert f"s from each node's own copy at {copies[nodes[0]]}\n" in log, log[-3000:]
     assert json.loads((run_dir / "job.json").read_text())["model_source"] == str(model)
-    # The run's summary and `hpcrl status JOBID`: each node's wait for generation, and the advice
-    # on the split of its GPUs (1 trainer + 1 engine a node: only one split exists).
-    shown = hpcrl("status", job_id).stdout
-    for text in (log, shown):
-        assert re.search(r"node 0: trainers waited \d+% of each step for generation, the engine idled \d+%", text)
-        assert re.search(r"node 1: trainers waited \d+% of each step", text)
-        assert "no other split of a node's 2 GPUs exists (inference.gpus=1, the rest training)" in text
-    assert "  balance    node 0: trainers waited" in shown
 
 
 @pytest.mark.timeout(900)

@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         outcome.fatal(f"hpcrl: {who}: {e}; exiting")
         return leave.exit_failed(1)
     code = run_role(ctx)
+    STOP.ignore_late_requests()
     code = teardown(ctx, code)
     if code != 0:
         return leave.exit_failed(code)

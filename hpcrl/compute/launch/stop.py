@@ -23,6 +23,13 @@ class StopFlag:
         for s in signals:
             signal.signal(s, self._set)
 
+    def ignore_late_requests(self) -> None:
+        """The role is over: a stop request from now on is moot. Ignored, not left to the handler:
+        Python puts back the default action of every signal it handles as the interpreter
+        finalizes (a server leaves through MPI_Finalize after that), and Slurm's warning landing
+        there killed a finished task, which failed a job that had done all its steps."""
+        signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+
     def _set(self, signum, _frame=None):
         name = signal.Signals(signum).name
         if not self.raised:

@@ -65,6 +65,42 @@ def test_stop_flag_takes_every_stop_signal_and_names_the_first():
             signal.signal(s, h)
 
 
+# A task past Python's finalization, as a server waiting in MPI_Finalize (mpi4py's exit hook): here
+# a C-level exit hook that waits for a signal, pause(2).
+LATE_EXIT = """
+import ctypes, sys
+from hpcrl.compute.launch.stop import STOP
+STOP.install()
+if sys.argv[1] == "ignore":
+    STOP.ignore_late_requests()
+libc = ctypes.CDLL(None)
+libc.__cxa_atexit(ctypes.cast(libc.pause, ctypes.c_void_p), None, None)   # atexit(pause)
+print("ready", flush=True)
+"""
+
+
+@pytest.mark.parametrize("late", ["ignore", "handler only"])
+def test_the_time_limits_warning_after_the_role_ended_does_not_kill_the_task(late):
+    """A job that had done every step failed: Slurm's USR2 reached a server in MPI_Finalize, after
+    Python had put back the signal's default action (it does so for every signal it handles as the
+    interpreter finalizes), and the task died of it. STOP.ignore_late_requests, once the role is over,
+    leaves the signal ignored through the end of the process."""
+    proc = subprocess.Popen([sys.executable, "-c", LATE_EXIT, late], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(1.0)                  # past finalization: in pause()
+        proc.send_signal(signal.SIGUSR2)
+        time.sleep(0.5)
+        alive = proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait()
+    if late == "ignore":
+        assert alive, f"the task died of the late USR2 (exit {proc.returncode})"
+    else:   # the check can fail: without ignore_late_requests the signal kills the finalized task
+        assert not alive and proc.returncode == -signal.SIGUSR2
+
+
 def test_an_engine_gone_after_a_signal_it_ends_on_is_the_signals_doing():
     """Stop 34's CI: `scontrol requeue` (SIGTERM to every process of the step) ended vLLM's engine
     core, as vLLM does by design, and its server reported an EngineDeadError traceback. The server

