@@ -98,6 +98,19 @@ def eager_cpu_llm(**kwargs):
             os.environ[EAGER_ENV] = saved
 
 
+def run_survivors(run_dir) -> list[str]:
+    """Processes still carrying the run's directory in their environment: ranks, vLLM's engine."""
+    marker = f"HPCRL_RUN_DIR={run_dir}".encode()
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and marker in (proc / "environ").read_bytes().split(b"\0"):
+                found.append(f"{proc.name} {(proc / 'cmdline').read_bytes()[:80]!r}")
+        except OSError:
+            continue
+    return found
+
+
 def spy_on_packing(trainer_module) -> list[tuple[list, int, int]]:
     """What the trainer loop packs, from now on in this process: (prompt ids, loss tokens, attended
     completion tokens) of every generation (trainer_module: hpcrl.compute.train.trainer)."""

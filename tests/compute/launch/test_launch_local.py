@@ -27,6 +27,7 @@ from hpcrl.job.mesh_choice import choose_mesh
 from hpcrl.job.model_shape import count_parameters
 from hpcrl.compute.launch.watchdog import Hub, Peer, Watchdog
 from hpcrl.job.spec import JobSpec
+from support import run_survivors
 from hpcrl.login.compose import compose
 
 PY = sys.executable
@@ -479,56 +480,6 @@ def test_a_job_failing_on_its_data_ends_with_its_one_line(tmp_path):
     assert "Traceback (most recent call last)" in log       # hydra's banner too, when the rank was killed
 
 
-def _survivors(run_dir) -> list[str]:
-    """Processes still carrying the run's directory in their environment: ranks, vLLM's engine."""
-    marker = f"HPCRL_RUN_DIR={run_dir}".encode()
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and marker in (proc / "environ").read_bytes().split(b"\0"):
-                found.append(f"{proc.name} {(proc / 'cmdline').read_bytes()[:80]!r}")
-        except OSError:
-            continue
-    return found
-
-
-@pytest.mark.slow
-def test_ctrl_c_checkpoints_reports_an_interrupt_and_resume_finishes(tmp_path):
-    """Issue #26, item 6: Ctrl-C lost everything (no checkpoint with checkpoint.every=0, reported as
-    "error: ... KeyboardInterrupt", vLLM's engine left running) and a local run could not be resumed.
-    Now the first Ctrl-C checkpoints at the end of the step (the engine, vLLM where it is installed,
-    ignores the stop signal), `hpcrl run --resume` goes on from there, every step once."""
-    import signal as _signal
-
-    run_dir = tmp_path / "run"
-    env = {**os.environ, "HPCRL_FAULT": "slow-steps:0"}
-    cmd = [sys.executable, "-m", "hpcrl", "run", "--run-dir", str(run_dir), "grpo.max_steps=12",
-           "grpo.per_device_train_batch_size=16", "grpo.num_generations=8"]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    metrics = run_dir / rundir.METRICS_FILE
-    deadline = time.monotonic() + 240
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    proc.send_signal(_signal.SIGINT)
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, err[-2000:]
-    assert err.strip().splitlines()[-1] == f"hpcrl: interrupted; the job's whole output is in {run_dir / 'run.log'}"
-    assert "error:" not in err and "KeyboardInterrupt" not in err, err[-2000:]
-    assert "stop requested (SIGUSR2)" in err, err[-2000:]
-    steps = rundir.training_checkpoint_steps(run_dir / rundir.CHECKPOINTS_DIR)
-    assert steps and 2 <= steps[-1] < 12, (steps, err[-2000:])
-    assert "hpcrl: stopped: step" in out and "(interrupted)" in out and f"hpcrl run --resume {run_dir}" in out, out
-    assert _survivors(run_dir) == []
-
-    r = subprocess.run([sys.executable, "-m", "hpcrl", "run", "--resume", str(run_dir)], cwd=tmp_path,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert f"resumed from {run_dir / 'checkpoints'}/step-{steps[-1]} at step {steps[-1]}" in r.stderr
-    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == list(range(1, 13))
-    assert "hpcrl: finished: step 12 of 12" in r.stdout
-    assert _survivors(run_dir) == []
-
-
 def _children(pid: int) -> list[tuple[int, str]]:
     found = []
     for proc in Path("/proc").iterdir():
@@ -582,7 +533,7 @@ def test_a_killed_engine_or_trainer_ends_the_run_in_seconds_with_its_cause_and_n
                 else "rank 0 (node 0, trainer) was killed by SIGKILL")
     assert reason.startswith(f"hpcrl: error: {expected}"), err[-2000:]
     time.sleep(1)
-    assert _survivors(run_dir) == []
+    assert run_survivors(run_dir) == []
     alive = [p for p in engine_tree if Path(f"/proc/{p}").exists()
              and (Path(f"/proc/{p}") / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
     assert alive == [], alive       # the engine's processes (their environment is overwritten by vLLM's titles)

