@@ -5,6 +5,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -188,6 +191,18 @@ def test_the_next_run_copies_a_warmed_up_model_from_the_cache(tmp_path, monkeypa
     monkeypatch.delenv(tiny.CACHE_ENV)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert tiny.model_cache_dir() == tmp_path / "xdg" / "hpcrl" / "models"
+
+
+def test_the_cache_key_is_the_same_in_every_process(tmp_path):
+    """The agent's warm-up lives in a module of its own: the key read both sources in a set's order,
+    which differs between processes (string hashing is seeded per process), so the next run's
+    lookup missed and warmed up again."""
+    code = ("from hpcrl.compute.models import tiny; from hpcrl.compute.models.tiny_agent import AGENT_WARMUP; "
+            "print(tiny._cache_entry(tiny._recipe('tiny', 0, 'float32', AGENT_WARMUP), AGENT_WARMUP))")
+    keys = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**os.environ, tiny.CACHE_ENV: str(tmp_path), "PYTHONHASHSEED": str(seed)}).stdout
+            for seed in range(6)}
+    assert len(keys) == 1, keys
 
 
 def test_cli_warm_up(tmp_path, capsys):

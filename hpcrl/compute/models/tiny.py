@@ -424,7 +424,7 @@ def _cache_entry(recipe: dict, warmup: WarmUpSettings | None) -> Path | None:
     if warmup is None or root is None:
         return None
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode())
-    for module in {__file__, inspect.getfile(type(warmup))}:
+    for module in sorted({__file__, inspect.getfile(type(warmup))}):     # sorted: a set's order is per process
         try:
             key.update(Path(module).read_bytes())
         except OSError:
