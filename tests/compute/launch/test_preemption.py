@@ -1,7 +1,7 @@
 """Issue #26: what a killed, preempted or requeued attempt leaves must not stop the next one, and a
 time limit that leaves no step is refused before the queue. Fast: no job runs here (the testbed's
 requeue and cancel are in tests/e2e/test_e2e_slurm.py, Ctrl-C and resume in
-tests/compute/launch/test_launch_local.py)."""
+tests/compute/train/test_lora.py, whose LoRA demo is interrupted and resumed)."""
 
 from __future__ import annotations
 
