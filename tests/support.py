@@ -83,19 +83,14 @@ def eager_cpu_llm(**kwargs):
     """vllm.LLM(**kwargs) as hpcrl's eager engine on CPU starts: torch.compile off in the engine's
     processes (hpcrl.compute.inference.vllm_engine.EAGER_ENV), which take the variable as they spawn;
     this process's environment is left as it was."""
+    from unittest import mock
+
     from vllm import LLM
 
     from hpcrl.compute.inference.vllm_engine import EAGER_ENV
 
-    saved = os.environ.get(EAGER_ENV)
-    os.environ[EAGER_ENV] = "1"
-    try:
+    with mock.patch.dict(os.environ, {EAGER_ENV: "1"}):
         return LLM(**kwargs)
-    finally:
-        if saved is None:
-            os.environ.pop(EAGER_ENV, None)
-        else:
-            os.environ[EAGER_ENV] = saved
 
 
 def run_survivors(run_dir) -> list[str]:

@@ -24,6 +24,8 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import torch  # noqa: E402
 
+from hpcrl.compute.inference.vllm_engine import EAGER_ENV  # noqa: E402
+
 BUCKET = 64 * 1024  # small: many slots, layers straddle slots, both buffers in use
 ENGINE_KW = dict(dtype="bfloat16", enforce_eager=True, max_model_len=512, seed=0, disable_log_stats=False)
 PROMPTS = [
@@ -65,8 +67,7 @@ def fresh_engine_main(model_dir: str) -> None:
 
 def fresh_engine_outputs(model_dir: Path) -> dict:
     proc = subprocess.run([sys.executable, __file__, "--fresh", str(model_dir)], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
-                                                           "TORCH_COMPILE_DISABLE": "1"})
+                          timeout=300, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", EAGER_ENV: "1"})
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("FRESH_OUTPUTS ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     return json.loads(lines[-1].removeprefix("FRESH_OUTPUTS "))
@@ -589,33 +590,48 @@ def test_nccl_path_counts_its_gather_traffic_like_shm(tmp_path):
     assert got["nccl"]["gathered_bytes_in_node"] / got["wire"] == pytest.approx(1.0, abs=0.01), got
 
 
-def test_ipc_engine_runs_with_insecure_serialization(tmp_path, monkeypatch):
-    """vLLM's msgpack refuses the CUDA IPC rebuild arguments (a type, a torch.dtype) unless
-    VLLM_ALLOW_INSECURE_SERIALIZATION=1 in the engine: VLLMEngine sets it before the engine starts,
-    for ipc only."""
+def _start_fake_engines(monkeypatch, record, starts) -> list:
+    """VLLMEngine started once for each (environment, config, device, backend) of `starts` (a value
+    None: the variable unset) on a stand-in for vllm.LLM; what `record(its keyword arguments)` gave
+    at each start, in this process's environment as the engine's processes would inherit it. The
+    environment VLLMEngine changes is put back after."""
+    from unittest import mock
+
     import vllm
 
-    from hpcrl.compute.inference.vllm_engine import VLLMEngine, weight_transfer_env
-    from hpcrl.job.recipe import InferenceConfig
+    from hpcrl.compute.inference.vllm_engine import VLLMEngine
 
     seen = []
 
     class FakeLLM:
         def __init__(self, **kwargs):
-            seen.append((os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION"), kwargs["weight_transfer_config"]))
+            seen.append(record(kwargs))
 
         def get_tokenizer(self):
             return None
 
     monkeypatch.setattr(vllm, "LLM", FakeLLM)
-    saved = dict(os.environ)
-    try:
-        for backend in ("hpcrl_shm", "nccl", "ipc"):
-            os.environ.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)
-            VLLMEngine(str(tmp_path), InferenceConfig(), device="cpu", backend=backend)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    with mock.patch.dict(os.environ):
+        for env, config, device, backend in starts:
+            for name, value in env.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+            VLLMEngine("unused-model-dir", config, device=device, backend=backend)
+    return seen
+
+
+def test_ipc_engine_runs_with_insecure_serialization(monkeypatch):
+    """vLLM's msgpack refuses the CUDA IPC rebuild arguments (a type, a torch.dtype) unless
+    VLLM_ALLOW_INSECURE_SERIALIZATION=1 in the engine: VLLMEngine sets it before the engine starts,
+    for ipc only."""
+    from hpcrl.compute.inference.vllm_engine import weight_transfer_env
+    from hpcrl.job.recipe import InferenceConfig
+
+    var = "VLLM_ALLOW_INSECURE_SERIALIZATION"
+    seen = _start_fake_engines(monkeypatch, lambda kw: (os.environ.get(var), kw["weight_transfer_config"]),
+                               [({var: None}, InferenceConfig(), "cpu", b) for b in ("hpcrl_shm", "nccl", "ipc")])
     assert seen == [(None, {"backend": "hpcrl_shm"}), (None, {"backend": "nccl"}), ("1", {"backend": "ipc"})]
     assert weight_transfer_env("ipc") == {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
     assert weight_transfer_env("nccl") == {}
@@ -623,37 +639,18 @@ def test_ipc_engine_runs_with_insecure_serialization(tmp_path, monkeypatch):
         weight_transfer_env("ipcc")
 
 
-def test_an_eager_cpu_engine_compiles_nothing(tmp_path, monkeypatch):
+def test_an_eager_cpu_engine_compiles_nothing(monkeypatch):
     """vLLM's sampler torch.compiles two ops (inductor: a C++ build) even with enforce_eager: the first
     generation of every run waited 15 s or more for it on the server's one core. An eager engine on
     CPU starts with torch.compile off (its processes inherit TORCH_COMPILE_DISABLE); not on GPUs, not
     with enforce_eager off, and a user's own value stays."""
-    import vllm
-
-    from hpcrl.compute.inference.vllm_engine import EAGER_ENV, VLLMEngine
     from hpcrl.job.recipe import InferenceConfig
 
-    seen = []
-
-    class FakeLLM:
-        def __init__(self, **kwargs):
-            seen.append((kwargs["enforce_eager"], os.environ.get(EAGER_ENV)))
-
-        def get_tokenizer(self):
-            return None
-
-    monkeypatch.setattr(vllm, "LLM", FakeLLM)
-    saved = dict(os.environ)
-    try:
-        for config, device, mine in ((InferenceConfig(), "cpu", None), (InferenceConfig(enforce_eager=False), "cpu", None),
-                                     (InferenceConfig(), "cuda", None), (InferenceConfig(), "cpu", "0")):
-            os.environ.pop(EAGER_ENV, None)
-            if mine is not None:
-                os.environ[EAGER_ENV] = mine
-            VLLMEngine(str(tmp_path), config, device=device, backend="hpcrl_shm")
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    seen = _start_fake_engines(monkeypatch, lambda kw: (kw["enforce_eager"], os.environ.get(EAGER_ENV)), [
+        ({EAGER_ENV: None}, InferenceConfig(), "cpu", "hpcrl_shm"),
+        ({EAGER_ENV: None}, InferenceConfig(enforce_eager=False), "cpu", "hpcrl_shm"),
+        ({EAGER_ENV: None}, InferenceConfig(), "cuda", "hpcrl_shm"),
+        ({EAGER_ENV: "0"}, InferenceConfig(), "cpu", "hpcrl_shm")])
     assert seen == [(True, "1"), (False, None), (False, None), (True, "0")]
 
 

@@ -414,10 +414,6 @@ def _vllm_fresh(prompts: list[str], *model_dirs: Path) -> list[dict]:
     return [json.loads(line.removeprefix("GREEDY ")) for line in lines]
 
 
-def _vllm_greedy(model_dir: Path, prompts: list[str]) -> list[list[int]]:
-    return _vllm_fresh(prompts, model_dir)[0]["ids"]
-
-
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_fresh_vllm_engine_loads_the_model(finished_run, tmp_path):

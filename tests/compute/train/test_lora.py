@@ -271,14 +271,14 @@ def test_demo_with_lora_interrupted_and_resumed_learns_and_hands_back_an_adapter
     prompts = ["3+4=", "2+5=", "1+1=", "6+2="]
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), str(model)).eval()
     ids = [tokenizer(p).input_ids for p in prompts]
-    with torch.no_grad():
-        want = [peft_model.generate(torch.tensor([i]), max_new_tokens=12, do_sample=False,
-                                    pad_token_id=tokenizer.pad_token_id)[0, len(i):].tolist() for i in ids]
-    merged_model = AutoModelForCausalLM.from_pretrained(model / "merged").eval()
-    with torch.no_grad():
-        got = [merged_model.generate(torch.tensor([i]), max_new_tokens=12, do_sample=False,
-                                     pad_token_id=tokenizer.pad_token_id)[0, len(i):].tolist() for i in ids]
 
+    @torch.no_grad()
+    def greedy_ids(m) -> list[list[int]]:
+        return [m.generate(torch.tensor([i]), max_new_tokens=12, do_sample=False,
+                           pad_token_id=tokenizer.pad_token_id)[0, len(i):].tolist() for i in ids]
+
+    want = greedy_ids(peft_model)
+    got = greedy_ids(AutoModelForCausalLM.from_pretrained(model / "merged").eval())
     assert got == want and all(got), (got, want)
 
     out = tmp_path / "exported"
