@@ -255,7 +255,10 @@ def _lora_syncs(model_dir: str, world: int, notify, cfg: dict, barrier) -> dict:
 # ---------------------------------------------------------------- one size: the server side
 
 def run_one(size: str, args) -> dict:
+    from hpcrl.compute.inference.vllm_engine import MULTIPROCESSING_ENV
+
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault(MULTIPROCESSING_ENV, "0")     # the engine in this process, as hpcrl's server runs it on CPU
     import multiprocessing as mp
 
     from hpcrl.compute.models.tiny import make_tiny_model

@@ -107,10 +107,12 @@ def hpcrl(hpcrl_home, tmp_path):
     return _run
 
 
-def run_to_the_end(cmd: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+def run_to_the_end(cmd: list[str], cwd: Path, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
     """Like subprocess.run, but a run past its time gets Ctrl-C, so that `hpcrl run` stops its own
-    ranks (they live in a session of their own, which killing `hpcrl` alone would leave running)."""
-    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ranks (they live in a session of their own, which killing `hpcrl` alone would leave running).
+    ``env``: variables added to this process's environment."""
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=None if env is None else {**os.environ, **env})
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -71,10 +71,12 @@ class InferenceEngine(ABC):
     # Whether one call takes a Sampling per prompt, each prompt's draws decided by its own seed
     # whatever else is in the batch: then the server merges its trainers' requests into one call.
     per_prompt_sampling: ClassVar[bool] = False
-    # Whether it runs in processes of its own, which can die apart from the server's (process_ids, death).
-    own_processes: ClassVar[bool] = False
+    # Whether it runs in processes of its own, which can die apart from the server's (process_ids,
+    # death). The class says how it usually runs; an engine may say otherwise once it has started
+    # (vLLM on CPU runs in the server's process).
+    own_processes: bool = False
     # The stop signals its own processes end on by design: an engine gone after one is the signal's doing.
-    ends_on: ClassVar[frozenset[str]] = frozenset()
+    ends_on: frozenset[str] = frozenset()
 
     version: int = 0
 

