@@ -134,6 +134,15 @@ def _w_run(rank, world, model_dir, run_dir, metrics_path, every, mu, staleness, 
     assert outcome == "finished" and trainer.step == N_STEPS, (outcome, trainer.step)
 
 
+def _w_whole_then_killed(rank, world, model_dir, runs, whole, first, mu, staleness, lora, engine_name):
+    """The uninterrupted run, then in the same processes the run killed after step K: a process
+    start fewer per case (CI time, issue #29). Every object of the second is made anew and its seeds
+    are set again, so it must repeat the first's steps 1..K exactly: state one run left in the
+    process that changed the next would fail here."""
+    _w_run(rank, world, model_dir, runs["whole"], whole, 0, mu, staleness, None, 100, lora, engine_name)
+    _w_run(rank, world, model_dir, runs["killed"], first, K, mu, staleness, K, 100, lora, engine_name)
+
+
 def _read(path: Path) -> dict[int, dict]:
     steps = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return {m["step"]: m for m in steps}
@@ -162,10 +171,8 @@ def test_killed_and_resumed_run_repeats_the_uninterrupted_one(tmp_path, model_di
         d.mkdir()
     whole, first, second = tmp_path / "whole.jsonl", tmp_path / "first.jsonl", tmp_path / "second.jsonl"
 
-    spawn(_w_run, tmp_path / "a", model_dir, str(runs["whole"]), str(whole), 0, mu, staleness, None, 100, lora,
-          engine, timeout=300)
-    spawn(_w_run, tmp_path / "b", model_dir, str(runs["killed"]), str(first), K, mu, staleness, K, 100, lora,
-          engine, timeout=300, expect={0: -signal.SIGKILL, 1: -signal.SIGKILL})
+    spawn(_w_whole_then_killed, tmp_path / "a", model_dir, {k: str(v) for k, v in runs.items()}, str(whole),
+          str(first), mu, staleness, lora, engine, timeout=450, expect={0: -signal.SIGKILL, 1: -signal.SIGKILL})
     ckpt_dir = runs["killed"] / "ckpt"
     assert (ckpt_dir / "latest").read_text().strip() == f"step-{K}"
     assert (ckpt_dir / f"step-{K}" / "deepspeed").is_dir() == (engine == "deepspeed")
