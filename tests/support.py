@@ -79,6 +79,15 @@ class InProcessGenerator:
 # ----------------------------------------------------------------------------------------------
 # Builders and checks that test files in different folders share
 
+def fresh_cpu_engine_env() -> dict[str, str]:
+    """The environment of a process of its own that starts a fresh vLLM engine on CPU as hpcrl's
+    server does (hpcrl.compute.inference.vllm_engine): a 1 GiB KV cache, torch.compile off, vLLM
+    inside that process."""
+    from hpcrl.compute.inference.vllm_engine import EAGER_ENV, MULTIPROCESSING_ENV
+
+    return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", EAGER_ENV: "1", MULTIPROCESSING_ENV: "0"}
+
+
 def eager_cpu_llm(**kwargs):
     """vllm.LLM(**kwargs) as hpcrl's eager engine on CPU starts: torch.compile off in the engine's
     processes (hpcrl.compute.inference.vllm_engine.EAGER_ENV), which take the variable as they spawn;

