@@ -50,7 +50,8 @@ class AgentConfig:
     environment_factory: Union[str, dict[str, str]] = ""
     # TRL's rollout_func: "" (none), or the import path of a function (prompts, trainer) -> dict that makes
     # the rollouts itself, generating through the trainer it is given (hpcrl.compute.agents.rollout_func).
-    # Not with tools or environment_factory. A module beside the recipe is copied as reward modules are.
+    # Beside tools or environment_factory it makes the first turns, which the tool loop takes on (TRL's
+    # rule). A module beside the recipe is copied as reward modules are.
     rollout_func: str = ""
     # Each tool call's bound, in seconds (a tool that hangs must not hang the step).
     tool_timeout_s: float = 60.0
@@ -88,11 +89,6 @@ class AgentConfig:
             _check_path(factory, f"{where}.environment_factory", "a class or factory")
         if self.rollout_func:
             _check_path(self.rollout_func, f"{where}.rollout_func", "a function")
-            if self.enabled:
-                # TRL 1.16 runs its tool loop over the completions a rollout function returns.
-                raise UserError(f"{where}.rollout_func: not with {where}.tools or {where}.environment_factory yet "
-                                f"(TRL runs its tool loop on the rollout function's completions; hpcrl runs one or "
-                                f"the other): keep one of them")
         if not self.tool_timeout_s > 0:
             raise UserError(f"{where}.tool_timeout_s: must be > 0, got {self.tool_timeout_s}")
         if self.tool_workers < 1:

@@ -290,9 +290,9 @@ CASES = [
      "agent.rollout_func: my_rollouts.waits: it is async (TRL does not await it)"),
     ("rollout-func-class", ROLLOUT, ["agent.rollout_func=my_rollouts.Rollouts"],
      "agent.rollout_func: my_rollouts.Rollouts: it is a class, not a function"),
-    ("rollout-func-with-tools", ROLLOUT, ["agent.tools=[my_tools.calculator]"],
-     "agent.rollout_func: not with agent.tools or agent.environment_factory yet (TRL runs its tool loop on the "
-     "rollout function's completions; hpcrl runs one or the other): keep one of them"),
+    # Beside a rollout function the tools are checked as they are alone.
+    ("rollout-func-with-an-unhinted-tool", ROLLOUT, ["agent.tools=[my_tools.unhinted]"],
+     "agent.tools[0]: my_tools.unhinted: argument 'expression' has no type hint"),
     ("rollout-func-no-rewards", ROLLOUT.replace("rewards: [my_tools.calculator]\n", ""), [],
      "rewards: at least one reward function is required"),
     ("trl-rollout-func", "model_name_or_path: {project}/model\ndataset_name: {project}/tasks.jsonl\n"
@@ -363,6 +363,16 @@ def test_a_rollout_function_renders_with_its_module_copied(hpcrl, project):
     spec = json.loads((run_dir / rundir.SPEC_FILE).read_text())
     assert spec["recipe"]["agent"]["rollout_func"] == "my_rollouts.run"
     assert spec["reward_modules"] == [str(project / "my_tools.py"), str(project / "my_rollouts.py")]
+    assert (run_dir / rundir.REWARDS_DIR / "my_rollouts.py").read_text() == MY_ROLLOUTS
+
+
+def test_a_rollout_function_beside_tools_and_an_environment_renders(hpcrl, project, tmp_path):
+    """TRL runs its tool loop over a rollout function's completions; so does hpcrl (the pair's
+    rollouts: tests/compute/agents/test_tool_loop_matches_trl.py)."""
+    run_dir = _render(hpcrl, f"--run-dir={tmp_path / 'pair'}", _recipe(project, GOOD),
+                      "agent.rollout_func=my_rollouts.run")
+    agent = json.loads((run_dir / rundir.SPEC_FILE).read_text())["recipe"]["agent"]
+    assert (agent["rollout_func"], agent["environment_factory"]) == ("my_rollouts.run", "my_env.Wordle")
     assert (run_dir / rundir.REWARDS_DIR / "my_rollouts.py").read_text() == MY_ROLLOUTS
 
 

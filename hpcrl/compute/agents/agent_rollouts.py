@@ -10,16 +10,22 @@ when its turn is done, and its next turn joins the engine's batch when they are.
 with ``per_sample=False``, the rounds are lockstep, as TRL's (hpcrl.compute.agents.rollout). An
 environment's get_reward() is read when its rollout is done, and the session is closed then: what
 is scored and checkpointed is plain data.
+
+With a rollout function beside the tools (agent.rollout_func, TRL's rollout_func= with tools=), the
+function makes each rollout's first turn from the prompts as the environments left them, and the
+tool loop takes its rows on from there: its prompt ids are the rows', its extra fields reach the
+reward functions, and its env_mask is kept as the first turn's mask (TRL would train on those tokens).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 from dataclasses import dataclass, replace
 from typing import Any
 
 from hpcrl.compute.agents.conversation import ToolChat
-from hpcrl.compute.agents.per_sample import Start, run_per_sample
+from hpcrl.compute.agents.per_sample import Start, first_turn, run_per_sample
 from hpcrl.compute.agents.rollout import Rollout, round_seed, tool_call_loop
 from hpcrl.compute.inference.types import Completion, Generator, Sampling
 from hpcrl.compute.train.data import PromptBatch, is_conversational
@@ -65,10 +71,11 @@ class AgentRollouts:
     ``context_len``: the engines' context (prompt + completion), past which a tool result is rolled
     back; ``by_column``: the rows choose their environment by their ``environment`` column;
     ``per_sample``: each rollout moves on by itself where the generator takes streams (else, and
-    when False, lockstep rounds: the bench's baseline)."""
+    when False, lockstep rounds: the bench's baseline); ``first_turns``: a
+    hpcrl.compute.agents.rollout_func.RolloutFunction that makes the first turns (else the engines)."""
 
     def __init__(self, generator: Generator, pool, chat: ToolChat, grpo, context_len: int, by_column: bool = False,
-                 per_sample: bool = True):
+                 per_sample: bool = True, first_turns=None):
         self.generator, self.pool, self.chat, self.grpo = generator, pool, chat, grpo
         self.context_len = context_len
         self.by_column = by_column
@@ -76,6 +83,7 @@ class AgentRollouts:
         self.max_iterations = grpo.max_tool_calling_iterations
         if self.max_iterations is None:
             self.max_iterations = 2**62         # TRL's: no bound
+        self.first_turns = first_turns
         self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hpcrl-rollouts")
 
     def submit(self, batch: PromptBatch, sampling: Sampling) -> tuple[PromptBatch, "AgentGeneration"]:
@@ -91,21 +99,44 @@ class AgentRollouts:
         sessions = [f.result() for f in opening]
         prompts = [with_observation(p, s.observation) for p, s in zip(rows.prompts, sessions)]
         tools = [self.pool.schemas(e) for e in environments]
+        if self.first_turns is not None:
+            from hpcrl.compute.agents.rollout_func import RolloutFunctionGeneration
+
+            # The rows' prompt ids and texts are the function's, known once it has run.
+            rows = PromptBatch(prompts, list(rows.texts), [[] for _ in prompts], rows.columns, rows.indices)
+            future = self.executor.submit(self._after_function, prompts, tools, sessions, environments, sampling,
+                                          len(batch))
+            return rows, RolloutFunctionGeneration(future, rows, self.chat.tokenizer)
         ids = [self.chat.prompt_ids(p, t) for p, t in zip(prompts, tools)]
         rows = PromptBatch(prompts, [self.chat.render(p, t) for p, t in zip(prompts, tools)], ids, rows.columns,
                            rows.indices)
+        starts = [Start(p, t, s) for p, t, s in zip(ids, tools, sessions)]
         if self.per_sample:
-            future = self.executor.submit(self._per_sample, [Start(p, t, s) for p, t, s in zip(ids, tools, sessions)],
-                                          environments, sampling)
-            return rows, AgentGeneration(future)
+            return rows, AgentGeneration(self.executor.submit(self._per_sample, starts, environments, sampling))
         # One request of n per prompt where the rollouts of a prompt start alike (the engines sample a
         # group at once); a request per rollout where an environment made them differ.
         n = sampling.n
         alike = all(ids[i] == ids[i - i % n] for i in range(len(ids)))
         first = (self.generator.submit(ids[::n], sampling) if alike
                  else self.generator.submit(ids, replace(sampling, n=1)))
-        future = self.executor.submit(self._finish, first, ids, tools, sessions, environments, sampling)
+        future = self.executor.submit(self._finish, first, starts, environments, sampling)
         return rows, AgentGeneration(future)
+
+    def _after_function(self, prompts: list, tools: list[list[dict]], sessions: list, environments: list,
+                        sampling: Sampling, groups: int):
+        """The first turns from the rollout function, then the tool loop from them (in the executor's
+        thread); the rollouts' completions with the function's RolledOut (its prompt ids and fields)."""
+        try:
+            rolled = self.first_turns.roll_out(copy.deepcopy(prompts), sampling, groups)
+        except BaseException:
+            for s in sessions:
+                self.pool.close_session(s)
+            raise
+        starts = [Start(p, t, s, first=c) for p, t, s, c in zip(rolled.prompt_ids, tools, sessions, rolled.completions)]
+        if self.per_sample:
+            return self._per_sample(starts, environments, sampling), rolled
+        # The continuations' seeds follow the function's requests' (round_seed), none reused.
+        return self._finish(None, starts, environments, sampling, self.first_turns.engines.requests), rolled
 
     def _reset_kwargs(self, rows: PromptBatch, i: int) -> dict:
         # TRL's: reset(**row); in the mapping form without the column that chose the environment.
@@ -127,26 +158,27 @@ class AgentRollouts:
             for s in starts:
                 self.pool.close_session(s.session)
 
-    def _finish(self, first, ids: list[list[int]], tools: list[list[dict]], sessions: list, environments: list,
-                sampling: Sampling) -> list[Completion]:
-        """The rollouts taken to their end (in the executor's thread), as completions."""
+    def _finish(self, first, starts: list[Start], environments: list, sampling: Sampling,
+                requests_before: int = 0) -> list[Completion]:
+        """The rollouts taken to their end in lockstep rounds (in the executor's thread), as completions;
+        ``first``: the engines' pending first turns, None where ``starts`` carry theirs; the rounds'
+        seeds come after ``requests_before`` requests of the same generation."""
         try:
-            turn = sorted(first.result(), key=lambda c: c.prompt_index)   # stable: a prompt's n keep their order
-            rollouts = [Rollout(prompt_ids=p, tools=t, session=s, completion_ids=list(c.token_ids),
-                                logprobs=list(c.logprobs), messages=[self.chat.parse(c.token_ids, p, t)],
-                                truncated=c.truncated)
-                        for p, t, s, c in zip(ids, tools, sessions, turn)]
+            turn = ([s.first for s in starts] if first is None
+                    else sorted(first.result(), key=lambda c: c.prompt_index))   # stable: a prompt's n keep their order
+            rollouts = [first_turn(s, c, self.chat) for s, c in zip(starts, turn)]
 
             def generate(prompt_ids: list[list[int]], round_: int):
-                out = self.generator.submit(prompt_ids, replace(sampling, n=1, seed=round_seed(sampling.seed, round_))).result()
+                seed = round_seed(sampling.seed, requests_before + round_)
+                out = self.generator.submit(prompt_ids, replace(sampling, n=1, seed=seed)).result()
                 return sorted(out, key=lambda c: c.prompt_index)
 
             tool_call_loop(rollouts, self.chat, self.pool, generate, max_iterations=self.max_iterations,
                            max_completion_length=self.grpo.max_completion_length, context_len=self.context_len)
             return self._completions(rollouts, turn, environments)
         finally:
-            for s in sessions:
-                self.pool.close_session(s)
+            for s in starts:
+                self.pool.close_session(s.session)
 
     def _completions(self, rollouts: list[Rollout], first: list[Completion], environments: list) -> list[Completion]:
         # get_reward() of every rollout at once, now that each is done (TRL reads it when scoring).
@@ -177,6 +209,8 @@ class AgentRollouts:
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
+        if self.first_turns is not None:
+            self.first_turns.close()
         self.pool.close()
 
 

@@ -24,7 +24,7 @@ from hpcrl.compute.agents.rollout import (Rollout, continuation, extend, submit_
                                           tools_bound_s)
 from hpcrl.compute.inference.types import Completion, Sampling, Stream
 
-__all__ = ["Start", "run_per_sample"]
+__all__ = ["Start", "first_turn", "run_per_sample"]
 
 # How often the loop looks at the engines while tools run (a tool's end does not wake the wait on
 # the engines' channels): small against a tool call or an engine step.
@@ -33,11 +33,12 @@ POLL_S = 0.005
 
 @dataclass(frozen=True)
 class Start:
-    """A rollout before its first turn: its prompt's ids, the tool schemas it was rendered with, its session."""
+    """A rollout before its first turn: its prompt's ids, the tool schemas it was rendered with, its
+    session; ``first``: its first turn where it was made before the loop (a rollout function's)."""
     prompt_ids: list[int]
     tools: list[dict]
     session: Any
-
+    first: Completion | None = None
 
 
 def run_per_sample(starts: Sequence[Start], chat: ToolChat, pool, stream: Stream, sampling: Sampling, *,
@@ -58,9 +59,7 @@ def run_per_sample(starts: Sequence[Start], chat: ToolChat, pool, stream: Stream
     def generated(i: int, c: Completion) -> None:
         if rollouts[i] is None:
             s = starts[i]
-            r = rollouts[i] = Rollout(prompt_ids=s.prompt_ids, tools=s.tools, session=s.session,
-                                      completion_ids=list(c.token_ids), logprobs=list(c.logprobs),
-                                      messages=[chat.parse(c.token_ids, s.prompt_ids, s.tools)], truncated=c.truncated)
+            r = rollouts[i] = first_turn(s, c, chat)
             first[i] = c
             calls = bool(r.tool_calls)
         else:
@@ -82,7 +81,10 @@ def run_per_sample(starts: Sequence[Start], chat: ToolChat, pool, stream: Stream
             ask(i, pct, r.turns)
 
     for i, s in enumerate(starts):
-        ask(i, s.prompt_ids, 0)
+        if s.first is None:
+            ask(i, s.prompt_ids, 0)
+        else:
+            generated(i, s.first)
     while stream.outstanding or tools:
         if stream.outstanding:
             # Wait on the engines alone when no tool runs; else look at them between the tools' ends.
@@ -96,6 +98,14 @@ def run_per_sample(starts: Sequence[Start], chat: ToolChat, pool, stream: Stream
             tools_finished(i, future.result())
         _check_tool_deadlines(tools, rollouts)
     return list(zip(rollouts, first))
+
+
+def first_turn(s: Start, c: Completion, chat: ToolChat) -> Rollout:
+    """The rollout of ``s`` after its first turn ``c``; a mask ``c`` carries (a rollout function's
+    env_mask) is kept, so the environment's tokens in it take no loss."""
+    return Rollout(prompt_ids=s.prompt_ids, tools=s.tools, session=s.session, completion_ids=list(c.token_ids),
+                   logprobs=list(c.logprobs), messages=[chat.parse(c.token_ids, s.prompt_ids, s.tools)],
+                   truncated=c.truncated, tool_mask=list(c.tool_mask or ()))
 
 
 def _wait_for_tools(tools: dict[int, tuple[Any, float]], tools_done: queue.SimpleQueue) -> None:

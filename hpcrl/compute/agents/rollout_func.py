@@ -12,7 +12,8 @@ anything else is every row's (TRL's rule; a key the reward functions already get
 rows' prompt ids are the ones trained on; the reward functions get the dataset's prompts, as in TRL.
 
 The function runs in a thread of its own, so that with inference.overlap_generation it overlaps
-training as the engines' generation does. Completions carry the weight version of the engines that
+training as the engines' generation does. Beside agent.tools or agent.environment_factory, its rows are
+the rollouts' first turns, which the tool loop then takes on (hpcrl.compute.agents.agent_rollouts). Completions carry the weight version of the engines that
 generated through ``trainer`` during the call; a call that generated nothing there is refused, since
 hpcrl's engines are the only ones that hold the policy's weights.
 """
@@ -34,7 +35,7 @@ from hpcrl.compute.launch.reason import Explained
 from hpcrl.compute.train.data import PromptBatch
 from hpcrl.compute.train.rewards import import_callable
 
-__all__ = ["RolloutFunction", "RolloutFunctionError", "RolloutFunctionGeneration", "load_rollout_func"]
+__all__ = ["RolledOut", "RolloutFunction", "RolloutFunctionError", "RolloutFunctionGeneration", "load_rollout_func"]
 
 FIELD = "agent.rollout_func"
 REQUIRED = ("prompt_ids", "completion_ids", "logprobs")
@@ -72,14 +73,17 @@ class RolledOut:
 
 class RolloutFunction:
     """The rollouts of ``func`` (imported from ``path``), generating through ``generator`` (the node's
-    engines); ``grpo``: the recipe's grpo section, which ``trainer`` shows the function."""
+    engines); ``grpo``: the recipe's grpo section, which ``trainer`` shows the function. Beside tools:
+    ``tools``, their schemas, and ``chat_template``, the template they are rendered with (None: the
+    tokenizer's), as ``trainer.tools`` and ``trainer.chat_template``."""
 
-    def __init__(self, func: Callable, path: str, generator: Generator, tokenizer, grpo):
+    def __init__(self, func: Callable, path: str, generator: Generator, tokenizer, grpo,
+                 tools: list[dict] | None = None, chat_template: str | None = None):
         self.func, self.where = func, f"{FIELD} ({path})"
         self.tokenizer = tokenizer
         self.engines = EngineCalls(generator)
         # One object for every call, as TRL passes its trainer: what a function keeps on it stays.
-        self.trainer = TrainerView(tokenizer, grpo, self.engines)
+        self.trainer = TrainerView(tokenizer, grpo, self.engines, tools=tools, chat_template=chat_template)
         self.stops = {tokenizer.eos_token_id, tokenizer.pad_token_id} - {None}
         self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hpcrl-rollout-func")
 
@@ -87,10 +91,12 @@ class RolloutFunction:
         """Call the function on each prompt of ``batch`` ``sampling.n`` times in a row; returns a row
         per rollout and the pending result, which completes the rows when taken."""
         rows = batch.repeat(sampling.n)
-        future = self.executor.submit(self._call, copy.deepcopy(rows.prompts), sampling, len(batch))
+        future = self.executor.submit(self.roll_out, copy.deepcopy(rows.prompts), sampling, len(batch))
         return rows, RolloutFunctionGeneration(future, rows, self.tokenizer)
 
-    def _call(self, prompts: list, sampling: Sampling, groups: int) -> RolledOut:
+    def roll_out(self, prompts: list, sampling: Sampling, groups: int) -> RolledOut:
+        """One call of the function on ``prompts`` (``groups`` prompts, each ``sampling.n`` times in a
+        row), its output checked and made into completions."""
         self.engines.begin(sampling)
         try:
             output = self.func(prompts, self.trainer)
@@ -182,17 +188,19 @@ class RolloutFunctionGeneration:
     """A rollout call in progress. ``result()`` waits for it and completes ``rows`` with the
     function's prompt ids (what is trained on) and extra fields (columns the reward functions get):
     both are known only once the function has run, and the loop and the evaluation read the rows
-    only after taking the completions."""
+    only after taking the completions. The future's value is a RolledOut, or, beside tools, the
+    rollouts' completions with the RolledOut of their first turns."""
 
     def __init__(self, future: concurrent.futures.Future, rows: PromptBatch, tokenizer):
         self.future, self.rows, self.tokenizer = future, rows, tokenizer
         self.completed = False
 
     def result(self) -> list[Completion]:
-        rolled = self.future.result()
+        value = self.future.result()
+        completions, rolled = (value.completions, value) if isinstance(value, RolledOut) else value
         if not self.completed:
             self.rows.prompt_ids[:] = rolled.prompt_ids
             self.rows.texts[:] = [self.tokenizer.decode(ids) for ids in rolled.prompt_ids]
             self.rows.columns.update(rolled.extra)
             self.completed = True
-        return rolled.completions
+        return completions

@@ -191,12 +191,16 @@ class TrainerView:
 
     use_vllm = True
     vllm_mode = "server"
-    # GRPOTrainer's values without tools (a rollout function does not go with tools).
-    tools = None
-    chat_template = None
 
-    def __init__(self, tokenizer, grpo, engines: EngineCalls):
+    def __init__(self, tokenizer, grpo, engines: EngineCalls, tools: list[dict] | None = None,
+                 chat_template: str | None = None):
         self.processing_class = tokenizer
+        # Beside agent.tools: the tools' JSON schemas, which apply_chat_template(tools=) and the client's
+        # chat(tools=) take as they take TRL's functions (the functions live in the tool workers), and
+        # the template they are rendered with where the tokenizer's is not prefix-preserving (TRL's
+        # training template); None and None without tools, as GRPOTrainer's.
+        self.tools = tools or None
+        self.chat_template = chat_template
         self.args = TrainingArgs(grpo)
         self.num_generations = grpo.num_generations
         self.num_generations_eval = grpo.num_generations_eval or grpo.num_generations

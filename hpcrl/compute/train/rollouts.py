@@ -2,8 +2,8 @@
 
 ``SingleTurn`` is GRPO as it was: the engines' completions as they come. An agent recipe
 (agent.tools, agent.environment_factory) gets hpcrl.compute.agents' multi-turn rollouts instead, and
-one with agent.rollout_func the user's own function's (TRL's rollout_func), through the same two
-calls, so the loop and the evaluation hold no branch for them.
+one with agent.rollout_func the user's own function's (TRL's rollout_func; beside tools, its rows are
+the first turns), through the same two calls, so the loop and the evaluation hold no branch for them.
 """
 
 from __future__ import annotations
@@ -49,16 +49,19 @@ class SingleTurn:
 def make_rollouts(recipe, generator: Generator, tokenizer, run_dir: Path | None, context_len: int,
                   log=print) -> Rollouts:
     """The recipe's rollouts: the user's function's where agent.rollout_func is set, multi-turn with
-    tools where agent.tools or agent.environment_factory is, else single-turn."""
+    tools where agent.tools or agent.environment_factory is (their first turns the function's where
+    both are), else single-turn."""
     from hpcrl.job import rundir
 
     agent = recipe.agent
     module_dir = None if run_dir is None else run_dir / rundir.REWARDS_DIR
+    func = None
     if agent.rollout_func:
         from hpcrl.compute.agents.rollout_func import RolloutFunction, load_rollout_func
 
-        return RolloutFunction(load_rollout_func(agent.rollout_func, module_dir), agent.rollout_func, generator,
-                               tokenizer, recipe.grpo)
+        func = load_rollout_func(agent.rollout_func, module_dir)
+        if not agent.enabled:
+            return RolloutFunction(func, agent.rollout_func, generator, tokenizer, recipe.grpo)
     if not agent.enabled:
         return SingleTurn(generator)
     from hpcrl.compute.agents.agent_rollouts import AgentRollouts
@@ -70,4 +73,13 @@ def make_rollouts(recipe, generator: Generator, tokenizer, run_dir: Path | None,
                     module_dir=module_dir, log=log)
     chat = ToolChat(tokenizer, recipe.grpo.chat_template_kwargs)
     by_column = factories is not None and None not in factories
-    return AgentRollouts(generator, pool, chat, recipe.grpo, context_len, by_column=by_column)
+    first_turns = None
+    if func is not None:
+        # trainer.tools as GRPOTrainer's: every environment's tools together, in TRL's order.
+        schemas: list[dict] = []
+        for environment in factories or [None]:
+            schemas += [t for t in pool.schemas(environment) if t not in schemas]
+        first_turns = RolloutFunction(func, agent.rollout_func, generator, tokenizer, recipe.grpo, tools=schemas,
+                                      chat_template=chat.chat_template)
+    return AgentRollouts(generator, pool, chat, recipe.grpo, context_len, by_column=by_column,
+                         first_turns=first_turns)

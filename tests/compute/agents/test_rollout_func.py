@@ -341,3 +341,44 @@ def test_make_rollouts_picks_the_rollout_function(tmp_path):
         assert rollouts.reward_functions() == []
     finally:
         rollouts.close()
+
+
+def test_make_rollouts_takes_a_rollout_function_beside_tools_as_the_first_turns(tmp_path):
+    """agent.rollout_func with agent.tools and an environment: the agent's rollouts, their first turns
+    the function's, and its `trainer` showing every tool's schema as GRPOTrainer's trainer.tools does."""
+    from support import TOOL_MODULE
+
+    from hpcrl.compute.agents.agent_rollouts import AgentRollouts
+    from hpcrl.compute.train.rollouts import make_rollouts
+    from hpcrl.job import rundir
+    from hpcrl.job.agent_config import AgentConfig
+    from hpcrl.job.recipe import Recipe
+
+    modules = tmp_path / rundir.REWARDS_DIR
+    modules.mkdir()
+    (modules / "picked_rollouts.py").write_text("def run(prompts, trainer):\n    return {}\n")
+    (modules / "parity_tools.py").write_text(TOOL_MODULE)
+    (modules / "counter_env.py").write_text(textwrap.dedent('''
+        class Counter:
+            def reset(self, **row):
+                self.n = 0
+
+            def bump(self, by: int) -> int:
+                """Add to the count.
+
+                Args:
+                    by: How much.
+                """
+                self.n += by
+                return self.n
+    '''))
+    recipe = Recipe(agent=AgentConfig(rollout_func="picked_rollouts:run", tools=("parity_tools:add",),
+                                      environment_factory="counter_env:Counter", tool_workers=1))
+    rollouts = make_rollouts(recipe, types.SimpleNamespace(), tool_tokenizer(), tmp_path, 64)
+    try:
+        assert isinstance(rollouts, AgentRollouts) and rollouts.first_turns.func.__name__ == "run"
+        trainer = rollouts.first_turns.trainer
+        assert [t["function"]["name"] for t in trainer.tools] == ["add", "bump"]
+        assert trainer.chat_template is None            # Qwen2.5's template is prefix-preserving
+    finally:
+        rollouts.close()

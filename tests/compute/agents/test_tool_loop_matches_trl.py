@@ -12,12 +12,16 @@ equal TRL's: on Qwen2.5's chat template in both of hpcrl's schedules (TRL's lock
 rollout by rollout over a stream), and per sample on three templates whose tool turns read
 differently (Qwen3's, not prefix-preserving: TRL's training template; Llama 3.1's JSON calls and
 `ipython` results; GPT-OSS's harmony channels), each with its own special tokens and end of turn.
+With a rollout function beside the tools (TRL's rollout_func= with tools=: its rows are the first
+turns, the tool loop goes on from them), on TRL's trainer and on hpcrl's `trainer` view: the rows'
+prompt ids are the function's, rendered with `trainer.tools` and `trainer.chat_template`.
 """
 
 from __future__ import annotations
 
 import math
 import sys
+import types
 
 import pytest
 import torch
@@ -32,7 +36,7 @@ from hpcrl.compute.inference.types import Sampling  # noqa: E402
 G = 4                   # rollouts per prompt
 # (chat template, schedule): lockstep rounds are the same code on every template.
 CASES = [("qwen2_5", "lockstep"), ("qwen2_5", "per_sample"), ("qwen3", "per_sample"), ("llama3_1", "per_sample"),
-         ("gptoss", "per_sample")]
+         ("gptoss", "per_sample"), ("qwen2_5", "function+lockstep"), ("qwen3", "function+per_sample")]
 PROMPTS = ["3+4=", "5+2="]
 # The completion budget: room for three turns of the raising tool's rollout, not for the repeated
 # text's result (rolled back) nor the long answer (cut). Qwen3 spends ~20 tokens a turn on its
@@ -47,7 +51,37 @@ ITERATIONS = 3
 TEMPERATURE = 1.0
 
 SEEN: dict[str, list] = {"trl": [], "hpcrl": []}
-TRL_RUNS: dict[str, tuple] = {}         # template -> TRL's run (shared by its schedules)
+TRL_RUNS: dict[tuple, tuple] = {}       # (template, with a rollout function) -> TRL's run (shared by its schedules)
+
+
+def rollout_func(prompts, trainer):
+    """A TRL rollout function: each group's prompt rendered with the trainer's tools and template, its
+    completions from trainer.vllm_generation.vllm_client, and a field for the reward functions."""
+    tok, g = trainer.processing_class, trainer.num_generations
+    out = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "origin": "function"}
+    for k in range(0, len(prompts), g):
+        text = tok.apply_chat_template(prompts[k], tools=trainer.tools, chat_template=trainer.chat_template,
+                                       add_generation_prompt=True, tokenize=False)
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        got = trainer.vllm_generation.vllm_client.generate(prompts=[ids], n=g, max_tokens=trainer.max_completion_length)
+        for completion, logprobs in zip(got["completion_ids"], got["logprobs"]):
+            out["prompt_ids"].append(ids)
+            out["completion_ids"].append(completion)
+            out["logprobs"].append([lp[0] for lp in logprobs])
+    return out
+
+
+class ScriptClient:
+    """TRL's VLLMClient.generate on the script, for TRL's trainer (the stand-in's answer in the client's shape)."""
+
+    def __init__(self, tok, template):
+        self.tok, self.template = tok, template
+
+    def generate(self, prompts, n, max_tokens, **sampling):
+        out = [scripted_ids(self.tok, script_turn(self.tok.decode(p), j, self.template), max_tokens)
+               for p in prompts for j in range(n)]
+        return {"prompt_ids": prompts, "completion_ids": [ids for ids, _, _ in out],
+                "logprobs": [[[lp] for lp in lps] for _, lps, _ in out]}
 
 
 def answer_reward(completions, answer, **kwargs):
@@ -71,14 +105,14 @@ def case(request):
 
 @pytest.fixture(scope="module")
 def trl_run(case, tools_dir, tmp_path_factory):
-    template = case[0]
-    if template not in TRL_RUNS:
-        TRL_RUNS[template] = _trl_run(template, tmp_path_factory)
-    SEEN["trl"] = TRL_RUNS[template][3]
-    return TRL_RUNS[template][:3]
+    key = (case[0], case[1].startswith("function"))
+    if key not in TRL_RUNS:
+        TRL_RUNS[key] = _trl_run(*key, tmp_path_factory)
+    SEEN["trl"] = TRL_RUNS[key][3]
+    return TRL_RUNS[key][:3]
 
 
-def _trl_run(template, tmp_path_factory):
+def _trl_run(template, function, tmp_path_factory):
     import datasets
     import parity_tools
     from trl import GRPOConfig, GRPOTrainer
@@ -97,8 +131,10 @@ def _trl_run(template, tmp_path_factory):
     rows = [{"prompt": [{"role": "user", "content": p}], "answer": str(eval(p[:-1]))} for p in PROMPTS]
     ds = datasets.Dataset.from_list(rows)
     tr = GRPOTrainer(model=model, reward_funcs=[answer_reward], args=args, train_dataset=ds, processing_class=tok,
-                     tools=[parity_tools.add, parity_tools.boom, parity_tools.repeat])
+                     tools=[parity_tools.add, parity_tools.boom, parity_tools.repeat],
+                     rollout_func=rollout_func if function else None)
     tr.current_gradient_accumulation_steps = 1      # set by the training loop, which we do not run
+    tr.vllm_generation = types.SimpleNamespace(vllm_client=ScriptClient(tok, template))
 
     def generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         out = [scripted_ids(tok, script_turn(tok.decode(p), i % G, template), budget(template))
@@ -121,6 +157,7 @@ def hpcrl_run(case, tools_dir, tmp_path_factory):
 
     from hpcrl.compute.agents.agent_rollouts import AgentRollouts
     from hpcrl.compute.agents.conversation import ToolChat
+    from hpcrl.compute.agents.rollout_func import RolloutFunction
     from hpcrl.compute.agents.tool_pool import ToolPool
     from hpcrl.compute.train.data import PromptBatch
     from hpcrl.compute.train.rewards import RewardFunction, reward_inputs, score_completions
@@ -136,8 +173,12 @@ def hpcrl_run(case, tools_dir, tmp_path_factory):
                       max_tool_calling_iterations=ITERATIONS)
     pool = ToolPool([f"parity_tools:{name}" for name in ("add", "boom", "repeat")], workers=2, timeout_s=30,
                     module_dir=tools_dir)
-    generator = ScriptedToolGenerator(tok) if schedule == "lockstep" else ScriptedStreamingGenerator(tok, G)
-    rollouts = AgentRollouts(generator, pool, ToolChat(tok), grpo, context_len=4096)
+    generator = ScriptedToolGenerator(tok) if schedule.endswith("lockstep") else ScriptedStreamingGenerator(tok, G)
+    chat = ToolChat(tok)
+    function = schedule.startswith("function")
+    first_turns = (RolloutFunction(rollout_func, "parity:rollout_func", generator, tok, grpo, tools=pool.schemas(),
+                                   chat_template=chat.chat_template) if function else None)
+    rollouts = AgentRollouts(generator, pool, chat, grpo, context_len=4096, first_turns=first_turns)
     try:
         prompts = [[{"role": "user", "content": p}] for p in PROMPTS]
         batch = PromptBatch(prompts, ["" for _ in prompts], [[] for _ in prompts],
@@ -150,9 +191,12 @@ def hpcrl_run(case, tools_dir, tmp_path_factory):
         rewards = score_completions([RewardFunction("answer_reward", answer_reward)], rows.prompts, shown,
                                     [list(c.token_ids) for c in completions], rows.columns, **extra)
         stats = tool_stats(completions, None)
-        if schedule == "per_sample":       # a seed per rollout and turn, none reused
+        if schedule.endswith("per_sample"):       # a seed per rollout and turn, none reused
             seeds = [seed for _, seed in generator.seeds]
-            assert len(set(seeds)) == len(seeds) == sum(c.tool_use.turns for c in completions)
+            first_turns_elsewhere = len(completions) if function else 0     # the function's, not on the stream
+            assert len(set(seeds)) == len(seeds) == sum(c.tool_use.turns for c in completions) - first_turns_elsewhere
+        if function:
+            assert set(rows.columns["origin"]) == {"function"}
     finally:
         rollouts.close()
     return tok, rows, completions, rewards, stats
@@ -221,3 +265,44 @@ def test_loss_with_tool_mask_matches_trl(trl_run, hpcrl_run):
     loss, _ = grpo_loss(logps, None, None, out["advantages"], batch["loss_mask"], config,
                         num_items_in_batch=batch["loss_mask"].sum())
     torch.testing.assert_close(loss, trl_loss, atol=1e-6, rtol=0)
+
+
+def test_a_rollout_functions_env_mask_stays_beside_tools(tools_dir):
+    """Beside tools, a rollout function's env_mask is its first turn's mask (TRL would train on those
+    tokens): tokens the environment put before the model's tool call stay out of the loss, and the
+    tool loop goes on from the call."""
+    from hpcrl.compute.agents.agent_rollouts import AgentRollouts
+    from hpcrl.compute.agents.conversation import ToolChat
+    from hpcrl.compute.agents.rollout_func import RolloutFunction
+    from hpcrl.compute.agents.tool_pool import ToolPool
+    from hpcrl.compute.train.data import PromptBatch
+    from hpcrl.job.grpo_config import GRPOConfig
+
+    tok = tool_tokenizer()
+    said = tok("Hint: add them.\n", add_special_tokens=False)["input_ids"]
+
+    def hinted(prompts, trainer):
+        out = rollout_func(prompts, trainer)
+        out["completion_ids"] = [said + ids for ids in out["completion_ids"]]
+        out["logprobs"] = [[0.0] * len(said) + lps for lps in out["logprobs"]]
+        out["env_mask"] = [[0] * len(said) + [1] * (len(ids) - len(said)) for ids in out["completion_ids"]]
+        return out
+
+    grpo = GRPOConfig(num_generations=G, max_completion_length=230, max_tool_calling_iterations=ITERATIONS)
+    pool = ToolPool(["parity_tools:add"], workers=1, timeout_s=30, module_dir=tools_dir)
+    generator = ScriptedStreamingGenerator(tok, G)
+    chat = ToolChat(tok)
+    rollouts = AgentRollouts(generator, pool, chat, grpo, context_len=4096, first_turns=RolloutFunction(
+        hinted, "hinted", generator, tok, grpo, tools=pool.schemas(), chat_template=chat.chat_template))
+    try:
+        batch = PromptBatch([[{"role": "user", "content": "3+4="}]], [""], [[]], {}, [0])
+        rows, pending = rollouts.submit(batch, Sampling(n=G, max_tokens=230, seed=7))
+        first = pending.result()[0]             # variant 0 of the script: it calls add(3, 4)
+    finally:
+        rollouts.close()
+    assert first.tool_use.calls == 1 and first.tool_use.turns == 2, first.tool_use
+    assert list(first.token_ids[:len(said)]) == said and list(first.tool_mask[:len(said)]) == [0] * len(said)
+    mask = first.tool_mask[len(said):]
+    assert mask[0] == 1 and 0 in mask and mask[-1] == 1            # the call, the tool's result, the answer
+    assert first.messages[-1]["content"] == "The answer is 7", first.messages
+    assert rows.prompt_ids[0] and "add" in rows.texts[0]          # the function's prompt, rendered with the tools
