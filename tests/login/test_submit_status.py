@@ -161,7 +161,8 @@ def test_python_api_returns_a_submitit_handle(testbed, hpcrl, monkeypatch):
     monkeypatch.chdir(hpcrl.work)
     from hpcrl.login import api
 
-    job = api.submit(site="testbed", overrides=["mode=probe"], name="api-probe")
+    # mode=control: no torch; the probe job itself is test_probe_job_completes_on_two_nodes.
+    job = api.submit(site="testbed", overrides=["mode=control"], name="api-control")
     submitted.append(job.job_id)
     assert (Path(job.paths.folder) / "job.sbatch").is_file()
     deadline = time.time() + 240
