@@ -397,3 +397,13 @@ class ScriptedStreamingGenerator(ScriptedToolGenerator):
                 assert self.outstanding == 0
 
         return Stream()
+
+
+def check_trainer_imports_overlap(rows: list[dict]) -> None:
+    """Probe rows: every trainer began importing torch before any had finished (issue #27, item 7: trainer
+    rank 0 imported it to open the store while the others waited, and only then did they import theirs)."""
+    spans = {r["plan"]["rank"]: r["observed"]["torch_import"] for r in rows if r["plan"]["role"] == "trainer"}
+    assert len(spans) >= 2 and all(end > start for start, end in spans.values()), spans
+    last_start, first_end = max(s for s, _ in spans.values()), min(e for _, e in spans.values())
+    assert last_start < first_end, f"a trainer began importing torch only once another had finished " \
+                                   f"(wall-clock spans): {spans}"

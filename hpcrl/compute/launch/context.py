@@ -42,6 +42,9 @@ class LaunchContext:
     # Seconds from the task's start to the end of each launch phase (rendezvous, node_channel,
     # trainers_group): where start-up time goes at scale.
     timings: dict[str, float] = field(default_factory=dict)
+    # Trainers: when (wall clock) this task's import of torch began and ended; the probe reports it,
+    # so that a test can see every trainer's import overlap the others'.
+    torch_import: tuple[float, float] | None = None
 
     @property
     def role(self) -> str:

@@ -89,6 +89,8 @@ def observe(ctx: LaunchContext) -> dict:
         "affinity": sorted(os.sched_getaffinity(0)), "dropped_cores": list(ctx.pinning.dropped_cores),
         "gloo_socket_ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
     }
+    if ctx.torch_import is not None:
+        out["torch_import"] = [round(t, 3) for t in ctx.torch_import]
     if ctx.mesh_choice is not None:
         out["mesh"] = {"kind": ctx.mesh_choice.kind, "shape": list(ctx.mesh_choice.shape),
                        "dims": list(ctx.mesh_choice.dim_names)}

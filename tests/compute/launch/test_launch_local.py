@@ -28,7 +28,7 @@ from hpcrl.job.mesh_choice import choose_mesh
 from hpcrl.job.model_shape import count_parameters
 from hpcrl.compute.launch.watchdog import Hub, Peer, Watchdog
 from hpcrl.job.spec import JobSpec
-from support import run_survivors
+from support import check_trainer_imports_overlap, run_survivors
 from hpcrl.login.compose import compose
 
 PY = sys.executable
@@ -333,6 +333,7 @@ def test_probe_three_trainers_and_a_server_match_the_plan(tmp_path):
     check_rows_against_plan(rows, JobSpec.load(run_dir))
     assert [r["plan"]["rank"] for r in rows if r["observed"]["sender"]] == [2]     # GPU 2, beside the server
     assert rows[0]["observed"]["mesh"] == {"kind": "fsdp", "shape": [3], "dims": ["shard"]}
+    check_trainer_imports_overlap(rows)
     assert (run_dir / "run.log").read_text().count("hpcrl_probe") == 4
     assert not (run_dir / ".launch").exists()           # the meeting files are gone
     print(f"probe: {seconds:.1f} s")

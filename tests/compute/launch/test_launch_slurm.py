@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support import check_trainer_imports_overlap
 
 pytestmark = pytest.mark.slurm
 
@@ -164,6 +165,7 @@ def test_probe_through_the_rendered_script_matches_hpcrl_plan(probe_job):
     rows = probe_rows(probe_job)
     assert len(rows) == 8, probe_job
     check_rows(rows, "mpi")
+    check_trainer_imports_overlap(rows)
     assert "mesh hsdp (replicate=2 x shard=3)" in probe_job
 
 
