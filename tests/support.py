@@ -407,3 +407,23 @@ def check_trainer_imports_overlap(rows: list[dict]) -> None:
     last_start, first_end = max(s for s, _ in spans.values()), min(e for _, e in spans.values())
     assert last_start < first_end, f"a trainer began importing torch only once another had finished " \
                                    f"(wall-clock spans): {spans}"
+
+
+def check_probe_transfer(rows: list[dict], bucket_bytes: int = 256 << 20) -> None:
+    """Probe rows (issue #27, item 3): every sender moved one bucket (inference.sync_bucket_mb) to each
+    engine it syncs over hpcrl_shm, each engine read back the same bytes, and said whose they were."""
+    senders = {r["plan"]["rank"]: r for r in rows if r["plan"]["role"] == "trainer" and r["plan"]["sends_to"]}
+    assert senders, "no sender among the rows"
+    for rank, row in senders.items():
+        transfer = row["checks"]["transfer"]
+        assert transfer["ran"] and transfer["ok"] and transfer["transport"] == "hpcrl_shm", transfer
+        assert [p["server_rank"] for p in transfer["pairs"]] == row["plan"]["sends_to"], transfer
+        for pair in transfer["pairs"]:
+            assert pair["bytes"] == pair["received"]["bytes"] == bucket_bytes and pair["gb_per_s"] > 0, pair
+    for row in rows:
+        if row["plan"]["role"] == "server":
+            got = row["checks"]["transfer"]
+            assert got["ok"] and got["bytes"] == bucket_bytes and got["from"] in senders, got
+            assert row["plan"]["rank"] in senders[got["from"]]["plan"]["sends_to"]
+        elif row["plan"]["rank"] not in senders:
+            assert "transfer" not in row["checks"], row["checks"]

@@ -9,6 +9,7 @@ mesh.py        the trainers' FSDP / HSDP device mesh
 context.py     LaunchContext, what role functions receive
 main.py        the sequence of a task: rendezvous, role, the end
 probe.py       the "probe" mode: each task's plan row against what it really got, the links checked
+probe_transfer.py  the probe's weight-transport check: a bucket from each sender to each engine it syncs
 wire.py        framed, authenticated messages over sockets: the channel's and the watchdog's format
 stop.py        the stop request (Slurm's warning signal, scancel's SIGTERM): checkpoint and end
 outcome.py     why a job ended: the first fatal line of any task, kept in failure.txt

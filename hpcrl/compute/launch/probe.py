@@ -1,6 +1,7 @@
 """recipe.mode = "probe": each task prints one JSON line with its plan row and what it really
 got (host, node, devices, cores, links), after checking the links: an all_reduce among the
-trainers (and inside each mesh dimension) and a round trip with its node's server.
+trainers (and inside each mesh dimension), a round trip with its node's server, and one bucket of
+weights from each sender to each engine it syncs over the job's transport (probe_transfer.py).
 
 recipe.mode = "control": the same line from the control plane alone, with no torch anywhere
 (40-55 MB a task on the dev VM, where importing torch alone takes 230 MB, so hundreds of ranks fit
@@ -20,14 +21,23 @@ import sys
 import threading
 import time
 
+from hpcrl.compute.launch import probe_transfer
 from hpcrl.compute.launch.context import LaunchContext, write_line
 
 GPU_VARIABLES = ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
 
 
 def run(ctx: LaunchContext) -> int:
-    checks = {"channel": _serve(ctx) if ctx.is_server else _echo(ctx)}
-    if ctx.is_trainer:
+    checks = {}
+    if ctx.is_server:
+        receiver = probe_transfer.Receiver() if probe_transfer.probed(ctx) else None
+        checks["channel"] = _serve(ctx, receiver)
+        if receiver is not None:
+            checks["transfer"] = receiver.check(ctx.plan.sender_of(ctx.task.rank).rank)
+    else:
+        if ctx.task.sends_to:       # before the echo, whose "done" ends the engine's part
+            checks["transfer"] = probe_transfer.send(ctx)
+        checks["channel"] = _echo(ctx)
         checks["all_reduce"] = _all_reduce(ctx)
     row = {"hpcrl_probe": 1, "plan": ctx.task.to_dict(), "observed": observe(ctx), "checks": checks}
     write_line(json.dumps(row, sort_keys=True))
@@ -144,7 +154,9 @@ def _round_trip(ctx: LaunchContext, server: int, sent: dict) -> tuple[dict, floa
     return reply, seconds
 
 
-def _serve(ctx: LaunchContext) -> dict:
+def _serve(ctx: LaunchContext, receiver: "probe_transfer.Receiver | None" = None) -> dict:
+    """The engine's part: echo each trainer it serves until that trainer is done; ``receiver`` takes
+    the weight-transfer check's messages (the node's sender's)."""
     from hpcrl.compute.launch.node_channel import PeerClosed
 
     expected = sorted(t.rank for t in ctx.plan.served_by(ctx.task.rank))
@@ -162,6 +174,8 @@ def _serve(ctx: LaunchContext) -> dict:
         if msg.get("op") == "echo":
             ctx.channel.reply(rank, {**msg, "server_rank": ctx.task.rank})
             served.append(rank)
+        elif receiver is not None and (msg.get("op", "").startswith("weights_") or msg.get("op") == "probe_transfer"):
+            ctx.channel.reply(rank, receiver.handle(rank, msg))
         elif msg.get("op") == "done":
             pending.discard(rank)
     return {"ok": sorted(served) == expected, "served": sorted(served)}

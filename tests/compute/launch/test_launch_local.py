@@ -28,7 +28,7 @@ from hpcrl.job.mesh_choice import choose_mesh
 from hpcrl.job.model_shape import count_parameters
 from hpcrl.compute.launch.watchdog import Hub, Peer, Watchdog
 from hpcrl.job.spec import JobSpec
-from support import check_trainer_imports_overlap, run_survivors
+from support import check_probe_transfer, check_trainer_imports_overlap, run_survivors
 from hpcrl.login.compose import compose
 
 PY = sys.executable
@@ -284,6 +284,7 @@ def check_rows_against_plan(rows, spec, source="mpi"):
             assert row["checks"]["channel"]["server_rank"] == task.server_rank
             n = plan.num_trainers
             assert row["checks"]["all_reduce"]["sum"] == n * (n + 1) / 2
+    check_probe_transfer(rows, spec.recipe.inference.sync_bucket_mb << 20)
 
 
 @needs_mpi
@@ -555,3 +556,13 @@ def test_resume_refuses_changes_and_slurm_run_dirs(tmp_path):
     r = subprocess.run([sys.executable, "-m", "hpcrl", "run", "--resume", str(run_dir)], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 2 and "already finished" in r.stderr, r.stderr
+
+
+def test_the_probes_engine_side_fails_without_its_senders_bucket():
+    """The engine's transfer check is not ok when no bucket came, or another trainer's did."""
+    from hpcrl.compute.launch.probe_transfer import Receiver
+
+    assert not Receiver().check(expected_sender=2)["ok"]
+    receiver = Receiver()
+    receiver.sender, receiver.bytes = 1, 1024
+    assert not receiver.check(expected_sender=2)["ok"]

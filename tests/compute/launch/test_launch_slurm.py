@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support import check_trainer_imports_overlap
+from support import check_probe_transfer, check_trainer_imports_overlap
 
 pytestmark = pytest.mark.slurm
 
@@ -166,6 +166,9 @@ def test_probe_through_the_rendered_script_matches_hpcrl_plan(probe_job):
     assert len(rows) == 8, probe_job
     check_rows(rows, "mpi")
     check_trainer_imports_overlap(rows)
+    check_probe_transfer(rows)      # on each node, its own sender to its own engine
+    assert {r["observed"]["node_name"] for r in rows if "transfer" in r["checks"]} == \
+        {r["observed"]["node_name"] for r in rows}
     assert "mesh hsdp (replicate=2 x shard=3)" in probe_job
 
 
