@@ -100,14 +100,13 @@ class Receiver:
 
     def handle(self, rank: int, msg: dict) -> dict:
         """The reply to a transfer message from trainer ``rank``; never raises (the channel needs one)."""
-        from hpcrl.compute.sync.shm import ShmRegion, SignalPipe, receive_stream
+        from hpcrl.compute.sync.shm import open_receiver, receive_stream
 
         op = msg.get("op")
         try:
             if op == "weights_init":
-                info = {k: v for k, v in msg["init_info"].items() if k != "signals"}
-                self.region = ShmRegion.open(info.pop("path"), **info)
-                self.signals = SignalPipe.open_worker(self.region.path)
+                self.close()
+                self.region, self.signals = open_receiver(**msg["init_info"])
                 self.sender = rank
                 return {"ok": True, "workers": 1}
             if op == "weights_update":
@@ -137,9 +136,7 @@ class Receiver:
                 "from": self.sender, "bytes": self.bytes, "apply_s": round(self.apply_s, 4)}
 
     def close(self) -> None:
-        if self.signals is not None:
-            self.signals.close()
-            self.signals = None
-        if self.region is not None:
-            self.region.close()
-            self.region = None
+        from hpcrl.compute.sync.shm import close_receiver
+
+        close_receiver(self.region, self.signals)
+        self.region = self.signals = None

@@ -25,8 +25,8 @@ Two ways to tell the worker that a slot is ready (``mode``):
 
 This module imports torch only (no vLLM): trainers use it without paying for ``import vllm``.
 ``ShmTransport`` is the backend's part of ``TrainerWeightSync`` (trainer.py). The worker side,
-inside vLLM (shm_vllm.py), uses ``ShmRegion.open``, ``read_slot``, ``SignalPipe`` and
-``receive_stream``; the server role's ``WeightReceiver`` (receiver.py) relays the messages to it.
+inside vLLM (shm_vllm.py), uses ``open_receiver``, ``read_slot``, ``receive_stream`` and
+``close_receiver``; the server role's ``WeightReceiver`` (receiver.py) relays the messages to it.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from hpcrl.compute.sync.api import SenderSetup, SyncClient, SyncError
 from hpcrl.compute.sync.gather import iter_buckets, param_specs
 from hpcrl.compute.sync.layout import CheckpointLayout
 
-__all__ = ["ShmRegion", "SignalPipe", "receive_stream", "SendStats", "ShmWeightSender", "ShmTransport", "shm_path",
+__all__ = ["ShmRegion", "SignalPipe", "open_receiver", "close_receiver", "receive_stream", "SendStats", "ShmWeightSender", "ShmTransport", "shm_path",
            "numel"]
 
 MAGIC = b"HPCRLSHM"
@@ -310,6 +310,26 @@ class SignalPipe:
             if fd >= 0:
                 os.close(fd)
         self.read_fd = self.write_fd = -1
+
+
+def open_receiver(path: str | os.PathLike, *, num_slots: int, slot_bytes: int, meta_bytes: int, token: str,
+                  signals: bool) -> tuple[ShmRegion, SignalPipe | None]:
+    """The receiving side's end of a sender's region (``ShmRegion.init_info`` with ``signals``): its
+    mapping, and its end of the FIFOs where the sender signals through them (stream mode)."""
+    region = ShmRegion.open(path, num_slots=num_slots, slot_bytes=slot_bytes, meta_bytes=meta_bytes, token=token)
+    try:
+        return region, SignalPipe.open_worker(path) if signals else None
+    except BaseException:
+        region.close()
+        raise
+
+
+def close_receiver(region: ShmRegion | None, signals: SignalPipe | None) -> None:
+    """Close what ``open_receiver`` opened (either may be None: nothing, or not yet, opened)."""
+    if signals is not None:
+        signals.close()
+    if region is not None:
+        region.close()
 
 
 def receive_stream(region: ShmRegion, signals: SignalPipe, first_seq: int, apply, stall_timeout_s: float = 300.0) -> int:

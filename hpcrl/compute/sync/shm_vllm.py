@@ -42,7 +42,8 @@ from hpcrl.compute.sync.api import SHM_BACKEND, SyncError
 from hpcrl.compute.sync.gather import iter_buckets
 from hpcrl.compute.sync.reload import (abort_layerwise_reload, drop_expected_reload_warnings, refresh_tied_weights,
                                       repack_moe_on_reload)
-from hpcrl.compute.sync.shm import ShmRegion, ShmWeightSender, SignalPipe, numel, receive_stream
+from hpcrl.compute.sync.shm import (ShmRegion, ShmWeightSender, SignalPipe, close_receiver, numel, open_receiver,
+                                    receive_stream)
 
 __all__ = [
     "HpcrlShmInitInfo",
@@ -119,10 +120,10 @@ class HpcrlShmWeightTransferEngine(WeightTransferEngine[HpcrlShmInitInfo, HpcrlS
 
     def init_transfer_engine(self, init_info: HpcrlShmInitInfo) -> None:
         self.shutdown()  # a new sender (restarted trainer): drop the old region
-        self.region = ShmRegion.open(init_info.path, num_slots=init_info.num_slots, slot_bytes=init_info.slot_bytes,
-                                     meta_bytes=init_info.meta_bytes, token=init_info.token)
-        if init_info.signals and self.parallel_config.world_size == 1:
-            self.signals = SignalPipe.open_worker(init_info.path)
+        self.region, self.signals = open_receiver(
+            init_info.path, num_slots=init_info.num_slots, slot_bytes=init_info.slot_bytes,
+            meta_bytes=init_info.meta_bytes, token=init_info.token,
+            signals=bool(init_info.signals) and self.parallel_config.world_size == 1)
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -177,12 +178,8 @@ class HpcrlShmWeightTransferEngine(WeightTransferEngine[HpcrlShmInitInfo, HpcrlS
         self._aborted = True
 
     def shutdown(self) -> None:
-        if self.signals is not None:
-            self.signals.close()
-            self.signals = None
-        if self.region is not None:
-            self.region.close()
-            self.region = None
+        close_receiver(self.region, self.signals)
+        self.region = self.signals = None
 
 
 # ---------------------------------------------------------------- trainer side (vLLM's trainer API)
