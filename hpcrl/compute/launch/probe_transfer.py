@@ -62,7 +62,8 @@ def _send_one(ctx: LaunchContext, server: int, bucket, total: int) -> dict:
     from hpcrl.compute.sync.notify import NotifyClient
     from hpcrl.compute.sync.shm import ShmWeightSender
 
-    timeout = ctx.launch.collective_timeout_s
+    # The bound of the job's own syncs, which the shm sender's stall message names (STALL_SETTING).
+    timeout = ctx.spec.recipe.inference.request_timeout_s
     channel = ctx.channels[server]
 
     def notify(msg: dict) -> Any:
@@ -70,7 +71,7 @@ def _send_one(ctx: LaunchContext, server: int, bucket, total: int) -> dict:
             return channel.request(msg, timeout=timeout)
         except TimeoutError:
             raise TimeoutError(f"the server rank {server} did not answer {msg['op']} within {timeout:.0f} s "
-                               f"(launch.collective_timeout_s)") from None
+                               f"(inference.request_timeout_s)") from None
 
     token = f"{os.environ.get('SLURM_JOB_ID', 'local')}-n{ctx.task.node}-{os.getpid()}-probe"
     sender = ShmWeightSender(NotifyClient(notify), bucket.numel(), job_token=token, stall_timeout_s=timeout)
