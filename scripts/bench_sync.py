@@ -12,14 +12,18 @@ node channel would), and:
 - apply      the worker's load_weights of those slots + finalize (layerwise reload, CPU repacking)
 - hpcrl      gathered tensors on the sender -> engine serving them (start..finish+cache reset);
              hand-off and apply overlap (double buffering), so hpcrl < hand-off + apply
-- e2e        the trainer's real call: gather + hand-off + apply overlapped (TrainerWeightSync)
+- e2e        the trainer's real call (TrainerWeightSync): each bucket gathered straight into its
+             shared-memory slot (no hand-off copy for evenly split tensors) while the engine applies
+             the previous one; a second table splits it as the sender saw it (waiting on the
+             gathers, copying, waiting on the engine), and the last line has those shares
 - save       checkpoint route: safetensors, one file per bucket, to the page cache
 - reload     checkpoint route: collective_rpc("reload_weights") + cache reset, as the trainer waits
 - memcpy     copy_ of 1 GiB in the sender process with the sender's thread count
 
 The last line, for the largest size run:
     sync_speedup_vs_checkpoint=X handoff_fraction_of_memcpy=Y peak_extra_over_bucket=Z
-    gathered_bytes_over_wire_bytes=W
+    gathered_bytes_over_wire_bytes=W lora_sync_bytes_over_full=L lora_sync_time_over_full=T
+    e2e_share_gather=G e2e_share_handoff=H e2e_share_engine=E
 X = (save + reload) / hpcrl, Y = hand-off GB/s / memcpy GB/s, Z = the sender's extra peak of live
 gathered tensors during e2e / bucket size (the shared-memory region, 2 slots of a bucket, is
 allocated once at start-up and reported apart), W = the bytes one e2e sync's gathers moved (the
@@ -28,8 +32,10 @@ an all-gather over n ranks moves n - 1 copies of a tensor in all, so W = 1 when 
 the wire dtype and 2 when they move fp32 masters to a bf16 engine. Then, for the same model with
 LoRA adapters (TRL's default targets q_proj and v_proj): lora_sync_bytes_over_full and
 lora_sync_time_over_full, a LoRA sync after the first (the adapted blocks only, merged) over a
-full one (e2e, same run). Times are the best of
---repeats: the machine is shared, and other processes only ever add time.
+full one (e2e, same run). G, H, E: the shares of the best e2e sync. Times are the best of
+--repeats: the machine is shared, and other processes only ever add time. The other trainer rank
+waits while the sender times the routes: it would load the LoRA model beside them (on 11-28 that
+took the 2 cores the routes were timed on, and X read 0.66 for 1.32).
 
     .venv/bin/python scripts/bench_sync.py [--sizes small,base,large] [--bucket-mb 64] [--repeats 3]
     .venv/bin/python scripts/bench_sync.py --smoke    # that it runs (tests/e2e/test_bench_smoke.py): the 1M model
@@ -162,6 +168,10 @@ def trainer_rank(rank: int, world: int, init_file: str, model_dir: str, conn, cf
             e2e.append(dt)
             peaks.append(tracker.peak)
             rss.append(_proc_status("VmHWM") - rss0)
+            if sender and dt == min(e2e):
+                stats = sync.last_stats     # where the best sync's time went, as the sender saw it
+                out["e2e_split"] = {"gather": stats.produce_s, "hand-off": stats.pack_s, "engine": stats.wait_s,
+                                    "total": stats.total_s}
     gathered_bytes = sum(sync.last_traffic.values())     # the last sync's, totalled over the ranks
     out.update(e2e_s=min(e2e), peak_live=max(peaks), peak_rss=max(rss), gathered_bytes=gathered_bytes)
     if sender:
@@ -198,6 +208,9 @@ def trainer_rank(rank: int, world: int, init_file: str, model_dir: str, conn, cf
                    reload_s=min(ck_reload), ckpt_s=min(s + r for s, r in zip(ck_save, ck_reload)),
                    memcpy_gbps=_memcpy_gbps())
         sync.close()
+    # The other ranks wait here: loading the LoRA model beside the sender's timed routes would
+    # take the cores those routes are measured on (2 of them here).
+    barrier()
     out.update(_lora_syncs(model_dir, world, notify if sender else None, cfg, barrier))
     if sender:
         conn.send({"op": "bench_result", "result": out})
@@ -334,6 +347,9 @@ PHASES = [("gather_s", "gather"), ("handoff_s", "hand-off"), ("apply_s", "apply"
           ("e2e_s", "e2e"), ("save_s", "save"), ("reload_s", "reload"), ("ckpt_s", "ckpt")]
 
 
+SPLIT = ("gather", "hand-off", "engine")     # the sender's SendStats: produce_s, pack_s, wait_s
+
+
 def print_tables(results: list[dict], bucket_mb: int) -> None:
     print_table(f"hpcrl_shm mode {results[0].get('shm_mode')}; bucket {bucket_mb} MiB; times in s (GB/s of the model's "
                 f"bf16 bytes); trainer ranks: {results[0]['world']} (gloo, FSDP2, {results[0].get('master_dtype')} "
@@ -344,6 +360,13 @@ def print_tables(results: list[dict], bucket_mb: int) -> None:
                   *(f"{r[k]:.3f} ({_gbps(r['bytes'], r[k])})" for k, _ in PHASES), f"{r['memcpy_gbps']:.2f}",
                   f"{r['peak_live'] / 1e6:.1f}", f"{r['peak_rss'] / 1e6:.0f}", f"{r['shm_bytes'] / 1e6:.0f}",
                   f"{r['gathered_bytes'] / 1e6:.1f}"] for r in results])
+    print_table("where the trainer's sync (e2e, the best) spent its time, as the sender saw it: waiting on the gathers, "
+                "copying into shared memory, waiting on the engine (for a free slot, then for its last apply and "
+                "finish); shares of the sync",
+                ["size", "e2e s", *(f"{k} s (share)" for k in SPLIT), "other s"],
+                [[r["size"], f"{r['e2e_split']['total']:.3f}",
+                  *(f"{r['e2e_split'][k]:.3f} ({r['e2e_split'][k] / r['e2e_split']['total']:.0%})" for k in SPLIT),
+                  f"{r['e2e_split']['total'] - sum(r['e2e_split'][k] for k in SPLIT):.3f}"] for r in results])
     print_table("LoRA (q_proj, v_proj, r 16): a sync after the first sends the attention blocks only; e2e times in s",
                 ["size", "full MB", "full e2e", "LoRA 1st MB", "1st e2e", "LoRA MB", "LoRA e2e", "gath MB",
                  "bytes LoRA/full", "time LoRA/full"],
@@ -360,7 +383,8 @@ def summary_line(r: dict) -> str:
     w = r["gathered_bytes"] / (max(1, r["world"] - 1) * r["bytes"])
     return (f"sync_speedup_vs_checkpoint={x:.2f} handoff_fraction_of_memcpy={y:.2f} peak_extra_over_bucket={z:.2f} "
             f"gathered_bytes_over_wire_bytes={w:.2f} lora_sync_bytes_over_full={r['lora_bytes'] / r['bytes']:.2f} "
-            f"lora_sync_time_over_full={r['lora_s'] / r['e2e_s']:.2f}")
+            f"lora_sync_time_over_full={r['lora_s'] / r['e2e_s']:.2f} "
+            + " ".join(f"e2e_share_{k.replace('-', '')}={r['e2e_split'][k] / r['e2e_split']['total']:.2f}" for k in SPLIT))
 
 
 # ---------------------------------------------------------------- several engines per node

@@ -57,7 +57,8 @@ BENCHES = [  # script, arguments besides --smoke, the keys of its last line, sec
           pytest.mark.slow),
     bench("bench_sync.py", [], {"sync_speedup_vs_checkpoint", "handoff_fraction_of_memcpy", "peak_extra_over_bucket",
                                 "gathered_bytes_over_wire_bytes", "lora_sync_bytes_over_full",
-                                "lora_sync_time_over_full"}, 360, pytest.mark.slow, *needs_vllm),
+                                "lora_sync_time_over_full", "e2e_share_gather", "e2e_share_handoff",
+                                "e2e_share_engine"}, 360, pytest.mark.slow, *needs_vllm),
     bench("bench_sync.py", ["--engines"], {"sync_s_two_engines_over_one"}, 360, pytest.mark.slow, needs_mpi),
     bench("bench_load.py", [], {"load_s_staged_over_broadcast_at_1", "cross_node_load_bytes_broadcast_at_1",
                                 "cross_node_load_bytes_staged"}, 360, pytest.mark.slow, needs_testbed, testbed=True),
@@ -73,7 +74,11 @@ BENCHES = [  # script, arguments besides --smoke, the keys of its last line, sec
 
 
 # Figures a smoke run can bound: the run did its work, not only printed a number.
-BOUNDS = {"long_tail_len_over_max": (0.5, 0.95)}   # --long-tail 2 of 8 tokens: halves at 8 and at 4 (or 5, the stop)
+BOUNDS = {"long_tail_len_over_max": (0.5, 0.95),   # --long-tail 2 of 8 tokens: halves at 8 and at 4 (or 5, the stop)
+          # hpcrl_shm's sender gathers a dense model straight into its slots: no copy, no gathered tensor
+          # alive, and each gather moves the wire dtype once (issue #32's regression would show here first).
+          "e2e_share_handoff": (0.0, 0.02), "peak_extra_over_bucket": (0.0, 0.02),
+          "gathered_bytes_over_wire_bytes": (0.99, 1.01)}
 
 
 def run_bench(cmd: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:

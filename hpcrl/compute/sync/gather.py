@@ -61,6 +61,9 @@ __all__ = [
     "full_tensor",
     "iter_full_tensors",
     "iter_buckets",
+    "bucket_groups",
+    "gather_into",
+    "gather_and_drop",
 ]
 
 # Module-wrapper segments that torch inserts into parameter names: FSDP1, torch.compile,
@@ -342,23 +345,92 @@ def iter_buckets(named_params: Iterable[tuple[str, torch.Tensor]], bucket_bytes:
     asking for the next bucket. That is what bounds the sender's extra memory to about one bucket
     plus the tensor being gathered.
     """
+    for group in bucket_groups(named_params, bucket_bytes, cast_to):
+        if not keep:
+            for _, param in group:
+                full_tensor(param, cast_to, tracker, traffic)  # stay in the collective, drop the result
+            continue
+        bucket: Bucket = [(name, full_tensor(param, cast_to, tracker, traffic)) for name, param in group]
+        yield bucket
+        bucket.clear()  # drops our (and the consumer's list's) references to the tensors
+
+
+def bucket_groups(named_params: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
+                  cast_to: torch.dtype | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The parameters of each bucket, in order: a bucket takes parameters until the next one would
+    push it past ``bucket_bytes`` on the wire (a larger one is a bucket of its own). Decided from
+    the global shapes alone, so a group is known before any of it is gathered: iter_buckets
+    yields a bucket before gathering the next one's first tensor, and hpcrl_shm picks the slot a
+    group is gathered straight into."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    bucket: Bucket = []
+    group: list[tuple[str, torch.Tensor]] = []
     size = 0
     for name, param in named_params:
-        # The size is known from the (global) shape before gathering: flush first, then gather,
-        # so the previous bucket and this tensor are never alive together.
         nbytes = param.numel() * _on_wire(param.dtype, cast_to).itemsize
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket.clear()  # drops our (and the consumer's list's) references to the tensors
-            size = 0
-        if keep:
-            bucket.append((name, full_tensor(param, cast_to, tracker, traffic)))  # no local ref left behind
-            size += nbytes
-        else:
-            full_tensor(param, cast_to, tracker, traffic)  # stay in the collective, drop the result
-    if bucket:
-        yield bucket
-        bucket.clear()
+        if group and size + nbytes > bucket_bytes:
+            yield group
+            group, size = [], 0
+        group.append((name, param))
+        size += nbytes
+    if group:
+        yield group
+
+
+def _shard0_group(param: torch.Tensor):
+    """The process group that gathers ``param`` when it is a DTensor split along dim 0 in equal
+    parts and replicated otherwise (FSDP2's shards, HSDP's too, on a mesh dividing the rows), else
+    None. Such a tensor's all-gather output IS the full tensor, so it can be written straight into
+    a destination; any other layout (uneven rows, a tensor-parallel split) goes through DTensor."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(param, DTensor):
+        return None
+    split = [dim for dim, placement in enumerate(param.placements) if not isinstance(placement, Replicate)]
+    if len(split) != 1:
+        return None
+    placement = param.placements[split[0]]
+    if type(placement) is not Shard or placement.dim != 0 or param.shape[0] % param.device_mesh.size(split[0]):
+        return None
+    return param.device_mesh.get_group(split[0])
+
+
+@torch.no_grad()
+def gather_into(param: torch.Tensor, out: torch.Tensor, cast_to: torch.dtype | None = None,
+                tracker: LiveBytes | None = None, traffic: GatherTraffic | None = None) -> None:
+    """``full_tensor(param, cast_to)`` written into ``out`` (contiguous, the full shape, the wire
+    dtype); a collective like it, and on every rank of the gather through the same path (the path
+    depends on the parameter's metadata only). A DTensor split along dim 0 is all-gathered into
+    ``out`` itself: no gathered copy to allocate, fault in, and copy again (hpcrl_shm's sender
+    gathers into its shared-memory slot so). Anything else is gathered, then copied."""
+    group = _shard0_group(param)
+    if group is None:
+        out.copy_(full_tensor(param, cast_to, tracker, traffic))
+        return
+    import torch.distributed as dist
+
+    wire = _on_wire(param.dtype, cast_to)
+    if traffic is not None:
+        traffic.count(param, wire)
+    local = param.to_local()
+    dist.all_gather_into_tensor(out, local.to(wire).contiguous(), group=group)
+
+
+@torch.no_grad()
+def gather_and_drop(named_params: Iterable[tuple[str, torch.Tensor]], cast_to: torch.dtype | None = None,
+                    tracker: LiveBytes | None = None, traffic: GatherTraffic | None = None) -> None:
+    """Take part in the gathers of ``named_params`` and keep nothing (a rank that does not send, or
+    a sender finishing after a failure), through the same paths as ``gather_into``: the tensors
+    split along dim 0 land in one scratch buffer reused for each (the size of the largest, freed
+    at the end) instead of a fresh allocation each."""
+    named_params = list(named_params)
+    largest = max((p.numel() * _on_wire(p.dtype, cast_to).itemsize for _, p in named_params
+                   if _shard0_group(p) is not None), default=0)
+    scratch = torch.empty(largest, dtype=torch.uint8) if largest else None
+    for _, param in named_params:
+        if _shard0_group(param) is None:
+            full_tensor(param, cast_to, tracker, traffic)
+            continue
+        wire = _on_wire(param.dtype, cast_to)
+        gather_into(param, scratch[: param.numel() * wire.itemsize].view(wire).view(param.shape), cast_to,
+                    tracker, traffic)

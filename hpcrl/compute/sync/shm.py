@@ -39,7 +39,7 @@ import select
 import stat
 import struct
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from hpcrl.compute.sync.api import SenderSetup, SyncClient, SyncError
-from hpcrl.compute.sync.gather import iter_buckets, param_specs
+from hpcrl.compute.sync.gather import bucket_groups, gather_and_drop, gather_into, iter_buckets, param_specs
 from hpcrl.compute.sync.layout import CheckpointLayout
 
 __all__ = ["ShmRegion", "SignalPipe", "open_receiver", "close_receiver", "receive_stream", "SendStats", "ShmWeightSender", "ShmTransport", "shm_path",
@@ -156,27 +156,39 @@ class ShmRegion:
         lo = self.base_ptr + self._slot_start(slot) + self.meta_bytes
         return lo, lo + self.data_bytes
 
-    def write_slot(self, slot: int, seq: int, tensors: list[tuple[str, torch.Tensor]]) -> int:
-        """Pack ``tensors`` into a slot (data, then table, then the sequence number). Returns bytes."""
+    def slot_views(self, slot: int, specs: list[Spec]) -> tuple[list[torch.Tensor], bytes]:
+        """Where ``specs`` (name, dtype, shape) go in a slot's data area: a tensor view for each, for
+        the sender to fill in place, and the slot's table for ``seal_slot`` once they are filled."""
         start = self._slot_start(slot)
         data = self._bytes[start + self.meta_bytes: start + self.slot_bytes]
-        table, offset, nbytes = [], 0, 0
-        for name, tensor in tensors:
+        table, views, offset = [], [], 0
+        for name, dtype, shape in specs:
             offset = _round_up(offset, ALIGN)
-            n = tensor.numel() * tensor.element_size()
+            n = dtype.itemsize * numel(shape)
             if offset + n > self.data_bytes:
                 raise SyncError(f"slot overflow at {name}: {offset + n} > {self.data_bytes} bytes")
-            data[offset: offset + n].view(tensor.dtype).view(tensor.shape).copy_(tensor)
-            table.append([name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset])
+            views.append(data[offset: offset + n].view(dtype).view(tuple(shape)))
+            table.append([name, str(dtype).removeprefix("torch."), list(shape), offset])
             offset += n
-            nbytes += n
         blob = json.dumps(table, separators=(",", ":")).encode()
         if _SLOT_HEADER.size + len(blob) > self.meta_bytes:
-            raise SyncError(f"slot table of {len(tensors)} tensors does not fit {self.meta_bytes} bytes")
-        self._mm[start + _SLOT_HEADER.size: start + _SLOT_HEADER.size + len(blob)] = blob
-        # The sequence number last: a slot whose number matches was completely written.
-        self._mm[start: start + _SLOT_HEADER.size] = _SLOT_HEADER.pack(seq, len(blob))
-        return nbytes
+            raise SyncError(f"slot table of {len(specs)} tensors does not fit {self.meta_bytes} bytes")
+        return views, blob
+
+    def seal_slot(self, slot: int, seq: int, table: bytes) -> None:
+        """Mark a filled slot as holding bucket ``seq``: its table, then the sequence number, last,
+        so a slot whose number matches was completely written."""
+        start = self._slot_start(slot)
+        self._mm[start + _SLOT_HEADER.size: start + _SLOT_HEADER.size + len(table)] = table
+        self._mm[start: start + _SLOT_HEADER.size] = _SLOT_HEADER.pack(seq, len(table))
+
+    def write_slot(self, slot: int, seq: int, tensors: list[tuple[str, torch.Tensor]]) -> int:
+        """Copy ``tensors`` into a slot and seal it. Returns bytes."""
+        views, table = self.slot_views(slot, [spec_of(name, t) for name, t in tensors])
+        for view, (_, tensor) in zip(views, tensors):
+            view.copy_(tensor)
+        self.seal_slot(slot, seq, table)
+        return sum(v.numel() * v.element_size() for v in views)
 
     def read_slot(self, slot: int, seq: int) -> list[tuple[str, torch.Tensor]]:
         """Views (no copies) of the tensors in a slot; checks it holds bucket ``seq``."""
@@ -193,12 +205,12 @@ class ShmRegion:
             out.append((name, data[offset: offset + n].view(dtype).view(shape)))
         return out
 
-    def fits(self, tensors: list[tuple[str, torch.Tensor]]) -> bool:
-        """Whether ``tensors`` fit one slot (data with padding, and the table)."""
+    def fits(self, specs: list[Spec]) -> bool:
+        """Whether ``specs`` (name, dtype, shape) fit one slot (data with padding, and the table)."""
         offset, table = 0, 2
-        for name, t in tensors:
-            offset = _round_up(offset, ALIGN) + t.numel() * t.element_size()
-            table += len(name) + 40 + 8 * t.dim()  # a generous bound on one JSON entry
+        for name, dtype, shape in specs:
+            offset = _round_up(offset, ALIGN) + dtype.itemsize * numel(shape)
+            table += len(name) + 40 + 8 * len(shape)  # a generous bound on one JSON entry
         return offset <= self.data_bytes and _SLOT_HEADER.size + table <= self.meta_bytes
 
     def unlink(self) -> None:
@@ -216,6 +228,14 @@ class ShmRegion:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+Spec = tuple[str, torch.dtype, tuple[int, ...]]  # what a slot holds of one tensor: name, dtype, shape
+Fill = Callable[[int, int], int]  # (slot, seq) -> bytes: writes one slot (copies, or gathers in place), seals it
+
+
+def spec_of(name: str, tensor: torch.Tensor) -> Spec:
+    return name, tensor.dtype, tuple(tensor.shape)
 
 
 def numel(shape) -> int:
@@ -418,24 +438,41 @@ class ShmWeightSender:
             raise SyncError(f"weight sync stalled: the server did not answer {what} within "
                             f"{self.stall_timeout_s:.0f} s (the bound is {STALL_SETTING})") from None
 
-    def _chunks(self, bucket: list[tuple[str, torch.Tensor]]) -> Iterable[list[tuple[str, torch.Tensor]]]:
-        """A bucket normally fills one slot; split it when padding or the table would overflow."""
-        if self.region.fits(bucket):
-            yield bucket
+    def chunks(self, items: list, spec=lambda item: spec_of(*item)) -> Iterable[list]:
+        """``items`` (a bucket, or a group of parameters; ``spec(item)`` says what each holds in a
+        slot) in pieces that fit one slot: the whole normally; split where padding or the table
+        would overflow it."""
+        specs = [spec(item) for item in items]
+        if self.region.fits(specs):
+            yield items
             return
-        chunk: list[tuple[str, torch.Tensor]] = []
-        for item in bucket:
-            if chunk and not self.region.fits(chunk + [item]):
+        chunk: list = []
+        held: list[Spec] = []
+        for item, item_spec in zip(items, specs):
+            if chunk and not self.region.fits(held + [item_spec]):
                 yield chunk
-                chunk = []
-            if not self.region.fits([item]):
-                raise SyncError(f"{item[0]} ({item[1].numel() * item[1].element_size()} bytes) does not fit "
-                                f"a slot of {self.region.data_bytes} bytes; pass max_tensor_bytes")
+                chunk, held = [], []
+            if not self.region.fits([item_spec]):
+                name, dtype, shape = item_spec
+                raise SyncError(f"{name} ({dtype.itemsize * numel(shape)} bytes) does not fit a slot of "
+                                f"{self.region.data_bytes} bytes; pass max_tensor_bytes")
             chunk.append(item)
+            held.append(item_spec)
         if chunk:
             yield chunk
 
-    def _timed_chunks(self, buckets, stats: SendStats):
+    def send(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: str | int | None = None) -> SendStats:
+        """One full sync of buckets of full tensors, each copied into a slot."""
+        return self._send(lambda stats: self._copies(buckets, stats), version)
+
+    def send_gathering(self, groups: list[list[Spec]], gather: Callable[[int, list[torch.Tensor]], None],
+                       version: str | int | None = None) -> SendStats:
+        """One full sync whose tensors are gathered straight into the slots: ``groups`` say what each
+        slot will hold (each fits one, ``chunks``), and ``gather(i, views)`` fills group i's views
+        when its slot is free (the gathers' collectives run inside it). No gathered copy exists."""
+        return self._send(lambda stats: self._gathers(groups, gather, stats), version)
+
+    def _copies(self, buckets, stats: SendStats) -> Iterator[Fill]:
         it = iter(buckets)
         while True:
             t = time.perf_counter()
@@ -443,25 +480,41 @@ class ShmWeightSender:
             stats.produce_s += time.perf_counter() - t
             if bucket is None:
                 return
-            yield from self._chunks(bucket)
+            for chunk in self.chunks(bucket):
+                def fill(slot: int, seq: int, chunk=chunk) -> int:
+                    t = time.perf_counter()
+                    nbytes = self.region.write_slot(slot, seq, chunk)
+                    stats.pack_s += time.perf_counter() - t
+                    return nbytes
+                yield fill
 
-    def _pack(self, slot: int, chunk, stats: SendStats) -> None:
-        t = time.perf_counter()
-        stats.bytes += self.region.write_slot(slot, self._seq, chunk)
-        stats.pack_s += time.perf_counter() - t
+    def _gathers(self, groups: list[list[Spec]], gather, stats: SendStats) -> Iterator[Fill]:
+        for i, specs in enumerate(groups):
+            def fill(slot: int, seq: int, i=i, specs=specs) -> int:
+                views, table = self.region.slot_views(slot, specs)
+                t = time.perf_counter()
+                gather(i, views)
+                stats.produce_s += time.perf_counter() - t
+                self.region.seal_slot(slot, seq, table)
+                return sum(v.numel() * v.element_size() for v in views)
+            yield fill
+
+    def _fill(self, fill: Fill, slot: int, stats: SendStats) -> None:
+        stats.bytes += fill(slot, self._seq)
         stats.slots += 1
 
-    def send(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: str | int | None = None) -> SendStats:
-        """One full sync. Raises ``SyncError`` (after telling the server to abort) on any failure."""
+    def _send(self, fills, version: str | int | None) -> SendStats:
+        """One full sync: start, the slot fills (``fills(stats)``), finish. Raises ``SyncError``
+        (after telling the server to abort) on any failure."""
         version = None if version is None else str(version)
         stats = SendStats(version=version)
         t0 = time.perf_counter()
         try:
             self._call(self.client.start_weight_update)
             if self.mode == "stream":
-                self._send_stream(buckets, stats)
+                self._send_stream(fills(stats), stats)
             else:
-                self._send_rpc(buckets, stats)
+                self._send_rpc(fills(stats), stats)
             t = time.perf_counter()
             self._call(self.client.finish_weight_update, version)
             stats.wait_s += time.perf_counter() - t
@@ -473,7 +526,7 @@ class ShmWeightSender:
         stats.total_s = time.perf_counter() - t0
         return stats
 
-    def _send_stream(self, buckets, stats: SendStats) -> None:
+    def _send_stream(self, fills: Iterable[Fill], stats: SendStats) -> None:
         """One update_weights for the whole sync; slots signalled through the FIFOs."""
         first = self._seq
         n = self.region.num_slots
@@ -481,12 +534,12 @@ class ShmWeightSender:
                                   {"slot": -1, "seq": first, "stall_timeout_s": self.stall_timeout_s})
         try:
             acked = first - 1  # last slot the worker reported applied
-            for chunk in self._timed_chunks(buckets, stats):
+            for fill in fills:
                 t = time.perf_counter()
                 while acked < self._seq - n:  # the slot still holds an unapplied bucket: wait
                     acked, _ = self.signals.recv(self.stall_timeout_s, min_seq=first, keep_waiting=lambda: not update.done())
                 stats.wait_s += time.perf_counter() - t
-                self._pack(self._seq % n, chunk, stats)
+                self._fill(fill, self._seq % n, stats)
                 self.signals.send(self._seq)
                 self._seq += 1
             self.signals.send(self._seq, END)
@@ -505,16 +558,16 @@ class ShmWeightSender:
         finally:
             self._seq += 1  # the END/ABORT record used a number: never reuse it
 
-    def _send_rpc(self, buckets, stats: SendStats) -> None:
+    def _send_rpc(self, fills: Iterable[Fill], stats: SendStats) -> None:
         """One update_weights per slot, {"slot", "seq"}; any number of workers."""
         in_flight: list[Future | None] = [None] * self.region.num_slots
-        for chunk in self._timed_chunks(buckets, stats):
+        for fill in fills:
             slot = self._seq % self.region.num_slots
             t = time.perf_counter()
             if in_flight[slot] is not None:
                 self._wait(in_flight[slot], "update_weights")  # the worker is done with this slot
             stats.wait_s += time.perf_counter() - t
-            self._pack(slot, chunk, stats)
+            self._fill(fill, slot, stats)
             in_flight[slot] = self._rpc.submit(self.client.update_weights, {"slot": slot, "seq": self._seq})
             self._seq += 1
         t = time.perf_counter()
@@ -542,7 +595,12 @@ class ShmWeightSender:
 class ShmTransport:
     """``hpcrl_shm`` inside ``TrainerWeightSync``: every rank gathers the buckets in the agreed
     ``setup.wire_dtype``, the sender hands them to the server through a ``ShmWeightSender`` (built
-    here, so the region is sized for the largest tensor in that dtype)."""
+    here, so the region is sized for the largest tensor in that dtype).
+
+    Where the model's checkpoint layout is its memory's (every dense model), the sender gathers
+    each bucket straight into its shared-memory slot (``gather.gather_into``): the all-gather
+    writes the full tensor there, and no gathered copy is allocated, faulted in and copied again.
+    A layout that converts tensors (fused MoE experts) gathers, converts, and copies."""
 
     def __init__(self, setup: SenderSetup) -> None:
         self.params, self.client, self.is_sender = setup.params, setup.client, setup.is_sender
@@ -560,6 +618,8 @@ class ShmTransport:
     def send(self, version: str) -> tuple[SendStats | None, Exception | None]:
         if self.traffic is not None:
             self.traffic.reset()
+        if self.layout.identity:
+            return self._send_in_place(version)
         buckets = iter_buckets(self.params, self.bucket_bytes, keep=self.is_sender, cast_to=self.wire_dtype,
                                tracker=self.tracker, traffic=self.traffic)
         try:
@@ -573,6 +633,35 @@ class ShmTransport:
             for _ in buckets:  # finish the gathers: the other ranks are still in them
                 pass
 
+    def _send_in_place(self, version: str) -> tuple[SendStats | None, Exception | None]:
+        """The sync with each bucket gathered into its slot; the other ranks gather into scratch."""
+        gather = dict(cast_to=self.wire_dtype, tracker=self.tracker, traffic=self.traffic)
+        if not self.is_sender:
+            gather_and_drop(self.params, **gather)
+            return None, None
+        wire = self.wire_dtype
+        in_slot = {s.name: (s.name, s.dtype, s.shape) for s in param_specs(self.params, wire)}
+        groups = [chunk for group in bucket_groups(self.params, self.bucket_bytes, wire)
+                  for chunk in self.sender.chunks(group, spec=lambda item: in_slot[item[0]])]
+        gathered = 0    # groups whose collectives ran
+
+        def gather_group(i: int, views: list[torch.Tensor]) -> None:
+            nonlocal gathered
+            for (_, param), view in zip(groups[i], views):
+                gather_into(param, view, **gather)
+            gathered = i + 1
+
+        try:
+            self.client.pending_version = version
+            specs = [[in_slot[name] for name, _ in group] for group in groups]
+            return self.sender.send_gathering(specs, gather_group, version), None
+        except Exception as exc:
+            return None, exc
+        finally:
+            # finish the gathers: the other ranks are still in them
+            gather_and_drop([item for group in groups[gathered:] for item in group], **gather)
+
     def close(self) -> None:
         if self.sender is not None:
             self.sender.close()
+

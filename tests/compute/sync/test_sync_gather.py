@@ -279,6 +279,15 @@ def _traffic_rank(rank, world, mesh_kind, out_dir):
     for _ in iter_buckets(params, 1 << 16, keep=(rank == 0), traffic=traffic):
         pass
     total = sum(p.numel() * p.element_size() for _, p in params)
+    # hpcrl_shm's sender gathers into its slot over the one group a tensor is split over (the
+    # node's, under HSDP): the right group, or the tensor comes out wrong (or the ranks hang).
+    from hpcrl.compute.sync.gather import _shard0_group, gather_into
+
+    assert all(_shard0_group(p) is not None for _, p in params)
+    for name, p in params:
+        out = torch.empty(p.shape, dtype=p.dtype)
+        gather_into(p, out)
+        assert torch.equal(out, p.full_tensor()), name
     t = torch.tensor([traffic.in_node, traffic.cross_node])
     dist.all_reduce(t)
     if rank == 0:
@@ -422,6 +431,77 @@ def _agree_rank(rank, world, out_dir):
         assert "disagree" in str(exc)
     else:
         raise AssertionError("mismatched wire dtypes were accepted")
+
+
+def _in_place_rank(rank, world, out_dir):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hpcrl.compute.sync.api import ShmOptions, SyncError
+    from hpcrl.compute.sync.gather import LiveBytes, _shard0_group
+    from hpcrl.compute.sync.trainer import TrainerWeightSync
+    from hpcrl.compute.train.fsdp import apply_fsdp
+
+    model = _uneven_qwen2()
+    reference = {n: p.detach().to(torch.bfloat16) for n, p in sync_named_params(model)}
+    apply_fsdp(model, init_device_mesh("cpu", (world,)))
+    params = sync_named_params(model)
+    even = {n for n, p in params if _shard0_group(p) is not None}
+    uneven = {n: p for n, p in params if n not in even}
+    assert even and uneven      # both paths: rows split evenly (the layers), and not (vocabulary 1001)
+    server = FakeServer() if rank == 0 else None
+    tracker = LiveBytes()
+    sync = TrainerWeightSync(model, _fake_notify(server) if rank == 0 else None, is_sender=rank == 0,
+                             bucket_bytes=BUCKET, transport=ShmOptions(shm_dir=str(out_dir), stall_timeout_s=20),
+                             wire_dtype=torch.bfloat16, tracker=tracker)
+    into_region = []
+    original = dist.all_gather_into_tensor
+
+    def spy(output, *args, **kwargs):
+        if rank == 0:
+            lo, hi = (sync.transport.sender.region.data_range(s) for s in (0, 1))
+            into_region.append(any(a <= output.data_ptr() < b for a, b in (lo, hi)))
+        return original(output, *args, **kwargs)
+
+    dist.all_gather_into_tensor = spy
+    try:
+        sync.sync("v1")
+        if rank == 0:
+            assert server.version == "v1" and list(server.received) == list(reference)
+            for name, t in server.received.items():
+                assert torch.equal(t.view(torch.int16), reference[name].view(torch.int16)), name
+            # Every evenly split tensor was gathered straight into a slot; only the others were
+            # gathered as tensors of their own (then copied): the sender's extra memory.
+            assert into_region == [True] * len(even), into_region
+            assert 0 < tracker.peak <= max(p.numel() * 2 for p in uneven.values()), tracker.peak
+
+        # The engine fails mid-sync: every rank raises (the other one finishes its gathers, no hang) ...
+        if rank == 0:
+            server.fail_at = 3
+        try:
+            sync.sync("v2")
+        except SyncError as exc:
+            assert rank == 1 or "worker failed" in str(exc), exc
+        else:
+            raise AssertionError("a failed sync returned")
+        # ... and the next sync is whole.
+        if rank == 0:
+            server.fail_at = None
+        sync.sync("v3")
+        if rank == 0:
+            assert server.version == "v3" and list(server.received) == list(reference)
+    finally:
+        dist.all_gather_into_tensor = original
+        sync.close()
+
+
+def test_the_sender_gathers_into_shared_memory_and_a_failed_sync_ends_on_every_rank(tmp_path):
+    """hpcrl_shm's sender all-gathers each evenly split tensor straight into its slot (no gathered
+    copy), the others through DTensor and a copy; the engine receives the model bit for bit. An
+    engine failing midway raises on both ranks, and the next sync is whole."""
+    from dist_harness import spawn
+
+    spawn(_in_place_rank, tmp_path, tmp_path, timeout=180)
 
 
 def test_trainers_agree_on_the_wire_dtype_the_sender_learnt(tmp_path):
