@@ -395,6 +395,13 @@ def _shard0_group(param: torch.Tensor):
     return param.device_mesh.get_group(split[0])
 
 
+def _in_place_group(param: torch.Tensor, device: torch.device):
+    """The group ``gather_into`` all-gathers ``param`` over straight into a destination on
+    ``device``, or None where it gathers and copies."""
+    group = _shard0_group(param)
+    return group if group is not None and param.device == device else None
+
+
 @torch.no_grad()
 def gather_into(param: torch.Tensor, out: torch.Tensor, cast_to: torch.dtype | None = None,
                 tracker: LiveBytes | None = None, traffic: GatherTraffic | None = None) -> None:
@@ -402,8 +409,9 @@ def gather_into(param: torch.Tensor, out: torch.Tensor, cast_to: torch.dtype | N
     dtype); a collective like it, and on every rank of the gather through the same path (the path
     depends on the parameter's metadata only). A DTensor split along dim 0 is all-gathered into
     ``out`` itself: no gathered copy to allocate, fault in, and copy again (hpcrl_shm's sender
-    gathers into its shared-memory slot so). Anything else is gathered, then copied."""
-    group = _shard0_group(param)
+    gathers into its shared-memory slot so). Anything else (or ``out`` on another device) is
+    gathered, then copied."""
+    group = _in_place_group(param, out.device)
     if group is None:
         out.copy_(full_tensor(param, cast_to, tracker, traffic))
         return
@@ -418,17 +426,19 @@ def gather_into(param: torch.Tensor, out: torch.Tensor, cast_to: torch.dtype | N
 
 @torch.no_grad()
 def gather_and_drop(named_params: Iterable[tuple[str, torch.Tensor]], cast_to: torch.dtype | None = None,
-                    tracker: LiveBytes | None = None, traffic: GatherTraffic | None = None) -> None:
+                    tracker: LiveBytes | None = None, traffic: GatherTraffic | None = None,
+                    device: torch.device = torch.device("cpu")) -> None:
     """Take part in the gathers of ``named_params`` and keep nothing (a rank that does not send, or
-    a sender finishing after a failure), through the same paths as ``gather_into``: the tensors
-    split along dim 0 land in one scratch buffer reused for each (the size of the largest, freed
-    at the end) instead of a fresh allocation each."""
+    a sender finishing after a failure), through the paths ``gather_into`` takes for destinations
+    on ``device`` (the sender's: the ranks' collectives must match): the tensors it gathers in
+    place land in one scratch buffer reused for each (the size of the largest, freed at the end)
+    instead of a fresh allocation each; the others are gathered and dropped."""
     named_params = list(named_params)
-    largest = max((p.numel() * _on_wire(p.dtype, cast_to).itemsize for _, p in named_params
-                   if _shard0_group(p) is not None), default=0)
-    scratch = torch.empty(largest, dtype=torch.uint8) if largest else None
+    in_place = [p for _, p in named_params if _in_place_group(p, device) is not None]
+    largest = max((p.numel() * _on_wire(p.dtype, cast_to).itemsize for p in in_place), default=0)
+    scratch = torch.empty(largest, dtype=torch.uint8, device=device) if largest else None
     for _, param in named_params:
-        if _shard0_group(param) is None:
+        if _in_place_group(param, device) is None:
             full_tensor(param, cast_to, tracker, traffic)
             continue
         wire = _on_wire(param.dtype, cast_to)
