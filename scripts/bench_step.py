@@ -609,9 +609,9 @@ def main(argv=None) -> int:
             return run_systems(p[0], p[1], model_dir, work)
 
         if len(passes) > 1:
-            # The smoke's two passes side by side: 62 s against 100 s one after the other on this
-            # shared 2-core machine, and a smoke's figures are no measurements that the other
-            # pass's load could spoil.
+            # The smoke's two passes side by side, as its figures are no measurements that the other
+            # pass's load could spoil: on 2 cores 52 s against 60 s one after the other when idle,
+            # 62 s against 100 s when busy with other work.
             with ThreadPoolExecutor(len(passes)) as pool:
                 passes_results = list(pool.map(run_pass, passes))
         else:
