@@ -25,8 +25,9 @@ such as api.py, costs neither torch nor vLLM):
 - ``receiver.py``     ``WeightReceiver``: the server side of the vLLM backends, and ``llm_dtype``
                       (vLLM's construction arguments for a sync: hpcrl.compute.inference.vllm_engine).
 - ``shm.py``          the ``hpcrl_shm`` transport (CPU, one node, tested): a double-buffered
-                      /dev/shm region, its sender, and ``ShmTransport`` for ``TrainerWeightSync``
-                      (which all-gathers evenly split tensors straight into the slots).
+                      /dev/shm region, its sender and its receiving end.
+- ``shm_transport.py`` ``ShmTransport``, hpcrl_shm's part of ``TrainerWeightSync`` (the sender
+                      all-gathers evenly split tensors straight into the slots).
 - ``shm_vllm.py``     ``hpcrl_shm`` inside vLLM's weight-transfer API: the worker engine that applies
                       the slots, and the engine for vLLM's trainer API.
 - ``vllm_engines.py`` vLLM's own ``nccl`` (CUDA, and ROCm through RCCL) and ``ipc`` (CUDA IPC,

@@ -40,7 +40,7 @@ SHM_BACKEND = "hpcrl_shm"
 # Backend name -> the module and class of its trainer side inside TrainerWeightSync (trainer.py),
 # imported when the backend is chosen: the vLLM backends import vLLM, hpcrl_shm only torch.
 TRANSPORTS: dict[str, tuple[str, str]] = {
-    SHM_BACKEND: ("hpcrl.compute.sync.shm", "ShmTransport"),
+    SHM_BACKEND: ("hpcrl.compute.sync.shm_transport", "ShmTransport"),
     "nccl": ("hpcrl.compute.sync.vllm_engines", "NcclTransport"),
     "ipc": ("hpcrl.compute.sync.vllm_engines", "IpcTransport"),
 }

@@ -4,7 +4,7 @@
 ``HpcrlShmWeightTransferEngine`` with ``WeightTransferEngineFactory`` (the worker side: maps the
 shared-memory region, applies slots) and ``HpcrlShmTrainerWeightTransferEngine`` with
 ``WeightTransferTrainerFactory`` (the trainer side, for callers that use vLLM's trainer API; the
-trainer role uses ``TrainerWeightSync`` with shm.ShmTransport instead).
+trainer role uses ``TrainerWeightSync`` with shm_transport.ShmTransport instead).
 
 The worker side applies weights the way vLLM's built-in engines do: layerwise reload
 (``initialize_layerwise_reload`` at start, ``model.load_weights`` per slot,

@@ -4,7 +4,7 @@ What every backend shares lives here: the parameters in sync order, the channel 
 of the gathers' traffic, and the agreement of all the node's trainers on the wire dtype (once,
 before the transport is built) and on each sync's outcome. What
 differs (the hand-off itself) is the backend's transport, picked by name from ``api.TRANSPORTS``:
-``shm.ShmTransport`` (hpcrl_shm), ``vllm_engines.NcclTransport`` and ``vllm_engines.IpcTransport``.
+``shm_transport.ShmTransport`` (hpcrl_shm), ``vllm_engines.NcclTransport`` and ``vllm_engines.IpcTransport``.
 """
 
 from __future__ import annotations

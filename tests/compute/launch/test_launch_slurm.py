@@ -45,7 +45,7 @@ step() {{
   rc=$?
   echo "$name $rc $start $(date +%s.%N)" >> {run}/steps.txt
 }}
-step fallback srun --nodes=2 --ntasks-per-node=4 --cpus-per-task=2 --mpi=none --kill-on-bad-exit=1 $LAUNCH
+step fallback srun --nodes=2 --ntasks-per-node=4 --cpus-per-task=2 --mpi=none --kill-on-bad-exit=1 --output={run}/fallback-task-%t.out --error={run}/fallback-task-%t.err $LAUNCH
 step killed env HPCRL_FAULT=die-after-rendezvous:1 $SRUN --kill-on-bad-exit=0 $LAUNCH
 step killed_srun_ends env HPCRL_FAULT=die-after-rendezvous:5 $SRUN --kill-on-bad-exit=1 $LAUNCH
 step never_arrives env HPCRL_FAULT=hang-before-rendezvous:5 $SRUN --kill-on-bad-exit=1 $LAUNCH
@@ -116,8 +116,11 @@ def steps_job(jobs):
     steps = {}
     for line in (run / "steps.txt").read_text().splitlines():
         name, rc, start, end = line.split()
-        steps[name] = {"rc": int(rc), "seconds": float(end) - float(start),
-                       "out": (run / f"{name}.out").read_text(), "err": (run / f"{name}.err").read_text()}
+        # The fallback's tasks write a file each: srun forwards a line longer than 1,024 bytes in
+        # pieces and splices other tasks' lines between them, and a probe row can be longer.
+        out = (run / f"{name}.out").read_text() + "".join(p.read_text() for p in sorted(run.glob(f"{name}-task-*.out")))
+        err = (run / f"{name}.err").read_text() + "".join(p.read_text() for p in sorted(run.glob(f"{name}-task-*.err")))
+        steps[name] = {"rc": int(rc), "seconds": float(end) - float(start), "out": out, "err": err}
     return steps
 
 
