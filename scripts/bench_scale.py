@@ -212,10 +212,9 @@ class Launch:
         return self
 
     def reports(self) -> list[dict]:
-        rows = []
-        for _, stream, text in self.lines:
-            if stream == "out" and text.startswith("{") and '"hpcrl_probe"' in text:
-                rows.append(json.loads(text))
+        """Every task's row, as rank 0 wrote them (hpcrl/compute/launch/probe.py), by rank."""
+        path = Path(self.spec.run_dir) / rundir.PROBE_FILE
+        rows = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
         return sorted(rows, key=lambda r: r["plan"]["rank"])
 
 

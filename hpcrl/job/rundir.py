@@ -50,6 +50,9 @@ REWARDS_DIR = "rewards"
 # Per-launch meeting files, removed once every task has met; then who is who in the latest launch.
 LAUNCH_DIR = ".launch"
 RANKS_FILE = "ranks.json"
+# recipe.mode probe/control: every task's row, one a line in rank order, written by rank 0 (a task's
+# own line in the job's output can come out split: srun breaks lines over 1,024 bytes).
+PROBE_FILE = "probe.jsonl"
 # Written by trainer rank 0 when a run has done all its steps: the script then does not requeue.
 FINISHED_MARKER = ".finished"
 # Left by the script's signal trap: the trainers checkpoint, then the script requeues the job.

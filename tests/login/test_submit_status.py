@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import probe_rows
 
 pytestmark = pytest.mark.slurm
 
@@ -53,8 +54,7 @@ def test_probe_job_completes_on_two_nodes(testbed, hpcrl):
     assert info["state"] == "COMPLETED" and info["exit_code"] == 0, info
     assert info["nodes"] == 2
     # Every task printed the placement row it took, and they are `hpcrl plan`'s rows.
-    out = (run_dir / f"slurm-{job_id}.out").read_text()
-    rows = [json.loads(line)["plan"] for line in out.splitlines() if line.startswith("{") and "hpcrl_probe" in line]
+    rows = [row["plan"] for row in probe_rows(run_dir)]
     plan = json.loads(hpcrl("plan", "--site", "testbed", "-N", "2", "--json").stdout)["tasks"]
     assert sorted(rows, key=lambda r: r["rank"]) == [{k: v for k, v in t.items() if k != "est_memory_gb"} for t in plan]
     # The list view shows it too, with its exit code.

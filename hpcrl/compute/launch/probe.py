@@ -23,6 +23,7 @@ import time
 
 from hpcrl.compute.launch import probe_transfer
 from hpcrl.compute.launch.context import LaunchContext, write_line
+from hpcrl.job import rundir
 
 GPU_VARIABLES = ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
 
@@ -40,7 +41,7 @@ def run(ctx: LaunchContext) -> int:
         checks["channel"] = _echo(ctx)
         checks["all_reduce"] = _all_reduce(ctx)
     row = {"hpcrl_probe": 1, "plan": ctx.task.to_dict(), "observed": observe(ctx), "checks": checks}
-    write_line(json.dumps(row, sort_keys=True))
+    report(ctx, row)
     return 0 if all(c["ok"] for c in checks.values()) else 1
 
 
@@ -54,8 +55,23 @@ def run_control(ctx: LaunchContext) -> int:
     row = {"hpcrl_probe": 1, "mode": "control", "plan": ctx.task.to_dict(), "observed": observe(ctx),
            "checks": checks, "timings": {**ctx.timings, "checks_s": round(time.perf_counter() - t0, 3)},
            "usage": usage(ctx), "torch_imported": "torch" in sys.modules}
-    write_line(json.dumps(row, sort_keys=True))
+    report(ctx, row)
     return 0 if all(c["ok"] for c in checks.values()) else 1
+
+
+def report(ctx: LaunchContext, row: dict) -> None:
+    """The row on this task's output, and to rank 0 over the watchdog hub, which writes every
+    task's, one a line in rank order, to RUN_DIR/probe.jsonl: what reads the rows reads that file.
+    The job's output is no record of them: srun splits a line over 1,024 bytes and splices other
+    tasks' lines into it, and a row is longer."""
+    write_line(json.dumps(row, sort_keys=True))
+    ctx.watchdog.send_row("probe", row)
+    if ctx.hub is not None:
+        rows = ctx.hub.wait_rows("probe", ctx.launch.collective_timeout_s)
+        path = ctx.run_dir / rundir.PROBE_FILE
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(rows[rank], sort_keys=True) + "\n" for rank in sorted(rows)))
+        tmp.replace(path)
 
 
 def usage(ctx: LaunchContext) -> dict:

@@ -77,7 +77,8 @@ def die(who: str, reason: str, callbacks: list[Callable[[], None]] = ()) -> NoRe
 
 # ---------------------------------------------------------------------------- after the rendezvous
 class Hub:
-    """Rank 0's thread: registration, liveness of every rank, small broadcasts."""
+    """Rank 0's thread: registration, liveness of every rank, small broadcasts, and a row from
+    each rank gathered to rank 0 (a probe's report)."""
 
     def __init__(self, secret: bytes, world_size: int, peer_timeout_s: float, bind_host: str):
         _allow_open_files(world_size + 256)
@@ -97,6 +98,8 @@ class Hub:
         self._done: set[int] = set()           # said goodbye
         self.failures: dict[int, str] = {}
         self._bcasts: dict[str, Any] = {}
+        self._rows: dict[str, dict[int, Any]] = {}
+        self._rows_arrived = threading.Condition()
         self._table_sent = False
         self._stop = threading.Event()
         self._idle = threading.Event()         # everyone said goodbye or is gone
@@ -176,6 +179,20 @@ class Hub:
         elif kind == "bcast":
             self._bcasts[msg["key"]] = msg["value"]
             self._send_all({"t": "bcast", "key": msg["key"], "value": msg["value"]})
+        elif kind == "row":
+            with self._rows_arrived:
+                self._rows.setdefault(msg["key"], {})[rank] = msg["value"]
+                self._rows_arrived.notify_all()
+
+    def wait_rows(self, key: str, timeout: float) -> dict[int, Any]:
+        """Every rank's row under `key` (Watchdog.send_row), by rank, once all have arrived."""
+        with self._rows_arrived:
+            if not self._rows_arrived.wait_for(lambda: len(self._rows.get(key, {})) == self.world_size, timeout):
+                missing = sorted(set(range(self.world_size)) - set(self._rows.get(key, {})))
+                shown = ", ".join(map(str, missing[:8])) + (", ..." if len(missing) > 8 else "")
+                raise TimeoutError(f"{len(missing)} rank(s) sent no {key} row within {timeout:.0f} s "
+                                   f"(launch.collective_timeout_s): rank(s) {shown}")
+            return dict(self._rows[key])
 
     def _register(self, conn: socket.socket, peer: Peer, size: int) -> None:
         problem = None
@@ -367,6 +384,10 @@ class Watchdog:
 
     def bcast(self, key: str, value: Any) -> None:
         self._send({"t": "bcast", "key": key, "value": value})
+
+    def send_row(self, key: str, value: Any) -> None:
+        """This rank's row under `key`, for rank 0's Hub.wait_rows."""
+        self._send({"t": "row", "key": key, "value": value})
 
     def wait_bcast(self, key: str, timeout: float) -> Any:
         with self._cond:

@@ -19,6 +19,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+import conftest
 
 from hpcrl.job import rundir
 from hpcrl.compute.inference.vllm_engine import MULTIPROCESSING_ENV
@@ -186,6 +187,22 @@ def test_goodbyes_end_the_hub_at_once(verdicts):
     assert time.monotonic() - t0 < 1.0 and not verdicts
 
 
+def test_every_ranks_row_reaches_rank_0_and_a_missing_one_is_named(verdicts):
+    """A probe's rows (hpcrl/compute/launch/probe.py) go to rank 0 over the hub, not through the
+    launcher's merged output; a rank whose row never comes is named, with the field that bounds the wait."""
+    hub, dogs = _hub_with_peers(verdicts, 3, timeout_s=30)
+    for d in (dogs[2], dogs[0]):
+        d.send_row("probe", {"rank": d.me.rank, "text": "x" * 4000})     # longer than srun's 1,024-byte pieces
+    with pytest.raises(TimeoutError, match=r"1 rank\(s\) sent no probe row within 0 s \(launch.collective_timeout_s\): "
+                                           r"rank\(s\) 1$"):
+        hub.wait_rows("probe", 0.3)
+    dogs[1].send_row("probe", {"rank": 1, "text": "y"})
+    rows = hub.wait_rows("probe", 5)
+    assert sorted(rows) == [0, 1, 2] and all(row["rank"] == rank for rank, row in rows.items())
+    assert rows[2]["text"] == "x" * 4000
+    _shut(hub, dogs)
+
+
 def test_small_broadcasts_travel_through_the_hub(verdicts):
     hub, dogs = _hub_with_peers(verdicts, 3, timeout_s=30)
     dogs[0].bcast("trainer_store", ("10.0.0.1", 29500))
@@ -257,9 +274,11 @@ def _mpiexec(run_dir, n, *flags, env=None, timeout=120, args=None):
     return proc, time.monotonic() - t0
 
 
-def probe_rows(stdout: str) -> list[dict]:
-    rows = [json.loads(line) for line in stdout.splitlines() if line.startswith("{") and "hpcrl_probe" in line]
-    return sorted(rows, key=lambda r: r["plan"]["rank"])
+def probe_rows(run_dir, stdout: str) -> list[dict]:
+    """The rows rank 0 wrote, each also on its task's own output."""
+    rows = conftest.probe_rows(run_dir)
+    assert stdout.count('"hpcrl_probe"') == len(rows), stdout[-2000:]
+    return rows
 
 
 def check_rows_against_plan(rows, spec, source="mpi"):
@@ -294,7 +313,7 @@ def test_probe_on_rocm_gives_a_tensor_parallel_server_a_hip_mask_inside_its_rocr
     proc, _, run_dir = _hpcrl_run(tmp_path, "site.node.gpus=4", "site.gpu_vendor=amd", "inference.gpus=2",
                                   "inference.tensor_parallel_size=2")
     assert proc.returncode == 0, proc.stderr
-    rows = probe_rows(proc.stdout)
+    rows = probe_rows(run_dir, proc.stdout)
     check_rows_against_plan(rows, JobSpec.load(run_dir))
     server = next(r for r in rows if r["plan"]["role"] == "server")
     assert server["observed"]["gpu_env"] == {"ROCR_VISIBLE_DEVICES": "2,3", "HIP_VISIBLE_DEVICES": "0,1"}
@@ -318,7 +337,7 @@ def test_probe_builds_a_shard_group_over_two_nodes_where_one_node_cannot_hold_th
                                   "grpo.max_completion_length=16", "inference.max_model_len=128", nodes=4)
     assert proc.returncode == 0, proc.stderr
     assert "mesh hsdp (replicate=2 x shard=2)" in proc.stderr and "shard over each 2 nodes" in proc.stderr
-    rows = probe_rows(proc.stdout)
+    rows = probe_rows(run_dir, proc.stdout)
     check_rows_against_plan(rows, JobSpec.load(run_dir))
     groups = {r["observed"]["node"]: r["checks"]["all_reduce"] for r in rows if r["plan"]["role"] == "trainer"}
     assert {n: g["mesh_shard_nodes"] for n, g in groups.items()} == {0: [0, 1], 1: [0, 1], 2: [2, 3], 3: [2, 3]}
@@ -329,7 +348,7 @@ def test_probe_builds_a_shard_group_over_two_nodes_where_one_node_cannot_hold_th
 def test_probe_three_trainers_and_a_server_match_the_plan(tmp_path):
     proc, seconds, run_dir = _hpcrl_run(tmp_path, "site.node.gpus=4", "site.gpu_vendor=nvidia")
     assert proc.returncode == 0, proc.stderr
-    rows = probe_rows(proc.stdout)
+    rows = probe_rows(run_dir, proc.stdout)
     assert len(rows) == 4
     check_rows_against_plan(rows, JobSpec.load(run_dir))
     assert [r["plan"]["rank"] for r in rows if r["observed"]["sender"]] == [2]     # GPU 2, beside the server
@@ -344,7 +363,7 @@ def test_probe_three_trainers_and_a_server_match_the_plan(tmp_path):
 def test_two_fake_nodes_get_an_hsdp_mesh(tmp_path):
     proc, seconds, run_dir = _hpcrl_run(tmp_path, "site.node.gpus=2", nodes=2)
     assert proc.returncode == 0, proc.stderr
-    rows = probe_rows(proc.stdout)
+    rows = probe_rows(run_dir, proc.stdout)
     check_rows_against_plan(rows, JobSpec.load(run_dir))
     assert {r["observed"]["node_name"] for r in rows if r["observed"]["node"] == 1} != \
         {r["observed"]["node_name"] for r in rows if r["observed"]["node"] == 0}
@@ -366,7 +385,7 @@ def test_slurm_variables_alone_place_the_same_tasks(tmp_path):
            "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_STEP_NUM_NODES": "2"}
     proc, _ = _mpiexec(run_dir, 4, env=env, args=args[:-1])
     assert proc.returncode == 0, proc.stderr
-    rows = probe_rows(proc.stdout)
+    rows = probe_rows(run_dir, proc.stdout)
     assert len(rows) == 4
     check_rows_against_plan(rows, JobSpec.load(run_dir), source="slurm")
 

@@ -22,6 +22,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from conftest import probe_rows
 
 from hpcrl.job import rundir
 from hpcrl.login.compose import compose
@@ -78,8 +79,7 @@ def _launch(tmp_path, *flags, fault: str | None = None, timeout: float = 110):
 def test_128_ranks_report_the_place_the_plan_gives_them(tmp_path):
     code, lines, seconds, run_dir = _launch(tmp_path)
     assert code == 0, "\n".join(l for _, l in lines if l.startswith("hpcrl:"))[:3000]
-    rows = sorted((json.loads(l) for _, l in lines if l.startswith("{") and '"hpcrl_probe"' in l),
-                  key=lambda r: r["plan"]["rank"])
+    rows = probe_rows(run_dir)
     assert len(rows) == RANKS
     plan = subprocess.run([PY, "-m", "hpcrl", "plan", "--site", "local", "-N", str(RANKS // PER_NODE), "--json",
                            *OVERRIDES], capture_output=True, text=True, timeout=60)
@@ -159,8 +159,7 @@ def test_16_nodes_through_srun_report_the_place_the_plan_gives_them(testbed, hpc
         time.sleep(2)
     log = (run_dir / f"slurm-{job_id}.out").read_text()
     assert info["state"] == "COMPLETED", log[-3000:]
-    rows = sorted((json.loads(l) for l in log.splitlines() if l.startswith("{") and '"hpcrl_probe"' in l),
-                  key=lambda r: r["plan"]["rank"])
+    rows = probe_rows(run_dir)
     assert len(rows) == RANKS
     plan = hpcrl("plan", "--site", "testbed", "-N", str(nodes), "--json", *TESTBED_OVERRIDES)
     assert plan.returncode == 0, plan.stderr

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import probe_rows
 from support import check_probe_transfer, check_trainer_imports_overlap
 
 pytestmark = pytest.mark.slurm
@@ -45,7 +46,8 @@ step() {{
   rc=$?
   echo "$name $rc $start $(date +%s.%N)" >> {run}/steps.txt
 }}
-step fallback srun --nodes=2 --ntasks-per-node=4 --cpus-per-task=2 --mpi=none --kill-on-bad-exit=1 --output={run}/fallback-task-%t.out --error={run}/fallback-task-%t.err $LAUNCH
+step fallback srun --nodes=2 --ntasks-per-node=4 --cpus-per-task=2 --mpi=none --kill-on-bad-exit=1 $LAUNCH
+mv {run}/probe.jsonl {run}/fallback-probe.jsonl
 step killed env HPCRL_FAULT=die-after-rendezvous:1 $SRUN --kill-on-bad-exit=0 $LAUNCH
 step killed_srun_ends env HPCRL_FAULT=die-after-rendezvous:5 $SRUN --kill-on-bad-exit=1 $LAUNCH
 step never_arrives env HPCRL_FAULT=hang-before-rendezvous:5 $SRUN --kill-on-bad-exit=1 $LAUNCH
@@ -106,7 +108,7 @@ def probe_job(jobs):
     state = _wait(jobs["ids"]["probe"])
     out = (jobs["probe"] / f"slurm-{jobs['ids']['probe']}.out").read_text()
     assert state == "COMPLETED", out
-    return out
+    return {"out": out, "rows": probe_rows(jobs["probe"])}
 
 
 @pytest.fixture(scope="module")
@@ -116,17 +118,9 @@ def steps_job(jobs):
     steps = {}
     for line in (run / "steps.txt").read_text().splitlines():
         name, rc, start, end = line.split()
-        # The fallback's tasks write a file each: srun forwards a line longer than 1,024 bytes in
-        # pieces and splices other tasks' lines between them, and a probe row can be longer.
-        out = (run / f"{name}.out").read_text() + "".join(p.read_text() for p in sorted(run.glob(f"{name}-task-*.out")))
-        err = (run / f"{name}.err").read_text() + "".join(p.read_text() for p in sorted(run.glob(f"{name}-task-*.err")))
-        steps[name] = {"rc": int(rc), "seconds": float(end) - float(start), "out": out, "err": err}
-    return steps
-
-
-def probe_rows(text: str) -> list[dict]:
-    rows = [json.loads(line) for line in text.splitlines() if line.startswith("{") and "hpcrl_probe" in line]
-    return sorted(rows, key=lambda r: r["plan"]["rank"])
+        steps[name] = {"rc": int(rc), "seconds": float(end) - float(start), "out": (run / f"{name}.out").read_text(),
+                       "err": (run / f"{name}.err").read_text()}
+    return {**steps, "run": run}
 
 
 def _plan_json() -> dict:
@@ -165,21 +159,22 @@ def check_rows(rows: list[dict], source: str) -> None:
 
 
 def test_probe_through_the_rendered_script_matches_hpcrl_plan(probe_job):
-    rows = probe_rows(probe_job)
-    assert len(rows) == 8, probe_job
+    rows = probe_job["rows"]
+    assert len(rows) == 8, probe_job["out"]
     check_rows(rows, "mpi")
     check_trainer_imports_overlap(rows)
     check_probe_transfer(rows)      # on each node, its own sender to its own engine
     assert {r["observed"]["node_name"] for r in rows if "transfer" in r["checks"]} == \
         {r["observed"]["node_name"] for r in rows}
-    assert "mesh hsdp (replicate=2 x shard=3)" in probe_job
+    assert "mesh hsdp (replicate=2 x shard=3)" in probe_job["out"]
 
 
 def test_slurm_fallback_gives_the_same_placement_as_mpi(probe_job, steps_job):
     step = steps_job["fallback"]
     assert step["rc"] == 0, step["err"]
     assert "MPI sees a world of 1 but Slurm started 8 tasks" in step["err"]
-    rows = probe_rows(step["out"])
+    # Without MPI too, every task's row reached rank 0 (over the watchdog hub), which wrote them.
+    rows = probe_rows(steps_job["run"], "fallback-probe.jsonl")
     assert len(rows) == 8, step["err"]
     check_rows(rows, "slurm")
 
@@ -187,7 +182,7 @@ def test_slurm_fallback_gives_the_same_placement_as_mpi(probe_job, steps_job):
         # (the import spans are wall-clock times: each job's own)
         skip = ("source", "node_name", "torch_import")
         return [(r["plan"], {k: v for k, v in r["observed"].items() if k not in skip}) for r in rs]
-    assert placement(rows) == placement(probe_rows(probe_job))
+    assert placement(rows) == placement(probe_job["rows"])
 
 
 def test_killed_trainer_makes_every_other_rank_exit_naming_it(steps_job):
