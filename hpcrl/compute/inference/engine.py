@@ -153,6 +153,11 @@ class InferenceEngine(ABC):
     def close(self) -> None:
         """Stop what it started."""
 
+    def close_before_exit(self) -> None:
+        """Stop what would outlive this process (or is not stopped well by its exit); what only
+        frees this process's memory may go with it."""
+        self.close()
+
 
 def engine_class(name: str) -> type[InferenceEngine]:
     """The engine registered as ``name``, its module imported now."""

@@ -270,7 +270,7 @@ def run_server(ctx: LaunchContext) -> int:
         raise _engine_cause(type(engine), e, errors_log, engine)
     finally:
         watching.set()
-        engine.close()
+        engine.close_before_exit()      # the task ends next (launch.main.teardown)
 
 
 def _stopped_with_the_job(ctx: LaunchContext, engine, signal_name: str) -> int:
