@@ -134,26 +134,50 @@ def vllm_requeue_job(request, tmp_path_factory):
     subprocess.run(["scancel", job_id], capture_output=True, timeout=10)
 
 
-def test_two_nodes_of_two_engines_each_synced_inside_its_node(testbed, hpcrl, cancel_after):
+def test_two_nodes_of_two_engines_synced_inside_each_node_through_a_killed_trainer_and_a_resume(
+        testbed, hpcrl, cancel_after):
     """2 nodes x (2 trainers + 2 transformers engines): every engine has its own sender on its node.
     Each step's completions are checked against the trainers' weights (tests/compute/sync/test_engines_per_node.py
-    says how), and no gather crosses nodes."""
+    says how), and no gather crosses nodes. A trainer of node 1 killed mid-run ends the job with its
+    name; `hpcrl submit --resume` then continues from the last checkpoint, every engine synced from
+    it, and every step is in the metrics exactly once. (One job for both: each ran a 2-node job of
+    its own, issue #29.)"""
+    steps = 12
     job_id, run_dir = _submit(hpcrl, "-N", "2", "inference.gpus=2", "inference.engine=transformers",
-                              "grpo.vllm_importance_sampling_correction=true", "grpo.max_steps=3", "-t", "15")
+                              "grpo.vllm_importance_sampling_correction=true", f"grpo.max_steps={steps}",
+                              "checkpoint.every=2", "-t", "15", env={"HPCRL_FAULT": "slow-steps:0"})
     cancel_after(job_id)
-    info = _wait(hpcrl, job_id, lambda i: i["state"] in FINAL, 900)
+    killed_at, ckpt_step = _kill_when(hpcrl, job_id, run_dir, 4, "trainer", 1)
+    victim = next(r["rank"] for r in _ranks(run_dir) if r["role"] == "trainer" and r["node"] == 1)
+    info = _wait(hpcrl, job_id, lambda i: i["state"] in FINAL, 120)
+    assert time.time() - killed_at < 60
+    assert info["state"] == "FAILED" and f"rank {victim} (node 1, trainer" in info["reason"], info
+    detail = hpcrl("status", job_id).stdout
+    assert f"why        rank {victim} (node 1, trainer" in detail, detail
+    assert _latest_checkpoint_step(run_dir) >= ckpt_step
+    resumed_at = _latest_checkpoint_step(run_dir)
+
+    r = hpcrl("submit", "--resume", str(run_dir))
+    assert r.returncode == 0, r.stderr
+    job2 = r.stdout.strip()
+    cancel_after(job2)
+    info = _wait(hpcrl, job2, lambda i: i["state"] in FINAL, 600)
     assert info["state"] == "COMPLETED", info
+    assert info["reason"] == ""          # the first attempt's reason went with it
     metrics = _metrics(run_dir)
-    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
+    assert f"resumed from {run_dir / 'checkpoints'}" in Path(info["log"]).read_text()
     assert all(m["sampling/sampling_logp_difference/max"] < 1e-3 for m in metrics), metrics
     synced = [m for m in metrics if m.get("sync_s")]
-    assert len(synced) == 2 and all(m["sync_gathered_bytes_cross_node"] == 0 for m in synced), synced
+    assert len(synced) >= steps - 2 and all(m["sync_gathered_bytes_cross_node"] == 0 for m in synced), synced
     assert all(m["sync_gathered_bytes_in_node"] > 0 for m in synced), synced
-    ranks = {r["rank"]: r for r in json.loads((run_dir / "ranks.json").read_text())}
+    ranks = {r["rank"]: r for r in _ranks(run_dir)}
     health = [json.loads(p.read_text()) for p in (run_dir / ".servers").glob("node-*-engine-*.json")]
     assert sorted((h["node"], h["engine_index"]) for h in health) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for h in health:
-        assert (h["state"], h["weight_version"], h["requests"]) == ("finished", 2, 3), h
+        # The resumed attempt's engines: the checkpoint's weights pushed at the start, a sync after
+        # every step but the last, one request a step.
+        assert (h["state"], h["weight_version"], h["requests"]) == ("finished", steps - 1, steps - resumed_at), h
         assert ranks[h["rank"]]["node"] == h["node"] and ranks[h["rank"]]["role"] == "server"
     # each engine's sender is a trainer of its own node
     plan = json.loads(hpcrl("plan", "--site", "testbed", "-N", "2", "inference.gpus=2", "--json").stdout)
@@ -200,32 +224,6 @@ def test_a_stop_before_any_step_is_not_requeued(testbed, hpcrl, cancel_after):
     assert info["state"] == "FAILED" and info["restarts"] == 0, info
     assert "no step fits between start-up and the stop signal" in info["reason"], info["reason"]
     assert not (run_dir / "metrics.jsonl").exists() or not _metrics(run_dir)
-
-
-def test_killed_trainer_fails_the_job_and_resume_finishes_it(testbed, hpcrl, cancel_after):
-    """A trainer killed mid-run ends the job with its name; `hpcrl submit --resume` then continues
-    from the last checkpoint and every step is in the metrics exactly once."""
-    job_id, run_dir = _submit(hpcrl, "-N", "2", *TWO_TASKS, "inference.engine=transformers",
-                              "grpo.max_steps=30", "checkpoint.every=2", "-t", "15",
-                              env={"HPCRL_FAULT": "slow-steps:0"})
-    cancel_after(job_id)
-    killed_at, ckpt_step = _kill_when(hpcrl, job_id, run_dir, 4, "trainer", 1)
-    info = _wait(hpcrl, job_id, lambda i: i["state"] in FINAL, 120)
-    assert time.time() - killed_at < 60
-    assert info["state"] == "FAILED" and "rank 2 (node 1, trainer" in info["reason"], info
-    detail = hpcrl("status", job_id).stdout
-    assert "why        rank 2 (node 1, trainer" in detail, detail
-    assert _latest_checkpoint_step(run_dir) >= ckpt_step
-
-    r = hpcrl("submit", "--resume", str(run_dir))
-    assert r.returncode == 0, r.stderr
-    job2 = r.stdout.strip()
-    cancel_after(job2)
-    info = _wait(hpcrl, job2, lambda i: i["state"] in FINAL, 600)
-    assert info["state"] == "COMPLETED", info
-    assert info["reason"] == ""          # the first attempt's reason went with it
-    assert [m["step"] for m in _metrics(run_dir)] == list(range(1, 31))
-    assert f"resumed from {run_dir / 'checkpoints'}" in Path(info["log"]).read_text()
 
 
 def test_hpcrl_cancel_checkpoints_then_cancels_without_a_requeue(testbed, hpcrl, cancel_after):
@@ -394,8 +392,8 @@ def test_time_limit_checkpoints_requeues_and_resumes_each_step_once(testbed, tim
     nodes of DeepSpeed ZeRO-3 trainers (trainer.engine deepspeed), one a node: the checkpoint's
     partitions come from both nodes, and go through the same commit and requeue (FSDP2's resume is
     tested in-process, tests/compute/train/test_trainer_resume.py, and on the testbed by
-    test_killed_trainer_fails_the_job_and_resume_finishes_it). The job was submitted when the
-    module started (the time_limit_job fixture)."""
+    test_two_nodes_of_two_engines_synced_inside_each_node_through_a_killed_trainer_and_a_resume).
+    The job was submitted when the module started (the time_limit_job fixture)."""
     hpcrl, job_id, run_dir = time_limit_job
     info = _wait(hpcrl, job_id, lambda i: i["state"] in FINAL and i.get("step") == TIME_LIMIT_STEPS, 840)
     assert info["state"] == "COMPLETED" and info["restarts"] >= 1, info
