@@ -5,6 +5,8 @@
   die-after-rendezvous     the rank is SIGKILLed right after the rendezvous (an OOM kill)
   exit-after-rendezvous    the rank exits with status 3 right after it, without a goodbye
   freeze-after-rendezvous  the rank is SIGSTOPped right after it (a node that stops answering)
+  die-after-report         (mode control) the rank is SIGKILLed once every task's probe row is
+                           written, while the others wait for it at the last barrier
   slow-steps               the (trainer) rank sleeps STEP_DELAY_S at the start of every step, so
                            that a run's work outlasts a short time limit whatever the machine
 
@@ -20,7 +22,7 @@ import signal
 import time
 
 FAULTS = ("hang-before-rendezvous", "exit-before-rendezvous", "die-after-rendezvous",
-          "exit-after-rendezvous", "freeze-after-rendezvous", "slow-steps")
+          "exit-after-rendezvous", "freeze-after-rendezvous", "die-after-report", "slow-steps")
 STEP_DELAY_S = 0.5
 _rank: int | None = None          # this task's, once the rendezvous has confirmed it
 
@@ -35,7 +37,7 @@ def _wanted(rank: int | None) -> set[str]:
 
 
 def inject(point: str, rank: int | None) -> None:
-    """Called at "before-rendezvous" and "after-rendezvous"."""
+    """Called at "before-rendezvous", "after-rendezvous" and (mode control) "after-report"."""
     if "HPCRL_FAULT" not in os.environ:
         return
     wanted = _wanted(rank)
@@ -53,6 +55,8 @@ def inject(point: str, rank: int | None) -> None:
             os._exit(3)
         if "freeze-after-rendezvous" in wanted:
             os.kill(os.getpid(), signal.SIGSTOP)
+    elif point == "after-report" and "die-after-report" in wanted:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def at_step() -> None:

@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 
-from hpcrl.compute.launch import probe_transfer
+from hpcrl.compute.launch import faults, probe_transfer
 from hpcrl.compute.launch.context import LaunchContext, write_line
 from hpcrl.job import rundir
 
@@ -56,6 +56,13 @@ def run_control(ctx: LaunchContext) -> int:
            "checks": checks, "timings": {**ctx.timings, "checks_s": round(time.perf_counter() - t0, 3)},
            "usage": usage(ctx), "torch_imported": "torch" in sys.modules}
     report(ctx, row)
+    if ctx.world is not None:
+        # Every task stays until all have reported and rank 0 has written the rows: one lost
+        # after its row still fails the job, named by every other. The second barrier is where
+        # the others are when a test's task dies after the report (faults: die-after-report).
+        ctx.world.Barrier()
+        faults.inject("after-report", ctx.task.rank)
+        ctx.world.Barrier()
     return 0 if all(c["ok"] for c in checks.values()) else 1
 
 
