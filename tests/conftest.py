@@ -92,12 +92,14 @@ def run_hpcrl(*args, cwd=None, env=None, timeout=120, input=None) -> subprocess.
                           capture_output=True, text=True, timeout=timeout, input=input)
 
 
-def probe_rows(run_dir: Path, name: str = "probe.jsonl") -> list[dict]:
+def probe_rows(run_dir: Path, name: str | None = None) -> list[dict]:
     """A probe's rows as rank 0 wrote them to the run directory, one a rank in rank order (not from
     the job's output, where srun splits a line over 1,024 bytes: hpcrl/compute/launch/probe.py)."""
     import json
 
-    path = Path(run_dir) / name
+    from hpcrl.job import rundir
+
+    path = Path(run_dir) / (name or rundir.PROBE_FILE)
     assert path.is_file(), f"no {path}"
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["plan"]["rank"] for r in rows] == list(range(len(rows))), f"{path}: not one row a rank, in order"

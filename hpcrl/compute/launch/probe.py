@@ -24,6 +24,7 @@ import time
 from hpcrl.compute.launch import faults, probe_transfer
 from hpcrl.compute.launch.context import LaunchContext, write_line
 from hpcrl.job import rundir
+from hpcrl.job.atomic import atomic_write
 
 GPU_VARIABLES = ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
 
@@ -75,10 +76,8 @@ def report(ctx: LaunchContext, row: dict) -> None:
     ctx.watchdog.send_row("probe", row)
     if ctx.hub is not None:
         rows = ctx.hub.wait_rows("probe", ctx.launch.collective_timeout_s)
-        path = ctx.run_dir / rundir.PROBE_FILE
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(json.dumps(rows[rank], sort_keys=True) + "\n" for rank in sorted(rows)))
-        tmp.replace(path)
+        atomic_write(ctx.run_dir / rundir.PROBE_FILE,
+                     "".join(json.dumps(rows[rank], sort_keys=True) + "\n" for rank in sorted(rows)))
 
 
 def usage(ctx: LaunchContext) -> dict:

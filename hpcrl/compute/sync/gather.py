@@ -407,10 +407,10 @@ def gather_into(param: torch.Tensor, out: torch.Tensor, cast_to: torch.dtype | N
                 tracker: LiveBytes | None = None, traffic: GatherTraffic | None = None) -> None:
     """``full_tensor(param, cast_to)`` written into ``out`` (contiguous, the full shape, the wire
     dtype); a collective like it, and on every rank of the gather through the same path (the path
-    depends on the parameter's metadata and the destination's device, which every rank must share). A DTensor split along dim 0 is all-gathered into
-    ``out`` itself: no gathered copy to allocate, fault in, and copy again (hpcrl_shm's sender
-    gathers into its shared-memory slot so). Anything else (or ``out`` on another device) is
-    gathered, then copied."""
+    depends on the parameter's metadata and the destination's device, which every rank must
+    share). A DTensor split along dim 0 is all-gathered into ``out`` itself: no gathered copy to
+    allocate, fault in, and copy again (hpcrl_shm's sender gathers into its shared-memory slot so).
+    Anything else (or ``out`` on another device) is gathered, then copied."""
     group = _in_place_group(param, out.device)
     if group is None:
         out.copy_(full_tensor(param, cast_to, tracker, traffic))
