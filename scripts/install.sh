@@ -20,13 +20,19 @@ want=$(stamp_of)
 # (common on shared systems) Python never caches it either: every login-side command would
 # compile the package again (~60 ms). Compile it here, on every run (a second).
 compile_hpcrl() { [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -m compileall -q hpcrl >/dev/null || true; }
+# A file pip's compile would skip fails here too (a package's Python 2 test data): ignored, as pip does.
+compile_site_packages() {
+  "$VENV/bin/python" -m compileall -qq -j 0 "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" || true
+}
 if [ -f "$VENV/.hpcrl-stamp" ] && [ "$(cat "$VENV/.hpcrl-stamp")" = "$want" ]; then
   compile_hpcrl
   log "$VENV is up to date"; exit 0
 fi
 
 [ -x "$VENV/bin/python" ] || { log "creating $VENV"; python3 -m venv "$VENV"; }
-PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+# pip compiles every file it installs, one at a time (~50 s of CPU for torch, vLLM and the rest);
+# compile_site_packages does it once at the end on every core (issue #29: CI time).
+PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-compile)
 constraints=$VENV/constraints.txt
 
 if ! "$VENV/bin/python" -c "import torch,sys; sys.exit(0 if torch.__version__.startswith('$TORCH_VERSION') else 1)" 2>/dev/null; then
@@ -60,6 +66,8 @@ if [ -z "${HPCRL_NO_VLLM:-}" ]; then
 fi
 
 "$VENV/bin/python" -c "import torch; assert torch.__version__.startswith('$TORCH_VERSION'), torch.__version__"
+log "compiling site-packages"
+compile_site_packages
 compile_hpcrl
 echo "$want" > "$VENV/.hpcrl-stamp"
 log "done: $VENV ($(du -sh "$VENV" | cut -f1))"

@@ -212,8 +212,10 @@ def _kill_when(hpcrl, job_id, run_dir, step, role, node) -> tuple[float, int]:
 def test_a_stop_before_any_step_is_not_requeued(testbed, hpcrl, cancel_after):
     """Issue #26, item 3: the script requeued whenever its marker existed; a time limit shorter than
     start-up + the signal's lead requeued forever, every attempt stopped during start-up. Now a stop
-    that trained no step in the attempt ends the job with why, and no requeue."""
-    job_id, run_dir = _submit(hpcrl, "inference.engine=transformers", "grpo.max_steps=50", "-t", "15")
+    that trained no step in the attempt ends the job with why, and no requeue. (One trainer and one
+    server: the decision is the script's; the trainers' agreement on the step they stop at is the
+    cancel test's, with three.)"""
+    job_id, run_dir = _submit(hpcrl, *TWO_TASKS, "inference.engine=transformers", "grpo.max_steps=50", "-t", "15")
     cancel_after(job_id)
     deadline = time.time() + 300
     log = lambda: next(run_dir.glob("slurm-*.out"), None)       # noqa: E731
