@@ -24,10 +24,13 @@ export SLURM_CONF=$SLURM_BASE/etc/slurm.conf
 # whole-run folders start first: tests/conftest.py). Not by default: on CI's 2 cores the suite is
 # CPU-bound, and 3 workers took longer than one (issue #29: 50 against 46 minutes).
 workers=${HPCRL_TEST_WORKERS:-0}
+# The whole suite warms the demo models up in the background while its in-process tests run first
+# (tests/conftest.py); a selection runs as it is.
+if [ $# -eq 0 ]; then export HPCRL_TEST_WARM_UP=${HPCRL_TEST_WARM_UP:-1}; fi
 .venv/bin/python -m pytest -ra --durations=25 -n "$workers" --dist loadscope --no-loadscope-reorder "$@"
 # The GPU tier (tests/compute/train/test_gpu.py) skips above without a GPU. Its own logic runs here on the CPU
 # (HPCRL_GPU_TIER_DEVICE=cpu: gloo, no CUDA kernel or NCCL), so that the tier a session lent a GPU
 # runs has not rotted meanwhile (~80 s). Only with the whole suite.
 if [ $# -eq 0 ]; then
-  HPCRL_GPU_TIER_DEVICE=cpu .venv/bin/python -m pytest -q -m gpu tests/compute/train/test_gpu.py
+  HPCRL_TEST_WARM_UP=0 HPCRL_GPU_TIER_DEVICE=cpu .venv/bin/python -m pytest -q -m gpu tests/compute/train/test_gpu.py
 fi

@@ -36,14 +36,33 @@ if "SLURM_CONF" not in os.environ and TESTBED_CONF.is_file():
     os.environ["SLURM_CONF"] = str(TESTBED_CONF)
 
 
+# The demo models the suite's runs load (grpo.seed 0): their warm-ups take ~10 s and ~45 s of one core.
+WARMED_DEMO_MODELS = ("demo:tiny", "demo:tiny:agent")
+WARM_UP_ENV = "HPCRL_TEST_WARM_UP"      # scripts/test.sh sets it
+
+
 def pytest_configure(config):
     # One cache of warmed-up demo models for the session's runs and jobs (hpcrl.compute.models.tiny):
     # the first run with a demo model warms it up, the others copy it. Never the user's ~/.cache.
     config._hpcrl_model_cache = tempfile.mkdtemp(prefix="hpcrl-model-cache-")
     os.environ["HPCRL_MODEL_CACHE"] = config._hpcrl_model_cache
+    config._hpcrl_warm_up = None
+    if os.environ.get(WARM_UP_ENV) == "1" and config.getoption("dist", "no") == "no":
+        # Warm the demo models up into that cache on the core the first tests leave idle (they run
+        # in this process: pytest_collection_modifyitems puts them first); a run that needs one
+        # before it is done waits for this build instead of doing its own (the cache's lock).
+        code = ("import sys; from hpcrl.compute.train.sources import resolve_model; "
+                "[resolve_model(m, sys.argv[1]) for m in sys.argv[2:]]")
+        config._hpcrl_warm_up = subprocess.Popen(
+            ["nice", "-n", "5", sys.executable, "-c", code, os.path.join(config._hpcrl_model_cache, ".warm-up"),
+             *WARMED_DEMO_MODELS], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 
 def pytest_unconfigure(config):
+    warm_up = getattr(config, "_hpcrl_warm_up", None)
+    if warm_up is not None and warm_up.poll() is None:
+        warm_up.kill()
+        warm_up.wait()
     shutil.rmtree(getattr(config, "_hpcrl_model_cache", ""), ignore_errors=True)
 
 
@@ -188,8 +207,15 @@ def gpu_device() -> str:
 SLOW_FOLDERS_FIRST = ("tests/e2e/", "tests/compute/")
 
 
+# One process, the other way round: the tests that run in pytest's own process first, while the
+# demo models warm up beside them (pytest_configure), then the runs that load those models.
+IN_PROCESS_FOLDERS_FIRST = ("tests/architecture/", "tests/job/", "tests/login/")
+
+
 def pytest_collection_modifyitems(config, items):
     if config.getoption("dist", "no") == "no":
+        if config._hpcrl_warm_up is not None:
+            items.sort(key=lambda item: not item.nodeid.startswith(IN_PROCESS_FOLDERS_FIRST))
         return
     def rank(item):
         path = item.nodeid.split("::")[0]

@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -134,8 +135,6 @@ def test_demo_model_paths_are_warm_or_random(tmp_path):
 
 
 def test_warm_up_is_deterministic_and_part_of_the_recipe(tmp_path, monkeypatch):
-    import threading
-
     monkeypatch.setenv(tiny.CACHE_ENV, "")       # every build warms up (the cache: the next test)
     quick = dataclasses.replace(tiny.DEMO_WARMUP, target=0.2)
     calls = []
@@ -175,9 +174,10 @@ def test_the_next_run_copies_a_warmed_up_model_from_the_cache(tmp_path, monkeypa
     # Another seed is another model; a random model is not cached (built in about a second).
     tiny.make_tiny_model(tmp_path / "run-3" / "model-tiny", seed=1, warmup=quick)
     tiny.make_tiny_model(tmp_path / "run-3" / "model-tiny-random")
-    assert len(calls) == 2 and len(list(cache.iterdir())) == 2
+    entries = [e for e in cache.iterdir() if not e.name.startswith(".")]       # beside them, their locks
+    assert len(calls) == 2 and len(entries) == 2
     # A damaged entry is built again and replaced, not copied.
-    for e in cache.iterdir():
+    for e in entries:
         (e / "model.safetensors").unlink()
     tiny.make_tiny_model(tmp_path / "run-4" / "model-tiny", warmup=quick)
     assert len(calls) == 3
@@ -191,6 +191,24 @@ def test_the_next_run_copies_a_warmed_up_model_from_the_cache(tmp_path, monkeypa
     monkeypatch.delenv(tiny.CACHE_ENV)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert tiny.model_cache_dir() == tmp_path / "xdg" / "hpcrl" / "models"
+
+
+def test_runs_that_start_together_warm_up_once_through_the_cache(tmp_path, monkeypatch):
+    """Two runs of one machine (or a test session's background warm-up and its first run) building
+    the same demo model, each in its own directory: one warms up, the other waits and copies."""
+    monkeypatch.setenv(tiny.CACHE_ENV, str(tmp_path / "cache"))
+    quick = dataclasses.replace(tiny.DEMO_WARMUP, target=0.2)
+    calls = []
+    real = tiny.warm_up
+    monkeypatch.setattr(tiny, "warm_up", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    outs = [tmp_path / f"run-{i}" / "model-tiny" for i in range(2)]
+    threads = [threading.Thread(target=tiny.make_tiny_model, args=(out,), kwargs={"warmup": quick}) for out in outs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1
+    assert all((outs[1] / p.name).read_bytes() == p.read_bytes() for p in outs[0].iterdir())
 
 
 def test_the_cache_key_is_the_same_in_every_process(tmp_path):

@@ -23,7 +23,8 @@ tokenizer and a warm-up of its own (hpcrl.compute.models.tiny_agent).
 A warmed-up build is kept in a cache shared by runs ($HPCRL_MODEL_CACHE, else
 $XDG_CACHE_HOME/hpcrl/models, i.e. ~/.cache/hpcrl/models; "" turns it off), keyed by the recipe and
 by the source of the code that builds it, so that the next run with the same demo model copies a few
-megabytes instead of warming up again (the agent demo's warm-up is ~45 s). The cache is best effort:
+megabytes instead of warming up again (the agent demo's warm-up is ~45 s); runs that start together
+wait for one warm-up instead of each doing its own. The cache is best effort:
 where it cannot be read or written, the model is built in place as without it.
 """
 
@@ -398,9 +399,16 @@ def make_tiny_model(
     with _build_lock(out):
         if not _is_built(out, recipe):  # else another caller built it while this one waited
             cached = _cache_entry(recipe, warmup)
-            if cached is None or not _copy_from_cache(cached, out, recipe):
+            if cached is None:
                 _build(out, size, seed, dtype, warmup, recipe)
-                if cached is not None:
+                return out
+            # One warm-up per cache entry on this machine: runs that start together, for other
+            # directories, wait for the first one's build and copy it.
+            with contextlib.suppress(OSError):
+                cached.parent.mkdir(parents=True, exist_ok=True)
+            with _build_lock(cached):
+                if not _copy_from_cache(cached, out, recipe):
+                    _build(out, size, seed, dtype, warmup, recipe)
                     _copy_to_cache(out, cached, recipe)
     return out
 
