@@ -72,7 +72,9 @@ def cancel_after():
 # fault, Slurm's clock, its requeues), so the module's other jobs run meanwhile on other nodes of
 # the testbed instead of after them (issue #29: CI time).
 TIME_LIMIT_TEST = "test_time_limit_checkpoints_requeues_and_resumes_each_step_once"
-TIME_LIMIT_STEPS = 160
+# Work that outlasts the first allocation whatever the machine's speed: more sleep than its 90 s
+# (2 minutes, the signal 30 s ahead), and few steps, so that the requeued attempt's share is short.
+TIME_LIMIT_STEPS, TIME_LIMIT_STEP_SLEEP_S = 48, 2
 VLLM_REQUEUE_TEST = "test_vllm_job_checkpoints_at_the_signal_requeues_and_survives_a_killed_attempt"
 VLLM_REQUEUE_STEPS = 40
 
@@ -100,7 +102,8 @@ def time_limit_job(request, tmp_path_factory):
         return
     job_id, run_dir = _submit(hpcrl, *TWO_TASKS, "site.signal=USR2@30", "inference.engine=transformers",
                               "trainer.engine=deepspeed", "-N", "2", "inference.max_staleness=2",
-                              f"grpo.max_steps={TIME_LIMIT_STEPS}", "-t", "2", env={"HPCRL_FAULT": "slow-steps:0"})
+                              f"grpo.max_steps={TIME_LIMIT_STEPS}", "-t", "2",
+                              env={"HPCRL_FAULT": f"slow-steps={TIME_LIMIT_STEP_SLEEP_S}:0"})
     yield hpcrl, job_id, run_dir
     subprocess.run(["scancel", job_id], capture_output=True, timeout=10)
 
@@ -387,7 +390,7 @@ def test_staging_and_every_task_run_once_per_node_inside_the_site_container(test
 def test_time_limit_checkpoints_requeues_and_resumes_each_step_once(testbed, time_limit_job):
     """Slurm's warning signal before the time limit (USR2, 30 s ahead of a 2-minute limit; Slurm
     sends it up to ~30 s earlier still) makes the trainers checkpoint, the script requeues, the job
-    resumes, until the work is done. Each step sleeps a little (the slow-steps fault) so that the
+    resumes, until the work is done. Each step sleeps 2 s (the slow-steps fault) so that the
     work outlasts one allocation whatever the machine's speed. With inference.max_staleness=2 the
     checkpoint also holds the two generations asked for ahead, and the resumed job trains on them
     (the weights pushed while they were in flight, over the channel sync of the transformers engine). Two

@@ -7,8 +7,9 @@
   freeze-after-rendezvous  the rank is SIGSTOPped right after it (a node that stops answering)
   die-after-report         (mode control) the rank is SIGKILLed once every task's probe row is
                            written, while the others wait for it at the last barrier
-  slow-steps               the (trainer) rank sleeps STEP_DELAY_S at the start of every step, so
-                           that a run's work outlasts a short time limit whatever the machine
+  slow-steps[=S]           the (trainer) rank sleeps S seconds (STEP_DELAY_S) at the start of
+                           every step, so that a run's work outlasts a short time limit whatever
+                           the machine
 
 Without the variable this module does nothing. It is the one compute-side knob outside the job
 spec, on purpose: a test injects a different fault into each launch (srun step) of one run
@@ -27,12 +28,14 @@ STEP_DELAY_S = 0.5
 _rank: int | None = None          # this task's, once the rendezvous has confirmed it
 
 
-def _wanted(rank: int | None) -> set[str]:
-    out = set()
+def _wanted(rank: int | None) -> dict[str, str]:
+    """The faults meant for `rank`, each with its argument ("" where none was given)."""
+    out = {}
     for item in os.environ.get("HPCRL_FAULT", "").split(","):
-        name, _, target = item.strip().partition(":")
+        spec, _, target = item.strip().partition(":")
+        name, _, argument = spec.partition("=")
         if name in FAULTS and target.isdigit() and int(target) == rank:
-            out.add(name)
+            out[name] = argument
     return out
 
 
@@ -61,5 +64,5 @@ def inject(point: str, rank: int | None) -> None:
 
 def at_step() -> None:
     """Called by the trainer at the start of every step."""
-    if "HPCRL_FAULT" in os.environ and "slow-steps" in _wanted(_rank):
-        time.sleep(STEP_DELAY_S)
+    if "HPCRL_FAULT" in os.environ and "slow-steps" in (wanted := _wanted(_rank)):
+        time.sleep(float(wanted["slow-steps"] or STEP_DELAY_S))
