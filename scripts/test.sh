@@ -15,6 +15,7 @@ fi
 gpu_tier=""
 cleanup() {
   [ -n "$gpu_tier" ] && kill "$gpu_tier" 2>/dev/null || true
+  rm -rf "${gpu_tier_log:-}" "${gpu_tier_tmp:-}"
   [ -n "$started" ] && [ -z "${HPCRL_KEEP_TESTBED:-}" ] && bash scripts/slurm-testbed.sh stop || true
   # The CI budget (issue #29): install, testbed and tests together, against 30 minutes.
   echo "hpcrl: CI time ${SECONDS} s of a 1800 s budget ($((SECONDS * 100 / 1800))%)"
@@ -47,6 +48,5 @@ if [ -n "$gpu_tier" ]; then
   wait "$gpu_tier" || tier=$?
   gpu_tier=""
   cat "$gpu_tier_log"
-  rm -rf "$gpu_tier_log" "$gpu_tier_tmp"
   exit "$tier"
 fi
