@@ -350,6 +350,7 @@ def _build_lock(out: Path, timeout_s: float = BUILD_LOCK_TIMEOUT_S):
         import fcntl
 
         path = out.parent / f".{out.name}.lock"
+        path.parent.mkdir(parents=True, exist_ok=True)
         f = open(path, "a")
     except (ImportError, OSError):
         yield
@@ -404,8 +405,6 @@ def make_tiny_model(
                 return out
             # One warm-up per cache entry on this machine: runs that start together, for other
             # directories, wait for the first one's build and copy it.
-            with contextlib.suppress(OSError):
-                cached.parent.mkdir(parents=True, exist_ok=True)
             with _build_lock(cached):
                 if not _copy_from_cache(cached, out, recipe):
                     _build(out, size, seed, dtype, warmup, recipe)
