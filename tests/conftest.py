@@ -41,10 +41,16 @@ WARMED_DEMO_MODELS = ("demo:tiny", "demo:tiny:agent")
 WARM_UP_ENV = "HPCRL_TEST_WARM_UP"      # scripts/test.sh sets it
 
 
+# scripts/test.sh runs two sessions side by side (issue #29) and gives both one cache (it removes it).
+SHARED_CACHE_ENV = "HPCRL_TEST_MODEL_CACHE"
+
+
 def pytest_configure(config):
     # One cache of warmed-up demo models for the session's runs and jobs (hpcrl.compute.models.tiny):
     # the first run with a demo model warms it up, the others copy it. Never the user's ~/.cache.
-    config._hpcrl_model_cache = tempfile.mkdtemp(prefix="hpcrl-model-cache-")
+    shared = os.environ.get(SHARED_CACHE_ENV)
+    config._hpcrl_own_cache = not shared
+    config._hpcrl_model_cache = shared or tempfile.mkdtemp(prefix="hpcrl-model-cache-")
     os.environ["HPCRL_MODEL_CACHE"] = config._hpcrl_model_cache
     config._hpcrl_warm_up = None
     if os.environ.get(WARM_UP_ENV) == "1" and config.getoption("dist", "no") == "no":
@@ -63,7 +69,8 @@ def pytest_unconfigure(config):
     if warm_up is not None and warm_up.poll() is None:
         warm_up.kill()
         warm_up.wait()
-    shutil.rmtree(getattr(config, "_hpcrl_model_cache", ""), ignore_errors=True)
+    if getattr(config, "_hpcrl_own_cache", False):
+        shutil.rmtree(config._hpcrl_model_cache, ignore_errors=True)
 
 
 def _testbed_up() -> str | None:
@@ -212,10 +219,16 @@ SLOW_FOLDERS_FIRST = ("tests/e2e/", "tests/compute/")
 IN_PROCESS_FOLDERS_FIRST = ("tests/architecture/", "tests/job/", "tests/login/")
 
 
+# Its module fixtures submit Slurm jobs that run minutes in the background of its other tests (the
+# file's own header says why): the sooner it starts, the sooner they are done.
+BACKGROUND_JOBS_FIRST = ("tests/e2e/test_e2e_slurm.py",)
+
+
 def pytest_collection_modifyitems(config, items):
     if config.getoption("dist", "no") == "no":
-        if config._hpcrl_warm_up is not None:
-            items.sort(key=lambda item: not item.nodeid.startswith(IN_PROCESS_FOLDERS_FIRST))
+        warm_up = config._hpcrl_warm_up is not None
+        items.sort(key=lambda item: (warm_up and not item.nodeid.startswith(IN_PROCESS_FOLDERS_FIRST),
+                                     not item.nodeid.startswith(BACKGROUND_JOBS_FIRST)))
         return
     def rank(item):
         path = item.nodeid.split("::")[0]

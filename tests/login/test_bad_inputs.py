@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -160,12 +161,14 @@ CASES = [
 ]
 
 
-def _squeue_count() -> int | None:
+def _squeue_count(work: Path) -> int | None:
+    """Jobs in the queue submitted from `work` (their working directory, the run directory, is under
+    it): other sessions may share the testbed (scripts/test.sh runs two side by side)."""
     try:
-        out = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, timeout=10)
+        out = subprocess.run(["squeue", "-h", "-o", "%Z"], capture_output=True, text=True, timeout=10)
     except (FileNotFoundError, subprocess.TimeoutExpired):
         return None
-    return len(out.stdout.split()) if out.returncode == 0 else None
+    return sum(line.startswith(str(work)) for line in out.stdout.splitlines()) if out.returncode == 0 else None
 
 
 @pytest.mark.parametrize("case_id,recipe,args,expect", CASES, ids=[c[0] for c in CASES])
@@ -175,7 +178,7 @@ def test_bad_input(hpcrl, case_id, recipe, args, expect):
         path = hpcrl.work.parent / "recipe.yaml"
         path.write_bytes(recipe if isinstance(recipe, bytes) else recipe.encode())
         args.append(str(path))
-    before = _squeue_count()
+    before = _squeue_count(hpcrl.work)
     r = hpcrl("submit", *args)
     assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
     lines = r.stderr.strip().splitlines()
@@ -187,7 +190,7 @@ def test_bad_input(hpcrl, case_id, recipe, args, expect):
     assert not (hpcrl.home / "registry.sqlite").exists(), "a job was registered"
     assert not os.path.exists("/tmp/hpcrl-pwned")
     if before is not None:
-        assert _squeue_count() == before, "a job was submitted"
+        assert _squeue_count(hpcrl.work) == before, "a job was submitted"
 
 
 def test_there_are_enough_cases():
