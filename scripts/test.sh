@@ -25,15 +25,17 @@ export SLURM_CONF=$SLURM_BASE/etc/slurm.conf
 
 # The whole suite runs in two lanes side by side (issue #29: CI time). On its own the suite leaves a
 # third of CI's 2 cores idle: its runs hand work between a trainer and an engine, its Slurm jobs sleep
-# through their faults, and its first minutes run in pytest's own process. The side lane is
-# tests/e2e/ (a tenth of the tests, a third of the time: whole runs and Slurm jobs), then the GPU
-# tier's CPU self-check; the main lane, everything else. Both share the testbed (24 nodes, so that the
-# 16-node job always finds its nodes) and one cache of demo models (tests/conftest.py: the main lane
-# warms them up). Each lane prints its own failures and slowest tests; the script fails if either does.
+# through their faults, its launches wait out their bounds, and its first minutes run in pytest's own
+# process. The side lane is the whole runs, Slurm jobs and launches (SIDE_LANE: a tenth of the tests,
+# over 40 % of their CPU time), then the GPU tier's CPU self-check; the main lane, everything else. Both
+# share the testbed (24 nodes, so that the 16-node job always finds its nodes) and one cache of demo
+# models (tests/conftest.py: the main lane warms them up). Each lane prints its own failures and
+# slowest tests; the script fails if either does.
+SIDE_LANE=(tests/e2e tests/compute/launch)
 side_lane() {
   local status=0
-  HPCRL_TEST_WARM_UP=0 .venv/bin/python -m pytest -ra --durations=10 -p no:cacheprovider \
-    --basetemp "$side_tmp/e2e" tests/e2e || status=$?
+  HPCRL_TEST_WARM_UP=0 .venv/bin/python -m pytest -ra --durations=15 -p no:cacheprovider \
+    --basetemp "$side_tmp/side" "${SIDE_LANE[@]}" || status=$?
   # The GPU tier (tests/compute/train/test_gpu.py) skips in the suite without a GPU. Its own logic runs
   # on the CPU (HPCRL_GPU_TIER_DEVICE=cpu: gloo, no CUDA kernel or NCCL), so that the tier a session
   # lent a GPU runs has not rotted meanwhile (~45 s).
@@ -52,7 +54,7 @@ if [ $# -eq 0 ]; then
   side_lane > "$side_log" 2>&1 &
   side=$!
   set +m
-  main_only=(--ignore=tests/e2e)
+  main_only=("${SIDE_LANE[@]/#/--ignore=}")
   # The main lane warms the demo models up in the background while its in-process tests run first.
   export HPCRL_TEST_WARM_UP=${HPCRL_TEST_WARM_UP:-1}
 fi
@@ -69,7 +71,7 @@ if [ -n "$side" ]; then
   lane=0
   wait "$side" || lane=$?
   side=""
-  echo "The end-to-end lane (tests/e2e/, then the GPU tier), run beside the rest:"
+  echo "The side lane (${SIDE_LANE[*]}, then the GPU tier), run beside the rest:"
   cat "$side_log"
   [ "$main" -ne 0 ] || main=$lane
 fi

@@ -145,8 +145,8 @@ def test_16_nodes_through_srun_report_the_place_the_plan_gives_them(testbed, hpc
     nodes = RANKS // PER_NODE
     have, gpus = _testbed_nodes()
     if have < nodes or gpus < PER_NODE:
-        pytest.skip(f"the testbed has {have} nodes x {gpus} GPUs; scripts/test.sh starts it with "
-                    f"SLURM_NODES={nodes} SLURM_NODE_GPUS={PER_NODE}")
+        pytest.skip(f"the testbed has {have} nodes x {gpus} GPUs; this test needs {nodes} x {PER_NODE} "
+                    f"(scripts/test.sh starts it with SLURM_NODES=24 SLURM_NODE_GPUS={PER_NODE})")
     r = hpcrl("submit", "--site", "testbed", "-N", str(nodes), "-t", "10", *TESTBED_OVERRIDES)
     assert r.returncode == 0, r.stderr
     job_id, run_dir = r.stdout.strip(), Path(r.stderr.rsplit("run directory ", 1)[1].strip())
