@@ -21,6 +21,9 @@ cleanup() {
   echo "hpcrl: CI time ${SECONDS} s of a 1800 s budget ($((SECONDS * 100 / 1800))%)"
 }
 trap cleanup EXIT
+# Ctrl-C reaches the main lane only (the side lane has a process group of its own): exit, and cleanup
+# ends the side lane, instead of waiting for it.
+trap 'exit 130' INT TERM
 export SLURM_CONF=$SLURM_BASE/etc/slurm.conf
 
 # The whole suite runs in two lanes side by side (issue #29: CI time). On its own the suite leaves a
