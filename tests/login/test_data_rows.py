@@ -241,6 +241,8 @@ def test_a_huge_set_stops_at_the_time_bound(tmp_path, monkeypatch):
     monkeypatch.setattr(data_rows, "HEAD_ROWS", 10**9)
     monkeypatch.setattr(data_rows, "SAMPLE_ROWS", 0)
     f = write_many(tmp_path / "big.jsonl", 300_000, bad=range(250_000, 250_001))
+    # Time to read it all (~1 s here alone, past the default 2 s on a machine busy with other tests).
+    monkeypatch.setattr(data_rows, "TIME_BUDGET_S", 60.0)
     with pytest.raises(UserError, match=r"big.jsonl line 250001: "):
         check(f)
     monkeypatch.setattr(data_rows, "TIME_BUDGET_S", 0.05)
