@@ -253,13 +253,15 @@ def test_sync_and_async_tools(tools_pool):
     assert session.observation is None
     started = time.monotonic()
     results = tools_pool.call_many(session, [("add", {"a": 2, "b": 3}),
-                                             ("async_add", {"a": 1, "b": 1, "delay": 0.6}),
-                                             ("async_add", {"a": 2, "b": 2, "delay": 0.6})])
+                                             ("async_add", {"a": 1, "b": 1, "delay": 1.0}),
+                                             ("async_add", {"a": 2, "b": 2, "delay": 1.0})])
     elapsed = time.monotonic() - started
     assert [(r.name, r.content, r.failed, r.awaited) for r in results] == [
         ("add", 5, False, False), ("async_add", 2, False, True), ("async_add", 4, False, True)]
-    assert elapsed < 1.0, f"a turn's async calls run together (TRL's asyncio.gather): {elapsed:.2f}s"
-    assert results[1].seconds >= 0.55
+    # One after the other they take 2 s; together 1 s, and 0.8 s to spare on a machine busy with
+    # other tests (scripts/test.sh runs two lanes).
+    assert elapsed < 1.8, f"a turn's async calls run together (TRL's asyncio.gather): {elapsed:.2f}s"
+    assert results[1].seconds >= 0.95
     tools_pool.close_session(session)
 
 
