@@ -26,7 +26,7 @@ trap cleanup EXIT
 trap 'exit 130' INT TERM
 export SLURM_CONF=$SLURM_BASE/etc/slurm.conf
 
-# The whole suite runs in two lanes side by side (issue #29: CI time). On its own the suite leaves a
+# HPCRL_TEST_LANES=1: the whole suite runs in two lanes side by side (issue #29: CI time). On its own the suite leaves a
 # third of CI's 2 cores idle: its runs hand work between a trainer and an engine, its Slurm jobs sleep
 # through their faults, its launches wait out their bounds, and its first minutes run in pytest's own
 # process. The side lane is the whole runs, Slurm jobs and launches (SIDE_LANE: a tenth of the tests,
@@ -34,16 +34,23 @@ export SLURM_CONF=$SLURM_BASE/etc/slurm.conf
 # share the testbed (24 nodes, so that the 16-node job always finds its nodes) and one cache of demo
 # models (tests/conftest.py: the main lane warms them up). Each lane prints its own failures and
 # slowest tests; the script fails if either does.
+# Not yet by default: beside the other lane, a killed vLLM engine core
+# was once reported by the trainer's "EngineDeadError ... see stack trace" instead of the engine's own
+# reason (test_launch_local, 1 run in 4), a race that load exposes. Off, the GPU tier's self-check
+# alone runs beside the suite, niced, in the core its first minutes leave idle.
+LANES=${HPCRL_TEST_LANES:-0}
 SIDE_LANE=(tests/e2e tests/compute/launch)
 side_lane() {
   local status=0
-  HPCRL_TEST_WARM_UP=0 .venv/bin/python -m pytest -ra --durations=15 -p no:cacheprovider \
-    --basetemp "$side_tmp/side" "${SIDE_LANE[@]}" || status=$?
+  if [ "$LANES" = 1 ]; then
+    HPCRL_TEST_WARM_UP=0 .venv/bin/python -m pytest -ra --durations=15 -p no:cacheprovider \
+      --basetemp "$side_tmp/side" "${SIDE_LANE[@]}" || status=$?
+  fi
   # The GPU tier (tests/compute/train/test_gpu.py) skips in the suite without a GPU. Its own logic runs
   # on the CPU (HPCRL_GPU_TIER_DEVICE=cpu: gloo, no CUDA kernel or NCCL), so that the tier a session
   # lent a GPU runs has not rotted meanwhile (~45 s).
   echo "GPU tier on the CPU (HPCRL_GPU_TIER_DEVICE=cpu):"
-  HPCRL_TEST_WARM_UP=0 HPCRL_GPU_TIER_DEVICE=cpu .venv/bin/python -m pytest -q -p no:cacheprovider \
+  HPCRL_TEST_WARM_UP=0 HPCRL_GPU_TIER_DEVICE=cpu nice -n 5 .venv/bin/python -m pytest -q -p no:cacheprovider \
     --basetemp "$side_tmp/gpu" -m gpu tests/compute/train/test_gpu.py || status=$?
   return "$status"
 }
@@ -57,7 +64,7 @@ if [ $# -eq 0 ]; then
   side_lane > "$side_log" 2>&1 &
   side=$!
   set +m
-  main_only=("${SIDE_LANE[@]/#/--ignore=}")
+  [ "$LANES" = 1 ] && main_only=("${SIDE_LANE[@]/#/--ignore=}")
   # The main lane warms the demo models up in the background while its in-process tests run first.
   export HPCRL_TEST_WARM_UP=${HPCRL_TEST_WARM_UP:-1}
 fi
@@ -74,7 +81,7 @@ if [ -n "$side" ]; then
   lane=0
   wait "$side" || lane=$?
   side=""
-  echo "The side lane (${SIDE_LANE[*]}, then the GPU tier), run beside the rest:"
+  echo "Run beside the rest: $([ "$LANES" = 1 ] && echo "the side lane (${SIDE_LANE[*]}), then ")the GPU tier:"
   cat "$side_log"
   [ "$main" -ne 0 ] || main=$lane
 fi
