@@ -220,15 +220,18 @@ IN_PROCESS_FOLDERS_FIRST = ("tests/architecture/", "tests/job/", "tests/login/")
 
 
 # Its module fixtures submit Slurm jobs that run minutes in the background of its other tests (the
-# file's own header says why): the sooner it starts, the sooner they are done.
+# file's own header says why): in a session that does not warm up (scripts/test.sh's side lane, or a
+# developer's run of tests/e2e) it goes first, so they are done sooner. A session that warms up (the
+# whole suite in one, the default) keeps it among the end-to-end tests, where its jobs overlap only them.
 BACKGROUND_JOBS_FIRST = ("tests/e2e/test_e2e_slurm.py",)
 
 
 def pytest_collection_modifyitems(config, items):
     if config.getoption("dist", "no") == "no":
-        warm_up = config._hpcrl_warm_up is not None
-        items.sort(key=lambda item: (warm_up and not item.nodeid.startswith(IN_PROCESS_FOLDERS_FIRST),
-                                     not item.nodeid.startswith(BACKGROUND_JOBS_FIRST)))
+        if config._hpcrl_warm_up is not None:
+            items.sort(key=lambda item: not item.nodeid.startswith(IN_PROCESS_FOLDERS_FIRST))
+        else:
+            items.sort(key=lambda item: not item.nodeid.startswith(BACKGROUND_JOBS_FIRST))
         return
     def rank(item):
         path = item.nodeid.split("::")[0]

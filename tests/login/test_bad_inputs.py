@@ -163,7 +163,7 @@ CASES = [
 
 def _squeue_count(work: Path) -> int | None:
     """Jobs in the queue submitted from `work` (their working directory, the run directory, is under
-    it): other sessions may share the testbed (scripts/test.sh runs two side by side)."""
+    it): other sessions may share the testbed (scripts/test.sh can run two side by side)."""
     try:
         out = subprocess.run(["squeue", "-h", "-o", "%Z"], capture_output=True, text=True, timeout=10)
     except (FileNotFoundError, subprocess.TimeoutExpired):

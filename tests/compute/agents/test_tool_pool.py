@@ -259,7 +259,7 @@ def test_sync_and_async_tools(tools_pool):
     assert [(r.name, r.content, r.failed, r.awaited) for r in results] == [
         ("add", 5, False, False), ("async_add", 2, False, True), ("async_add", 4, False, True)]
     # One after the other they take 2 s; together 1 s, and 0.8 s to spare on a machine busy with
-    # other tests (scripts/test.sh runs two lanes).
+    # other tests (scripts/test.sh can run two lanes).
     assert elapsed < 1.8, f"a turn's async calls run together (TRL's asyncio.gather): {elapsed:.2f}s"
     assert results[1].seconds >= 0.95
     tools_pool.close_session(session)

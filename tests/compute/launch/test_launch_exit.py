@@ -54,8 +54,8 @@ TRAINER = textwrap.dedent("""
     # MPICH's segments this rank maps: the test checks that these are gone (other jobs on the machine
     # make and strand segments of their own meanwhile).
     with open(f"{out}/segments{rank}", "w") as f:
-        f.write(" ".join(sorted({line.split()[-1].rsplit("/", 1)[1] for line in open("/proc/self/maps")
-                                   if "/dev/shm/mpich_shm_" in line})))
+        f.write(" ".join(sorted({word.rsplit("/", 1)[1] for line in open("/proc/self/maps")
+                                 for word in line.split() if word.startswith("/dev/shm/mpich_shm_")})))
     print(f"rank {rank} trained", end="")   # no newline, no flush: still buffered at exit
     exit_finished(0)
 """)
