@@ -154,6 +154,11 @@ class Server:
             self._reply(rank, msg, {"ok": True})
         elif op and op.startswith("weights_"):
             reply = self.receiver.handle(msg)
+            if not reply.get("ok"):
+                # vLLM's refusal only says "EngineDeadError: see the stack trace above"; the engine
+                # watch would name the cause within a second, but the trainer, told this, could fail
+                # the job first with the wrapper's words. A dead engine ends the job here, by its cause.
+                end_if_engine_died(self.ctx, self.engine)
             if op == "weights_finish" and reply.get("ok"):
                 self.engine.version = int(msg.get("version") or 0)
             if op in ("weights_finish", "weights_abort"):
@@ -305,13 +310,19 @@ def _watch_engine(ctx: LaunchContext, engine: InferenceEngine, every_s: float = 
 
     def watch() -> None:
         while not stop.wait(every_s):
-            reason = None if signal_that_ends_the_engine(engine) else engine.death()
-            if reason and not stop.is_set():
-                ctx.watchdog.fail(reason, grace_s=0)
-                die(ctx.watchdog.who, reason)
+            end_if_engine_died(ctx, engine, unless=stop)
 
     threading.Thread(target=watch, name="hpcrl-engine-watch", daemon=True).start()
     return stop
+
+
+def end_if_engine_died(ctx: LaunchContext, engine: InferenceEngine, unless: threading.Event | None = None) -> None:
+    """End the job now, with how the engine's process died, if one has (and no stop signal of the
+    job's explains it), unless `unless` is set (the engine is being closed on purpose)."""
+    reason = None if signal_that_ends_the_engine(engine) else engine.death()
+    if reason and not (unless is not None and unless.is_set()):
+        ctx.watchdog.fail(reason, grace_s=0)
+        die(ctx.watchdog.who, reason)
 
 
 def _engine_cause(engine_cls: type[InferenceEngine], e: Exception, errors_log: Path | None,

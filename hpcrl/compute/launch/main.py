@@ -26,7 +26,7 @@ from hpcrl.compute.launch import faults, leave, outcome, pinning, rendezvous, sh
 from hpcrl.compute.launch.node_channel import NodeChannel, NodeServerChannel
 from hpcrl.compute.launch.context import LaunchContext, write_line
 from hpcrl.compute.launch.mesh import build_mesh
-from hpcrl.compute.launch.reason import explain
+from hpcrl.compute.launch.reason import explain, says_why
 from hpcrl.job.mesh_choice import choose_mesh
 from hpcrl.compute.launch.rendezvous import ArrivalBook, LaunchError
 from hpcrl.compute.launch.stop import STOP
@@ -237,8 +237,14 @@ def run_role(ctx: LaunchContext) -> int:
         return 1
 
 
+ECHO_GRACE_S = 5.0      # how long an error that only points elsewhere waits for the real one
+
+
 def _report_failure(ctx: LaunchContext, e: BaseException) -> None:
-    ctx.watchdog.fail(explain(e))
+    """Tell the hub. An error that names no cause of its own (a trainer told "EngineDeadError: see
+    the stack trace above" by its server) waits longer for the task that has one (the server names
+    how its engine died); only if none speaks does it become the job's reason."""
+    ctx.watchdog.fail(explain(e), **({} if says_why(e) else {"grace_s": ECHO_GRACE_S}))
 
 
 def teardown(ctx: LaunchContext, code: int) -> int:

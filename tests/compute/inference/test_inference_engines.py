@@ -115,6 +115,42 @@ def test_the_server_batches_by_what_the_engine_says_it_can(tmp_path, monkeypatch
     assert health["engine"] == "echo"
 
 
+def test_a_sync_refused_by_a_dead_engine_ends_the_job_with_how_it_died_not_the_refusal(tmp_path, monkeypatch):
+    """vLLM refuses a weight sync on a killed engine core with "EngineDeadError: ... see the stack
+    trace above". Passed on as it is, the trainer could fail the job with those words before the
+    engine watch (once a second) named the cause: the server ends the job first, with the engine's
+    own end, and sends no reply."""
+    from hpcrl.compute.inference import server
+
+    class Ended(Exception):
+        pass
+
+    def die(who, reason, callbacks=()):
+        raise Ended(who, reason)
+
+    refusal = {"ok": False, "error": "EngineDeadError: EngineCore encountered an issue. See stack trace (above) "
+                                     "for the root cause.", "state": "failed"}
+    monkeypatch.setitem(ENGINES, "echo", f"{__name__}:EchoEngine")
+    monkeypatch.setattr(EchoEngine, "weight_receiver", lambda self: SimpleNamespace(consistent=True, handle=lambda m: refusal))
+    monkeypatch.setattr(server, "die", die)
+    recipe = SimpleNamespace(inference=SimpleNamespace(engine="echo"))
+    failed = []
+    ctx = SimpleNamespace(spec=SimpleNamespace(recipe=recipe), device="cpu", run_dir=tmp_path,
+                          task=SimpleNamespace(node=0, engine=None, rank=2), channel=_Channel({0}),
+                          watchdog=SimpleNamespace(who="rank 2 (node 0, server)",
+                                                   fail=lambda reason, grace_s=1.0: failed.append((reason, grace_s))))
+    engine = server.make_engine(ctx, "/m")
+    s = server.Server(ctx, engine)
+    s.handle(0, {"op": "weights_start", "version": 1, "rid": 1})        # the engine lives: the refusal goes back
+    assert ctx.channel.replies == [(0, {**refusal, "rid": 1})] and failed == []
+    death = "vLLM's EngineCore (pid 4242) was killed by SIGKILL"
+    monkeypatch.setattr(EchoEngine, "death", lambda self: death, raising=False)
+    with pytest.raises(Ended) as ended:
+        s.handle(0, {"op": "weights_start", "version": 2, "rid": 2})
+    assert ended.value.args == ("rank 2 (node 0, server)", death)
+    assert failed == [(death, 0)] and len(ctx.channel.replies) == 1
+
+
 # ------------------------------------------------------------------ the transformers engine
 @pytest.fixture(scope="module")
 def transformers_engine(tmp_path_factory):

@@ -18,7 +18,7 @@ import pytest
 from conftest import run_to_the_end
 
 from hpcrl.compute.inference.vllm_engine import MULTIPROCESSING_ENV
-from hpcrl.compute.launch.reason import LIMIT, Explained, explain, points_elsewhere, root_cause
+from hpcrl.compute.launch.reason import LIMIT, Explained, explain, points_elsewhere, root_cause, says_why
 from hpcrl.job.rundir import read_failure
 from hpcrl.login.local.console import ConsoleFilter
 
@@ -91,6 +91,34 @@ def test_a_chained_exception_gives_the_cause_that_says_why():
     e = _raised(wrapped)
     assert points_elsewhere(e)
     assert explain(e).startswith("EngineSettings: Value error, User-specified max_model_len (4096)")
+
+
+def test_an_error_that_only_echoes_another_tasks_failure_waits_longer_for_its_reason():
+    """A trainer told "EngineDeadError: see the stack trace above" by its server names no cause of
+    its own: it gives the server (which names how its engine died) longer to fail the job first."""
+    from types import SimpleNamespace
+
+    from hpcrl.compute.launch import main
+    from hpcrl.compute.sync.api import SyncError
+
+    def refused():
+        raise SyncError("server refused weights_start: EngineDeadError: EngineCore encountered an issue. "
+                        "See stack trace (above) for the root cause.")
+
+    def broken_data():
+        try:
+            open("/nonexistent/hpcrl/data.jsonl")
+        except OSError as e:
+            raise RuntimeError("EngineCore encountered an issue. See stack trace (above)") from e
+
+    echo, own = _raised(refused), _raised(broken_data)
+    assert not says_why(echo) and says_why(own)
+    calls = []
+    ctx = SimpleNamespace(watchdog=SimpleNamespace(fail=lambda reason, **kw: calls.append((reason, kw))))
+    main._report_failure(ctx, echo)
+    main._report_failure(ctx, own)
+    assert calls[0] == (explain(echo), {"grace_s": main.ECHO_GRACE_S}) and main.ECHO_GRACE_S > 1.0
+    assert calls[1] == (explain(own), {})      # its own reason: the usual moment for a peer's verdict
 
 
 def test_hpcrl_own_error_is_kept_over_the_library_error_it_was_raised_from(tmp_path):
