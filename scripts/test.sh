@@ -8,7 +8,7 @@ export SLURM_BASE=${SLURM_BASE:-/tmp/hpcrl-testbed}
 started=""
 if ! SLURM_CONF=$SLURM_BASE/etc/slurm.conf scontrol ping 2>/dev/null | grep -q UP; then
   # 24 nodes x 8 fake GPUs: tests/compute/launch/test_launch_scale.py launches a Frontier-shaped job
-  # (16 x 8 tasks) through srun, while the side lane's jobs (HPCRL_TEST_LANES=1, below) may hold up to
+  # (16 x 8 tasks) through srun, while the side lane's jobs (below) may hold up to
   # 6 nodes; the other jobs take 1 or 2.
   SLURM_NODES=${SLURM_NODES:-24} SLURM_NODE_GPUS=${SLURM_NODE_GPUS:-8} bash scripts/slurm-testbed.sh start
   started=1
@@ -27,19 +27,18 @@ trap cleanup EXIT
 trap 'exit 130' INT TERM
 export SLURM_CONF=$SLURM_BASE/etc/slurm.conf
 
-# HPCRL_TEST_LANES=1: the whole suite runs in two lanes side by side (issue #29: CI time). On its own
-# the suite leaves a third of CI's 2 cores idle: its runs hand work between a trainer and an engine,
-# its Slurm jobs sleep through their faults, its launches wait out their bounds, and its first minutes
-# run in pytest's own process. The side lane is the whole runs, Slurm jobs and launches (SIDE_LANE: a
-# tenth of the tests, over 40 % of their CPU time), then the GPU tier's CPU self-check; the main lane,
-# everything else. Both share the testbed (24 nodes, so that the 16-node job always finds its nodes)
-# and one cache of demo models (tests/conftest.py: the main lane warms them up). Each lane prints its
-# own failures and slowest tests; the script fails if either does.
-# Not yet the default: beside the other lane, a killed vLLM engine core was once reported by the
-# trainer's "EngineDeadError ... see stack trace" instead of the engine's own reason
-# (test_launch_local, 1 run in 4), a race that the load exposes. Off, the GPU tier's self-check alone
-# runs beside the suite, niced, in the core the suite's first minutes leave idle.
-LANES=${HPCRL_TEST_LANES:-0}
+# The whole suite runs in two lanes side by side (issue #29: CI time; HPCRL_TEST_LANES=0: one lane).
+# On its own the suite leaves a third of CI's 2 cores idle: its runs hand work between a trainer and
+# an engine, its Slurm jobs sleep through their faults, its launches wait out their bounds, and its
+# first minutes run in pytest's own process. The side lane is the whole runs, Slurm jobs and launches
+# (SIDE_LANE: a tenth of the tests, over 40 % of their CPU time), then the GPU tier's CPU self-check;
+# the main lane, everything else. Both share the testbed (24 nodes, so that the 16-node job always
+# finds its nodes) and one cache of demo models (tests/conftest.py: the main lane warms them up).
+# Each lane prints its own failures and slowest tests; the script fails if either does.
+# The load found a real race once (a killed vLLM engine core reported by the trainer's "EngineDeadError
+# ... see stack trace" instead of the engine's own reason; fixed in the server): tests that pass only
+# on an idle machine are bugs of the product or the test, not of the lanes.
+LANES=${HPCRL_TEST_LANES:-1}
 SIDE_LANE=(tests/e2e tests/compute/launch)
 side_lane() {
   local status=0
