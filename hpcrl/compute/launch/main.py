@@ -26,7 +26,7 @@ from hpcrl.compute.launch import faults, leave, outcome, pinning, rendezvous, sh
 from hpcrl.compute.launch.node_channel import NodeChannel, NodeServerChannel
 from hpcrl.compute.launch.context import LaunchContext, write_line
 from hpcrl.compute.launch.mesh import build_mesh
-from hpcrl.compute.launch.reason import explain, says_why
+from hpcrl.compute.launch.reason import explain, only_points_elsewhere
 from hpcrl.job.mesh_choice import choose_mesh
 from hpcrl.compute.launch.rendezvous import ArrivalBook, LaunchError
 from hpcrl.compute.launch.stop import STOP
@@ -244,7 +244,7 @@ def _report_failure(ctx: LaunchContext, e: BaseException) -> None:
     """Tell the hub. An error that names no cause of its own (a trainer told "EngineDeadError: see
     the stack trace above" by its server) waits longer for the task that has one (the server names
     how its engine died); only if none speaks does it become the job's reason."""
-    ctx.watchdog.fail(explain(e), **({} if says_why(e) else {"grace_s": ECHO_GRACE_S}))
+    ctx.watchdog.fail(explain(e), **({"grace_s": ECHO_GRACE_S} if only_points_elsewhere(e) else {}))
 
 
 def teardown(ctx: LaunchContext, code: int) -> int:

@@ -40,11 +40,13 @@ def points_elsewhere(e: BaseException) -> bool:
     return type(e).__name__ in _WRAPPER_TYPES or bool(_WRAPPER.search(str(e)))
 
 
-def says_why(e: BaseException) -> bool:
-    """Whether any error of `e`'s chain says something itself; not so for one that only passes on
-    another's pointer ("server refused weights_start: EngineDeadError: see the stack trace above"):
-    the echo of a failure elsewhere, whose own reason is on its way from there."""
-    return any(not _says_nothing(c) for c in _chain(e))
+def only_points_elsewhere(e: BaseException) -> bool:
+    """Whether `e` names no cause of its own and points at another's ("server refused
+    weights_start: EngineDeadError: see the stack trace above"): the echo of a failure elsewhere,
+    whose own reason is on its way from there. An error that is merely terse (a KeyboardInterrupt,
+    an empty TimeoutError) is no echo."""
+    chain = _chain(e)
+    return any(points_elsewhere(c) for c in chain) and all(_says_nothing(c) for c in chain)
 
 
 def _says_nothing(e: BaseException) -> bool:

@@ -84,6 +84,12 @@ def _load_rank(rank: int, world: int, init_file: str, model_dir: str, out_dir: s
     from hpcrl.compute.train.fsdp import LoadOptions, load_sharded_model
 
     torch.set_num_threads(1)
+    # Both ranks past their imports before the group forms: on a busy machine one may import seconds
+    # later than the other, which a 2 s collective timeout would take for the load's slowness.
+    Path(f"{init_file}.ready{rank}").touch()
+    deadline = time.monotonic() + 60
+    while not all(Path(f"{init_file}.ready{r}").exists() for r in range(world)) and time.monotonic() < deadline:
+        time.sleep(0.01)
     result: dict = {}
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
@@ -100,20 +106,22 @@ def _load_rank(rank: int, world: int, init_file: str, model_dir: str, out_dir: s
     os._exit(0)         # no teardown: a peer may be gone, and gloo's destructors can abort then
 
 
-def _run_load(tmp_path: Path, tag: str, **kw) -> dict[int, dict]:
+def _run_loads(tmp_path: Path, **runs: dict) -> dict[str, dict[int, dict]]:
+    """Each run (tag -> its _load_rank settings) as two ranks, all runs at once (each waits out
+    its own delay and bound: side by side they take the longest one's time, not the sum)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     model_dir = tmp_path / "model"
-    if not model_dir.exists():
-        config = Qwen2Config(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-        torch.manual_seed(0)
-        Qwen2ForCausalLM(config).save_pretrained(model_dir)
-    out = tmp_path / tag
-    out.mkdir()
+    config = Qwen2Config(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(model_dir)
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_load_rank, args=(r, 2, str(tmp_path / f"rdzv-{tag}"), str(model_dir), str(out)),
-                         kwargs=kw) for r in range(2)]
+    procs = []
+    for tag, kw in runs.items():
+        (tmp_path / tag).mkdir()
+        procs += [ctx.Process(target=_load_rank, args=(r, 2, str(tmp_path / f"rdzv-{tag}"), str(model_dir),
+                                                        str(tmp_path / tag)), kwargs=kw) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
@@ -121,16 +129,18 @@ def _run_load(tmp_path: Path, tag: str, **kw) -> dict[int, dict]:
         if p.is_alive():
             p.kill()
             p.join()
-    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(2) if (out / f"rank{r}.json").exists()}
+    return {tag: {r: json.loads((tmp_path / tag / f"rank{r}.json").read_text()) for r in range(2)
+                  if (tmp_path / tag / f"rank{r}.json").exists()} for tag in runs}
 
 
 def test_model_load_is_bounded_apart_from_the_collectives(tmp_path):
     """Rank 0 reads for 5 s against a 2 s collective timeout: with launch.model_load_timeout_s
     above it the load completes, and below it the other rank stops with a message naming it."""
-    ok = _run_load(tmp_path, "ok", collective_s=2.0, load_s=60.0, read_delay_s=5.0)
+    got = _run_loads(tmp_path, ok=dict(collective_s=2.0, load_s=60.0, read_delay_s=5.0),
+                     slow=dict(collective_s=60.0, load_s=2.0, read_delay_s=8.0))
+    ok, slow = got["ok"], got["slow"]
     assert set(ok) == {0, 1} and "error" not in ok[0] and "error" not in ok[1], ok
     assert ok[0]["loaded"] == pytest.approx(ok[1]["loaded"])
 
-    slow = _run_load(tmp_path, "slow", collective_s=60.0, load_s=2.0, read_delay_s=8.0)
     assert "launch.model_load_timeout_s" in slow[1].get("error", ""), slow
     assert "did not finish reading" in slow[1]["error"] and "within 2 s" in slow[1]["error"], slow

@@ -18,7 +18,7 @@ import pytest
 from conftest import run_to_the_end
 
 from hpcrl.compute.inference.vllm_engine import MULTIPROCESSING_ENV
-from hpcrl.compute.launch.reason import LIMIT, Explained, explain, points_elsewhere, root_cause, says_why
+from hpcrl.compute.launch.reason import LIMIT, Explained, explain, points_elsewhere, root_cause, only_points_elsewhere
 from hpcrl.job.rundir import read_failure
 from hpcrl.login.local.console import ConsoleFilter
 
@@ -111,14 +111,18 @@ def test_an_error_that_only_echoes_another_tasks_failure_waits_longer_for_its_re
         except OSError as e:
             raise RuntimeError("EngineCore encountered an issue. See stack trace (above)") from e
 
-    echo, own = _raised(refused), _raised(broken_data)
-    assert not says_why(echo) and says_why(own)
+    def interrupted():
+        raise KeyboardInterrupt
+
+    echo, own, terse = _raised(refused), _raised(broken_data), _raised(interrupted)
+    assert only_points_elsewhere(echo) and not only_points_elsewhere(own) and not only_points_elsewhere(terse)
     calls = []
     ctx = SimpleNamespace(watchdog=SimpleNamespace(fail=lambda reason, **kw: calls.append((reason, kw))))
     main._report_failure(ctx, echo)
     main._report_failure(ctx, own)
+    main._report_failure(ctx, terse)
     assert calls[0] == (explain(echo), {"grace_s": main.ECHO_GRACE_S}) and main.ECHO_GRACE_S > 1.0
-    assert calls[1] == (explain(own), {})      # its own reason: the usual moment for a peer's verdict
+    assert calls[1:] == [(explain(own), {}), (explain(terse), {})]     # the usual moment for a peer's verdict
 
 
 def test_hpcrl_own_error_is_kept_over_the_library_error_it_was_raised_from(tmp_path):
