@@ -39,9 +39,10 @@ export SLURM_CONF=$SLURM_BASE/etc/slurm.conf
 # ... see stack trace" instead of the engine's own reason; fixed in the server): tests that pass only
 # on an idle machine are bugs of the product or the test, not of the lanes.
 LANES=${HPCRL_TEST_LANES:-1}
-# test_lora.py (a 160-step learning run, ~90 s alone) goes last in the side lane: without it the main
-# lane ended ~4 minutes after the side lane's tests (rehearsal of 2026-12-02: 1,945 s against 1,555 s).
-SIDE_LANE=(tests/e2e tests/compute/launch tests/compute/train/test_lora.py)
+# The last two (a 160-step LoRA learning run, ~90 s alone; DeepSpeed's syncs, ~27 s alone) balance the
+# lanes: without them the main lane ended minutes after the side lane's tests (rehearsals of 2026-12-02:
+# 1,945 s against 1,555 s; with test_lora.py moved, 1,722 s against 1,490 + 98 s of the GPU tier).
+SIDE_LANE=(tests/e2e tests/compute/launch tests/compute/train/test_lora.py tests/compute/sync/test_deepspeed_sync.py)
 side_lane() {
   local status=0
   if [ "$LANES" = 1 ]; then
