@@ -320,7 +320,7 @@ def end_if_engine_died(ctx: LaunchContext, engine: InferenceEngine, unless: thre
     """End the job now, with how the engine's process died, if one has (and no stop signal of the
     job's explains it), unless `unless` is set (the engine is being closed on purpose)."""
     reason = None if signal_that_ends_the_engine(engine) else engine.death()
-    if reason and not (unless is not None and unless.is_set()):
+    if reason and not (unless and unless.is_set()):
         ctx.watchdog.fail(reason, grace_s=0)
         die(ctx.watchdog.who, reason)
 

@@ -244,7 +244,10 @@ def _report_failure(ctx: LaunchContext, e: BaseException) -> None:
     """Tell the hub. An error that names no cause of its own (a trainer told "EngineDeadError: see
     the stack trace above" by its server) waits longer for the task that has one (the server names
     how its engine died); only if none speaks does it become the job's reason."""
-    ctx.watchdog.fail(explain(e), **({"grace_s": ECHO_GRACE_S} if only_points_elsewhere(e) else {}))
+    if only_points_elsewhere(e):
+        ctx.watchdog.fail(explain(e), grace_s=ECHO_GRACE_S)
+    else:
+        ctx.watchdog.fail(explain(e))
 
 
 def teardown(ctx: LaunchContext, code: int) -> int:
