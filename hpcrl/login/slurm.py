@@ -292,8 +292,9 @@ def _from_sacct(ids: list[str]) -> dict[str, JobInfo]:
 
 
 def _sacct_text(ids: list[str], *flags: str) -> dict[str, JobInfo]:
-    # -X: the allocation only, not its steps
-    return parse_sacct_text(_run(["sacct", *flags, "-P", "-n", "-X", "-j", ",".join(ids),
+    # -X: the allocation only, not its steps; -D: every attempt of a requeued job (one record
+    # each), so that its restarts can be counted
+    return parse_sacct_text(_run(["sacct", *flags, "-P", "-n", "-X", "-D", "-j", ",".join(ids),
                                   "-o", ",".join(_SACCT_FIELDS)], epoch_times=True))
 
 
@@ -383,8 +384,14 @@ def _finish(state: str, rc: int | None, sig: int | None) -> tuple[int | None, in
     return (rc, sig) if state in FINISHED_STATES else (None, None)
 
 
+def _attempts_before(jobs: dict[str, JobInfo], job_id: str) -> int:
+    """How many records of `job_id` came before this one: sacct -D writes one for each attempt."""
+    return jobs[job_id].restarts + 1 if job_id in jobs else 0
+
+
 def parse_sacct_json(text: str) -> dict[str, JobInfo]:
-    """`sacct --json -X` output -> {job_id: JobInfo}; a requeued job's last record wins."""
+    """`sacct --json -X` output -> {job_id: JobInfo}. A requeued job has a record for each attempt:
+    the last wins, and the ones before it are its restarts (22.05 has no restart_cnt)."""
     doc = json.loads(text)
     _errors(doc, "sacct")
     jobs = {}
@@ -402,7 +409,7 @@ def parse_sacct_json(text: str) -> dict[str, JobInfo]:
             elapsed_s=_num(t.get("elapsed")) if start else None,
             time_limit_s=limit * 60 if limit is not None else None,
             nodes=_num(j.get("allocation_nodes")), node_list="" if nodes == "None assigned" else nodes,
-            exit_code=rc, signal=sig, restarts=_num(j.get("restart_cnt")) or 0,
+            exit_code=rc, signal=sig, restarts=max(_num(j.get("restart_cnt")) or 0, _attempts_before(jobs, job_id)),
             work_dir=j.get("working_directory", ""),
             std_out=j.get("stdout_expanded") or "",   # 24.05+; older sacct does not know it
             submit_time=_time(t.get("submission")), start_time=start, end_time=end if end and start else None)
@@ -445,7 +452,8 @@ def parse_squeue_text(text: str) -> dict[str, JobInfo]:
 
 
 def parse_sacct_text(text: str) -> dict[str, JobInfo]:
-    """`sacct -P -n -X -o JobIDRaw,State,...,JobName` output (see _SACCT_FIELDS), epoch times."""
+    """`sacct -P -n -X -D -o JobIDRaw,State,...,JobName` output (see _SACCT_FIELDS), epoch times; a
+    requeued job's last record wins, and the ones before it are its restarts."""
     jobs = {}
     for (job_id, state, reason, elapsed, limit, nodes, node_list, exit_code, work_dir, submit, start,
          end, name) in _split(text, len(_SACCT_FIELDS)):
@@ -458,7 +466,7 @@ def parse_sacct_text(text: str) -> dict[str, JobInfo]:
             # TimelimitRaw is plain minutes ("1560"), which parse_slurm_time reads as such
             elapsed_s=_int(elapsed) if start_t else None, time_limit_s=parse_slurm_time(limit),
             nodes=_int(nodes), node_list="" if node_list == "None assigned" else node_list,
-            exit_code=rc, signal=sig,
+            exit_code=rc, signal=sig, restarts=_attempts_before(jobs, job_id),
             work_dir=work_dir, submit_time=_int(submit), start_time=start_t,
             end_time=_int(end) if start_t else None)
     return jobs

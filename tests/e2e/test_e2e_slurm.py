@@ -72,9 +72,12 @@ def cancel_after():
 # fault, Slurm's clock, its requeues), so the module's other jobs run meanwhile on other nodes of
 # the testbed instead of after them (issue #29: CI time).
 TIME_LIMIT_TEST = "test_time_limit_checkpoints_requeues_and_resumes_each_step_once"
-# Work that outlasts the first allocation whatever the machine's speed: more sleep than its 90 s
-# (2 minutes, the signal 30 s ahead), and few steps, so that the requeued attempt's share is short.
-TIME_LIMIT_STEPS, TIME_LIMIT_STEP_SLEEP_S = 48, 2
+# Work that outlasts the first allocation whatever the machine's speed: 3 minutes, the signal 30 s
+# ahead (Slurm may send it 30 s earlier still), so at most ~120 s of steps on a fast machine, and at
+# least one step after a start-up of 70 s on a loaded one (the limit was 2 minutes, and a CI run
+# saw no step fit); each step of the first attempt sleeps 4 s (at most 30 of its 40 steps fit),
+# the requeued attempt's steps do not, so that its share stays short.
+TIME_LIMIT_STEPS, TIME_LIMIT_STEP_SLEEP_S = 40, 4
 VLLM_REQUEUE_TEST = "test_vllm_job_checkpoints_at_the_signal_requeues_and_survives_a_killed_attempt"
 VLLM_REQUEUE_STEPS = 40
 
@@ -102,8 +105,8 @@ def time_limit_job(request, tmp_path_factory):
         return
     job_id, run_dir = _submit(hpcrl, *TWO_TASKS, "site.signal=USR2@30", "inference.engine=transformers",
                               "trainer.engine=deepspeed", "-N", "2", "inference.max_staleness=2",
-                              f"grpo.max_steps={TIME_LIMIT_STEPS}", "-t", "2",
-                              env={"HPCRL_FAULT": f"slow-steps={TIME_LIMIT_STEP_SLEEP_S}:0"})
+                              f"grpo.max_steps={TIME_LIMIT_STEPS}", "-t", "3",
+                              env={"HPCRL_FAULT": f"slow-first-attempt={TIME_LIMIT_STEP_SLEEP_S}:0"})
     yield hpcrl, job_id, run_dir
     subprocess.run(["scancel", job_id], capture_output=True, timeout=10)
 
@@ -388,15 +391,16 @@ def test_staging_and_every_task_run_once_per_node_inside_the_site_container(test
 
 @pytest.mark.timeout(900)
 def test_time_limit_checkpoints_requeues_and_resumes_each_step_once(testbed, time_limit_job):
-    """Slurm's warning signal before the time limit (USR2, 30 s ahead of a 2-minute limit; Slurm
+    """Slurm's warning signal before the time limit (USR2, 30 s ahead of a 3-minute limit; Slurm
     sends it up to ~30 s earlier still) makes the trainers checkpoint, the script requeues, the job
-    resumes, until the work is done. Each step sleeps 2 s (the slow-steps fault) so that the
-    work outlasts one allocation whatever the machine's speed. With inference.max_staleness=2 the
-    checkpoint also holds the two generations asked for ahead, and the resumed job trains on them
-    (the weights pushed while they were in flight, over the channel sync of the transformers engine). Two
-    nodes of DeepSpeed ZeRO-3 trainers (trainer.engine deepspeed), one a node: the checkpoint's
-    partitions come from both nodes, and go through the same commit and requeue (FSDP2's resume is
-    tested in-process, tests/compute/train/test_trainer_resume.py, and on the testbed by
+    resumes, until the work is done. Each step of the first attempt sleeps 4 s (the
+    slow-first-attempt fault) so that the work outlasts one allocation whatever the machine's
+    speed. With inference.max_staleness=2 the checkpoint also holds the two generations asked for
+    ahead, and the resumed job trains on them (the weights pushed while they were in flight, over
+    the channel sync of the transformers engine). Two nodes of DeepSpeed ZeRO-3 trainers
+    (trainer.engine deepspeed), one a node: the checkpoint's partitions come from both nodes, and go
+    through the same commit and requeue (FSDP2's resume is tested in-process,
+    tests/compute/train/test_trainer_resume.py, and on the testbed by
     test_two_nodes_of_two_engines_synced_inside_each_node_through_a_killed_trainer_and_a_resume).
     The job was submitted when the module started (the time_limit_job fixture)."""
     hpcrl, job_id, run_dir = time_limit_job

@@ -70,6 +70,20 @@ def test_parse_squeue_text_22_05():
     assert ab.std_out == f"{d}/a/out-a|b-{ab.job_id}.log"
 
 
+def test_parse_sacct_json_22_05_counts_a_requeued_jobs_earlier_attempts_as_restarts():
+    # recorded: a job requeued once (scontrol requeue) that then completed. 22.05 has no restart_cnt,
+    # but writes a record for each attempt; `hpcrl status` shows the count once squeue forgets the job.
+    [job] = slurm.parse_sacct_json((DATA / "sacct-22.05-requeued.json").read_text()).values()
+    assert (job.state, job.restarts) == ("COMPLETED", 1)
+
+
+def test_parse_sacct_text_counts_a_requeued_jobs_earlier_attempts_as_restarts():
+    text = ("9|REQUEUED|None|4|5|1|n1|0:0|/tmp|1795232068|1795232068|1795232072|rq\n"
+            "9|REQUEUED|BeginTime|30|5|1|n1|0:0|/tmp|1795232072|1795232083|1795232113|rq\n"
+            "9|COMPLETED|BeginTime|8|5|1|n1|0:0|/tmp|1795232113|1795232124|1795232132|rq\n")
+    assert (slurm.parse_sacct_text(text)["9"].state, slurm.parse_sacct_text(text)["9"].restarts) == ("COMPLETED", 2)
+
+
 def test_parse_sacct_json_22_05():
     jobs = slurm.parse_sacct_json((DATA / "sacct-22.05.json").read_text())
     assert (jobs["2"].state, jobs["2"].exit_code, jobs["2"].elapsed_s, jobs["2"].time_limit_s) == (
@@ -298,6 +312,10 @@ def test_testbed_requeue_is_counted(testbed, tmp_path):
         assert (info.restarts, info.state, info.exit_code) == (1, "PENDING", None), info
     finally:
         slurm.cancel(job)
+    # and once slurmctld forgets the job, from sacct: JSON and text count the attempts' records
+    acct = _wait(job, done=lambda i: i.state == "CANCELLED", how=slurm._from_sacct, timeout=30)
+    assert (acct.state, acct.restarts) == ("CANCELLED", 1), acct
+    assert slurm._sacct_text([job])[job].restarts == 1
 
 
 @pytest.mark.slurm

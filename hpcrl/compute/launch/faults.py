@@ -10,6 +10,9 @@
   slow-steps[=S]           the (trainer) rank sleeps S seconds (STEP_DELAY_S) at the start of
                            every step, so that a run's work outlasts a short time limit whatever
                            the machine
+  slow-first-attempt[=S]   slow-steps, in the job's first attempt only (SLURM_RESTART_COUNT unset
+                           or 0): the work outlasts the first allocation, and a requeued attempt
+                           is not slowed, so that the whole stays short on a loaded machine
 
 Without the variable this module does nothing. It is the one compute-side knob outside the job
 spec, on purpose: a test injects a different fault into each launch (srun step) of one run
@@ -23,7 +26,8 @@ import signal
 import time
 
 FAULTS = ("hang-before-rendezvous", "exit-before-rendezvous", "die-after-rendezvous",
-          "exit-after-rendezvous", "freeze-after-rendezvous", "die-after-report", "slow-steps")
+          "exit-after-rendezvous", "freeze-after-rendezvous", "die-after-report", "slow-steps",
+          "slow-first-attempt")
 STEP_DELAY_S = 0.5
 _rank: int | None = None          # this task's, once the rendezvous has confirmed it
 
@@ -64,5 +68,10 @@ def inject(point: str, rank: int | None) -> None:
 
 def at_step() -> None:
     """Called by the trainer at the start of every step."""
-    if "HPCRL_FAULT" in os.environ and "slow-steps" in (wanted := _wanted(_rank)):
+    if "HPCRL_FAULT" not in os.environ:
+        return
+    wanted = _wanted(_rank)
+    if "slow-first-attempt" in wanted and os.environ.get("SLURM_RESTART_COUNT", "0") == "0":
+        wanted["slow-steps"] = wanted["slow-first-attempt"]
+    if "slow-steps" in wanted:
         time.sleep(float(wanted["slow-steps"] or STEP_DELAY_S))
