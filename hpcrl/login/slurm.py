@@ -24,7 +24,6 @@ import json
 import os
 import re
 import subprocess
-import time
 from collections import namedtuple
 from collections.abc import Iterable, Iterator
 from pathlib import Path
