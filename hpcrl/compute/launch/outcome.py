@@ -28,6 +28,11 @@ def fatal(line: str, summary: str | None = None) -> None:
     it, or `summary` where the line's subject is not the cause (a rank reporting a peer's death),
     as the job's reason if it is the first."""
     os.write(2, (line.rstrip("\n") + "\n").encode(errors="replace"))
+    keep(summary or line)
+
+
+def keep(reason: str) -> None:
+    """Keep `reason` as the job's reason if it is the first, without printing it."""
     if _record is None:
         return
     try:
@@ -35,7 +40,6 @@ def fatal(line: str, summary: str | None = None) -> None:
     except OSError:
         return
     try:
-        kept = (summary or line).strip()
-        os.write(fd, f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {kept}\n".encode(errors="replace"))
+        os.write(fd, f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {reason.strip()}\n".encode(errors="replace"))
     finally:
         os.close(fd)

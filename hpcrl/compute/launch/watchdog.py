@@ -318,6 +318,13 @@ def _allow_open_files(needed: int) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
 
 
+def _verdict(peer: dict, reason: str) -> str:
+    """What every rank says of a peer that is gone (the peer as the hub sends it: a whole Peer, or
+    only its rank): "rank 3 (node 1, server, host h, pid 9) failed: ..." where it said why."""
+    name = Peer(**peer).describe() if len(peer) > 1 else f"rank {peer['rank']}"
+    return f"{name} {reason}" if reason.startswith("failed: ") else f"{name} is gone: {reason}"
+
+
 class _Stopped(Exception):
     """Ends the watchdog thread after a verdict handler that returned (tests)."""
 
@@ -403,6 +410,10 @@ class Watchdog:
             self._send({"t": "failed", "reason": reason})
         except (ChannelClosed, OSError):
             pass
+        # Kept here as well, in the words the hub's verdict uses: once this task exits (non-zero)
+        # the launcher may kill the others, rank 0 and its hub among them, before any of them has
+        # written the verdict (a loaded machine: `hpcrl run` ended with no reason at all).
+        outcome.keep(_verdict(asdict(self.me), f"failed: {reason}"))
 
     def close(self) -> None:
         """Say goodbye: from now on the end of the hub's connection is no failure."""
@@ -427,9 +438,7 @@ class Watchdog:
         elif kind == "abort":
             self._fatal(f"the rendezvous failed: {msg['reason']}")
         elif kind == "gone" and not self._closing:
-            p = msg["peer"]
-            name = Peer(**p).describe() if len(p) > 1 else f"rank {p['rank']}"
-            self._fatal(f"{name} is gone: {msg['reason']}")
+            self._fatal(_verdict(msg["peer"], msg["reason"]))
 
     def _fatal(self, reason: str) -> None:
         if self._on_fatal is None:

@@ -6,6 +6,7 @@ on plain-text prompts)."""
 
 from __future__ import annotations
 
+import re
 import sys
 
 import pytest
@@ -25,6 +26,6 @@ def test_a_failing_reward_on_the_transformers_engine_is_the_runs_last_line(tmp_p
     proc = run_to_the_end([sys.executable, "-m", "hpcrl", "run", "r.yaml", "--run-dir", "run"], tmp_path, 300)
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
-    assert last == ("hpcrl: error: rank 0 failed: reward function 'broken' raised ValueError: the reward's own "
-                    "reason"), proc.stderr[-2000:]
+    assert re.fullmatch(r"hpcrl: error: rank 0 \(node 0, trainer, host \S+, pid \d+\) failed: reward function "
+                        r"'broken' raised ValueError: the reward's own reason", last), proc.stderr[-2000:]
     assert read_failure(tmp_path / "run") == last.removeprefix("hpcrl: error: ")
