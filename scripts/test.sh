@@ -35,14 +35,17 @@ export SLURM_CONF=$SLURM_BASE/etc/slurm.conf
 # the main lane, everything else. Both share the testbed (24 nodes, so that the 16-node job always
 # finds its nodes) and one cache of demo models (tests/conftest.py: the main lane warms them up).
 # Each lane prints its own failures and slowest tests; the script fails if either does.
-# The load found a real race once (a killed vLLM engine core reported by the trainer's "EngineDeadError
-# ... see stack trace" instead of the engine's own reason; fixed in the server): tests that pass only
-# on an idle machine are bugs of the product or the test, not of the lanes.
+# The load found real races (a killed vLLM engine core reported by the trainer's "EngineDeadError
+# ... see stack trace" instead of the engine's own reason, fixed in the server; a failing task's
+# reason lost when mpiexec killed rank 0 first, fixed in the watchdog): tests that pass only on an
+# idle machine are bugs of the product or the test, not of the lanes.
 LANES=${HPCRL_TEST_LANES:-1}
-# The last two (a 160-step LoRA learning run, ~90 s alone; DeepSpeed's syncs, ~27 s alone) balance the
-# lanes: without them the main lane ended minutes after the side lane's tests (rehearsals of 2026-12-02:
-# 1,945 s against 1,555 s; with test_lora.py moved, 1,722 s against 1,490 + 98 s of the GPU tier).
-SIDE_LANE=(tests/e2e tests/compute/launch tests/compute/train/test_lora.py tests/compute/sync/test_deepspeed_sync.py)
+# The last three (a 160-step LoRA learning run, ~90 s alone; DeepSpeed's syncs, ~27 s alone; the sync
+# gathers, ~35 s alone) balance the lanes: without them the main lane ended minutes after the side
+# lane's tests (rehearsals of 2026-12-02: 1,945 s against 1,555 s; with test_lora.py moved, 1,722 s
+# against 1,490 + 98 s of the GPU tier; with test_deepspeed_sync.py too, 1,664 s against 1,439 + 104 s).
+SIDE_LANE=(tests/e2e tests/compute/launch tests/compute/train/test_lora.py tests/compute/sync/test_deepspeed_sync.py
+           tests/compute/sync/test_sync_gather.py)
 side_lane() {
   local status=0
   if [ "$LANES" = 1 ]; then
