@@ -14,6 +14,7 @@ agent_inputs.py  the agent section checked: tools' and environments' source (rea
 deepspeed_inputs.py  trainer.engine=deepspeed: a user's DeepSpeed or accelerate config read and checked
 write_dirs.py  the run, checkpoint and output directories: writable from compute nodes, not another run's
 profiles.py    finding site profiles: shipped, $HPCRL_SITES_PATH, ~/.config/hpcrl/sites, `extends`
+user_cache.py  ~/.cache/hpcrl: what commands keep between them (the compiled template, parsed site files)
 commands/      one module per subcommand (run, render, submit, plan, sites, status, logs, cancel,
                plot), each a main(args); cli.py imports only the one given
 render.py      JobSpec -> the standalone sbatch script (templates/sbatch.sh.j2)

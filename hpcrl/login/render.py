@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import jinja2
@@ -12,20 +11,15 @@ from hpcrl import __version__
 from hpcrl.job import rundir
 from hpcrl.job.slurm_time import format_walltime
 from hpcrl.job.spec import JobSpec
-from hpcrl.login import job_env, launch_prefix
+from hpcrl.login import job_env, launch_prefix, user_cache
 from hpcrl.login.shell_words import env_quote, quote
 
 
 def _bytecode_cache() -> jinja2.BytecodeCache | None:
     """Compiling the template is a third of `hpcrl render` on a login node; jinja2 keeps the result
     (keyed by the template's checksum) in the user's cache directory. None where it cannot write."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    directory = os.path.join(base, "hpcrl", "jinja2")
-    try:
-        os.makedirs(directory, exist_ok=True)
-    except OSError:
-        return None
-    return jinja2.FileSystemBytecodeCache(directory) if os.access(directory, os.W_OK) else None
+    directory = user_cache.directory("jinja2")
+    return jinja2.FileSystemBytecodeCache(directory) if directory else None
 
 
 def _environment() -> jinja2.Environment:
