@@ -81,7 +81,8 @@ def test_parse_sacct_text_counts_a_requeued_jobs_earlier_attempts_as_restarts():
     text = ("9|REQUEUED|None|4|5|1|n1|0:0|/tmp|1795232068|1795232068|1795232072|rq\n"
             "9|REQUEUED|BeginTime|30|5|1|n1|0:0|/tmp|1795232072|1795232083|1795232113|rq\n"
             "9|COMPLETED|BeginTime|8|5|1|n1|0:0|/tmp|1795232113|1795232124|1795232132|rq\n")
-    assert (slurm.parse_sacct_text(text)["9"].state, slurm.parse_sacct_text(text)["9"].restarts) == ("COMPLETED", 2)
+    job = slurm.parse_sacct_text(text)["9"]
+    assert (job.state, job.restarts) == ("COMPLETED", 2)
 
 
 def test_parse_sacct_json_22_05():

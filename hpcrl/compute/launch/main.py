@@ -262,10 +262,10 @@ def teardown(ctx: LaunchContext, code: int) -> int:
     ctx.watchdog.close()
     if ctx.hub is not None:
         failures = ctx.hub.close(wait_s=ctx.launch.collective_timeout_s)
-        # A task's own error is the job's reason when no rank recorded one while running (its peers
-        # had already said goodbye, as a transformers engine does): else failure.txt stays empty and
-        # the run's last line and `hpcrl status` have no reason. A rank that failed outranks one that
-        # merely vanished; an earlier record (first writer wins) is kept.
+        # What the hub saw go wrong, said at the end. A task that failed kept its own reason as it
+        # told the hub (Watchdog.fail); the record here is for a rank that vanished without a word,
+        # or for a failure told a moment before its task kept it. A rank that failed outranks one
+        # that merely vanished; an earlier record (first writer wins) is kept.
         own = [r for r, why in sorted(failures.items()) if why.startswith("failed:")] or sorted(failures)
         for rank, reason in sorted(failures.items()):
             line = f"hpcrl: rank 0: at the end, rank {rank} {reason}"
