@@ -63,6 +63,11 @@ class AgentConfig:
         """Whether the recipe trains an agent (tools, or an environment's methods, called mid-completion)."""
         return bool(self.tools or self.environment_factory)
 
+    @property
+    def names_code(self) -> bool:
+        """Whether the recipe names an agent's code: tools, environments or a rollout function."""
+        return self.enabled or bool(self.rollout_func)
+
     def factories(self) -> dict[str | None, str] | None:
         """As TRL's GRPOTrainer normalizes environment_factory: {environment name: import path} for a
         mapping, {None: import path} for one factory, None for none."""

@@ -8,7 +8,11 @@ cli.py         argparse, and the one place where errors become exit codes
 compose.py     recipe file + key=value + flags + site -> JobSpec (every check a login node can make)
 trl_config.py  a `trl grpo --config` YAML as a recipe: TRL's flat keys -> hpcrl's sections
 strict_yaml.py YAML as a recipe's author means it (a key given twice is an error, no YAML 1.1 slips)
-inputs.py      the recipe's model, tokenizer and dataset checked before a job waits in a queue
+inputs.py      the recipe's model, tokenizer and dataset checked before a job waits in a queue; the
+               parts a recipe may lack in their own modules, imported only when it has them:
+data_inputs.py   the data's files, splits and columns as load_dataset will find them
+lora_inputs.py   model.lora_target_modules against the model's modules
+job_paths.py   where the job will look: its environment, its Hugging Face caches, paths only nodes see
 data_rows.py   every row's prompt checked (an empty one fails here, not on the compute nodes)
 agent_inputs.py  the agent section checked: tools' and environments' source (read, not imported), the chat template
 deepspeed_inputs.py  trainer.engine=deepspeed: a user's DeepSpeed or accelerate config read and checked

@@ -12,7 +12,7 @@ import sys
 import time
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpcrl import __version__
 from hpcrl.job import context
@@ -27,9 +27,10 @@ from hpcrl.job.recipe import TRL_REWARDS_MATH_VERIFY, expand_shorthands, reward_
 from hpcrl.job.site import Site
 from hpcrl.job.slurm_time import parse_walltime
 from hpcrl.job.spec import SPEC_VERSION, JobSpec
-from hpcrl.login import agent_inputs, deepspeed_inputs, job_env, profiles, trl_config, write_dirs
+from hpcrl.login import deepspeed_inputs, job_env, profiles, write_dirs
 from hpcrl.login.module_imports import with_imported
-from hpcrl.login.trl_config import Translation
+if TYPE_CHECKING:
+    from hpcrl.login.trl_config import Translation
 
 # Job names, accounts, partitions and QOS land on #SBATCH lines: one plain token only.
 SLURM_NAME = re.compile(r"^[A-Za-z0-9_.+\-]{1,128}$")
@@ -256,7 +257,7 @@ def compose(recipe_path: str | None, site_name: str, assignments: list[str] = ()
     except UserError as e:
         if resolved.trl is None:
             raise
-        raise UserError(trl_config.in_trl_terms(str(e), resolved.trl)) from None
+        raise _in_trl_terms(e, resolved.trl) from None
 
 
 def _compose(recipe: Recipe, recipe_path: str | None, site_name: str, run_dir: str | None, *,
@@ -342,7 +343,9 @@ def build_recipe(recipe_path: str | None, assignments: list[str] = (),
     flat_overrides = apply_overrides({}, [a for a in assignments if a not in section_overrides])
     translation = None
     data = raw
-    if trl_config.is_trl(raw) or flat_overrides:
+    if any(key not in _SECTIONS for key in raw) or flat_overrides:        # TRL's flat keys
+        from hpcrl.login import trl_config
+
         translation = trl_config.translate(raw)
         on_top = trl_config.translate(flat_overrides, whole=False)
         translation.moved.update(on_top.moved)
@@ -371,8 +374,15 @@ def build_recipe(recipe_path: str | None, assignments: list[str] = (),
     except UserError as e:
         if translation is None:
             raise
-        raise UserError(trl_config.in_trl_terms(str(e), translation)) from None
+        raise _in_trl_terms(e, translation) from None
     return ResolvedRecipe(recipe, translation)
+
+
+def _in_trl_terms(error: UserError, translation: Translation) -> UserError:
+    """`error` naming the TRL keys the recipe gave rather than the fields they became."""
+    from hpcrl.login import trl_config
+
+    return UserError(trl_config.in_trl_terms(str(error), translation))
 
 
 def run_name(data: dict, recipe_path: str | None) -> str:
@@ -492,7 +502,11 @@ def _reward_modules(recipe, recipe_path: str | None, check_installed: bool) -> t
     # A reward model's directory is looked at with the policy's (hpcrl.login.inputs).
     named = [(f"rewards[{i}].func", reward_import_path(r.func), r.func) for i, r in enumerate(recipe.rewards)
              if not r.model]
-    named += [(where, path, path) for where, path in agent_inputs.import_paths(recipe.agent)]
+    agent_inputs = None
+    if recipe.agent.names_code:         # its module reads sources with ast: for an agent's recipe only
+        from hpcrl.login import agent_inputs
+
+        named += [(where, path, path) for where, path in agent_inputs.import_paths(recipe.agent)]
     for where, path, shown in named:
         top = path.partition(":")[0].split(".")[0]
         found = _own_module(top, dirs)
@@ -505,7 +519,8 @@ def _reward_modules(recipe, recipe_path: str | None, check_installed: bool) -> t
         elif check_installed and path.replace(":", ".") in needs_math_verify and not _importable("math_verify"):
             raise UserError(f"{where}: {shown} needs the math_verify package, which "
                             f"{sys.executable} lacks: {sys.executable} -m pip install math-verify")
-    agent_inputs.check_sources(recipe, own, installed=check_installed)
+    if agent_inputs is not None:
+        agent_inputs.check_sources(recipe, own, installed=check_installed)
     return tuple(with_imported(local, lambda top: _own_module(top, dirs)))
 
 

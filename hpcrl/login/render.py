@@ -11,7 +11,7 @@ from hpcrl import __version__
 from hpcrl.job import rundir
 from hpcrl.job.slurm_time import format_walltime
 from hpcrl.job.spec import JobSpec
-from hpcrl.login import job_env, launch_prefix, user_cache
+from hpcrl.login import job_env, user_cache
 from hpcrl.login.shell_words import env_quote, quote
 
 
@@ -31,6 +31,15 @@ def _environment() -> jinja2.Environment:
     return env
 
 
+def _container(spec: JobSpec):
+    """site.container's launch words; None without a container (its module is not imported then)."""
+    if not spec.site.container.image:
+        return None
+    from hpcrl.login.launch_prefix import container_launch
+
+    return container_launch(spec)
+
+
 def render_sbatch(spec: JobSpec) -> str:
     site, plan = spec.site, spec.plan()
     cpus = site.node.cpus_per_task or (site.node.cores // plan.tasks_per_node if site.node.cores else 1)
@@ -39,6 +48,6 @@ def render_sbatch(spec: JobSpec) -> str:
         walltime=format_walltime(spec.time_s), cpus_per_task=max(1, cpus),
         gpu_request=site.gpu_request.format(gpus=site.node.gpus) if site.gpu_request else "",
         signal_name=site.signal_name, signal_lead=spec.signal_lead_s, hpcrl_version=__version__,
-        rundir=rundir, max_restarts=spec.recipe.launch.max_restarts, container=launch_prefix.container_launch(spec),
+        rundir=rundir, max_restarts=spec.recipe.launch.max_restarts, container=_container(spec),
         kernel_cache=job_env.staged_kernel_cache(spec),
     )

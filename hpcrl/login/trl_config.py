@@ -162,11 +162,6 @@ def _grpo_fields() -> set[str]:
     return {f.name for f in dataclasses.fields(GRPOConfig)}
 
 
-def is_trl(data: dict) -> bool:
-    """Whether a recipe mapping holds TRL's flat keys (not only hpcrl's sections)."""
-    return any(key not in _sections() for key in data)
-
-
 @dataclasses.dataclass
 class Translation:
     recipe: dict                                            # hpcrl's sections

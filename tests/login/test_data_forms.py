@@ -15,7 +15,7 @@ from hpcrl.job import hfcache
 from hpcrl.job.errors import UserError
 from hpcrl.job.recipe import DataConfig, ModelConfig, Recipe
 from hpcrl.job.site import Site
-from hpcrl.login import inputs
+from hpcrl.login import data_inputs, inputs
 
 datasets = pytest.importorskip("datasets")
 from hpcrl.compute.train.data import load_prompts  # noqa: E402
@@ -54,7 +54,7 @@ def test_single_files_of_every_format(tmp_path):
     for name in ("a.jsonl", "a.json", "a.csv", "a.parquet"):
         ds = load_prompts(tmp_path / name)
         assert prompts(ds) == [r["prompt"] for r in ROWS], name
-        assert inputs.first_row_columns(tmp_path / name) == ["prompt", "answer"], name
+        assert data_inputs.first_row_columns(tmp_path / name) == ["prompt", "answer"], name
     assert load_prompts(jsonl, "train").column_names == ["prompt", "answer"]
 
 

@@ -1,20 +1,22 @@
-"""model.lora_target_modules checked on the login node (hpcrl.login.inputs), without torch: every
-name must match a module of the model as peft matches it (a path that is the name or ends with
-"." + name; one string other than "all-linear" is a regular expression over whole paths). The
-module paths come from the weights' names (a weight index, else the safetensors headers), or for
-"demo:<size>" from the Qwen2 layout the job builds. A mistake is one line naming the field, the
-names that match nothing and the model's linear layers, exit 2, nothing written."""
+"""model.lora_target_modules checked on the login node (hpcrl.login.lora_inputs, which
+hpcrl.login.inputs calls for a recipe with LoRA), without torch: every name must match a module of
+the model as peft matches it (a path that is the name or ends with "." + name; one string other
+than "all-linear" is a regular expression over whole paths). The module paths come from the
+weights' names (a weight index, else the safetensors headers), or for "demo:<size>" from the Qwen2
+layout the job builds. A mistake is one line naming the field, the names that match nothing and
+the model's linear layers, exit 2, nothing written."""
 
 from __future__ import annotations
 
 import json
 import struct
+from pathlib import Path
 
 import pytest
 
 from hpcrl.job.errors import UserError
 from hpcrl.job.recipe import ModelConfig
-from hpcrl.login import inputs
+from hpcrl.login import lora_inputs
 
 LINEARS = "down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj"
 
@@ -28,9 +30,9 @@ def tiny_model(tmp_path_factory) -> str:
 
 def _check(path: str, targets, use_peft: bool = True) -> None:
     model = ModelConfig(path=path, use_peft=use_peft, lora_target_modules=targets)
-    modules = (inputs.demo_module_paths(path) if path.startswith("demo:")
-               else inputs.checkpoint_module_paths(inputs.Path(path)))
-    inputs._check_lora_targets(model, modules)
+    modules = (lora_inputs.demo_module_paths(path) if path.startswith("demo:")
+               else lora_inputs.checkpoint_module_paths(Path(path)))
+    lora_inputs.check_targets(model, modules)
 
 
 @pytest.mark.parametrize("path", ["demo:tiny", "demo:small:random", "local"])
@@ -87,13 +89,13 @@ def test_the_demo_layouts_are_the_tiny_models(tiny_model):
     paths those of the model directory tiny builds."""
     from hpcrl.compute.models.tiny import SIZES
 
-    assert inputs.DEMO_LAYERS == {name: spec.num_hidden_layers for name, spec in SIZES.items()}
-    demo, local = inputs.demo_module_paths("demo:tiny"), inputs.checkpoint_module_paths(inputs.Path(tiny_model))
+    assert lora_inputs.DEMO_LAYERS == {name: spec.num_hidden_layers for name, spec in SIZES.items()}
+    demo, local = lora_inputs.demo_module_paths("demo:tiny"), lora_inputs.checkpoint_module_paths(Path(tiny_model))
     assert demo.linear == local.linear and local.paths <= demo.paths
-    assert inputs.demo_module_paths("demo:enormous") is None          # the job names the unknown size
+    assert lora_inputs.demo_module_paths("demo:enormous") is None          # the job names the unknown size
     # The names the job builds the same model from ("demo:" alone is demo:tiny, as hpcrl.job.demo parses it).
     for alias in ("demo:", "demo::random", "demo:tiny:random"):
-        assert inputs.demo_module_paths(alias).linear == demo.linear, alias
+        assert lora_inputs.demo_module_paths(alias).linear == demo.linear, alias
 
 
 def _safetensors(path, tensors: dict[str, list[int]]) -> None:
@@ -114,7 +116,7 @@ def test_module_paths_from_an_index_or_headers(tmp_path):
     _safetensors(sharded / "a.safetensors", {"model.embed_tokens.weight": [10, 4],
                                              "model.layers.0.attn.c_attn.weight": [12, 4],
                                              "model.layers.0.attn.c_attn.bias": [12]})
-    paths = inputs.checkpoint_module_paths(sharded)     # b.safetensors is absent: names only for its weights
+    paths = lora_inputs.checkpoint_module_paths(sharded)     # b.safetensors is absent: names only for its weights
     assert paths.linear_names() == ["c_attn", "c_fc", "lm_head"]
     assert {"model", "model.layers.0", "model.layers.0.attn", "model.layers.0.ln_1"} <= paths.paths
     # No index: every *.safetensors header; a 1-D weight is no linear layer; a tied head is a module.
@@ -123,13 +125,13 @@ def test_module_paths_from_an_index_or_headers(tmp_path):
     (single / "config.json").write_text("{}")
     _safetensors(single / "model.safetensors", {"model.layers.0.self_attn.q_proj.weight": [8, 8],
                                                 "model.layers.0.scale.weight": [8]})
-    assert inputs.checkpoint_module_paths(single).linear_names() == ["lm_head", "q_proj"]
+    assert lora_inputs.checkpoint_module_paths(single).linear_names() == ["lm_head", "q_proj"]
     # Nothing readable (a .bin checkpoint without an index, an empty file): nothing to check against.
     unreadable = tmp_path / "bin"
     unreadable.mkdir()
     (unreadable / "pytorch_model.bin").write_bytes(b"\0" * 16)
     (unreadable / "model.safetensors").write_bytes(b"")
-    assert inputs.checkpoint_module_paths(unreadable) is None
+    assert lora_inputs.checkpoint_module_paths(unreadable) is None
     _check(str(unreadable), ("anything",))
 
 
