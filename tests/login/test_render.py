@@ -234,3 +234,26 @@ def test_a_hub_model_is_staged_from_the_login_nodes_cache(hpcrl, tmp_path):
     assert r.returncode == 2
     assert r.stderr.startswith("hpcrl: error: model.path: site.stage.model_dest copies the model from this machine")
     assert "'someorg/not-downloaded'" in r.stderr and "download" in r.stderr
+
+
+def test_render_imports_only_the_checks_a_recipe_needs(hpcrl_home, tmp_path):
+    """The demo recipe renders without the modules of parts it lacks (an agent's, data files', LoRA's,
+    TRL keys', a container's): what keeps `hpcrl render` near its import floor (scripts/bench_cli.py).
+    A recipe with those parts still gets their checks (their own tests)."""
+    parts = ("hpcrl.login.agent_inputs", "hpcrl.login.data_inputs", "hpcrl.login.data_rows",
+             "hpcrl.login.lora_inputs", "hpcrl.login.trl_config", "hpcrl.login.launch_prefix")
+    code = ("import sys; from hpcrl.login import cli\n"
+            "try:\n    cli.main(['render', '--site', 'testbed'])\nexcept SystemExit:\n    pass\n"
+            f"print(sorted(m for m in {parts!r} if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0 and "job.sbatch" in r.stdout, r.stdout + r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "[]"
+    flat = tmp_path / "flat.yaml"          # TRL's keys, a LoRA and data file: each part's module, once needed
+    (tmp_path / "tasks.jsonl").write_text('{"prompt": "1+1="}\n')
+    flat.write_text("model_name_or_path: demo:tiny\nuse_peft: true\nlora_target_modules: [q_proj]\n"
+                    "dataset_name: tasks.jsonl\n")
+    code = code.replace("'--site', 'testbed'", "'--site', 'testbed', 'flat.yaml'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0 and "job.sbatch" in r.stdout, r.stdout + r.stderr
+    assert r.stdout.strip().splitlines()[-1] == str(sorted(set(parts) - {"hpcrl.login.agent_inputs",
+                                                                         "hpcrl.login.launch_prefix"}))
