@@ -7,7 +7,9 @@
 
 Times each command --repeat times, the commands taking turns, and reports medians. Last line:
 worst_cli_over_python_start=X render_over_import_floor=R  (X: the largest ratio; the status rows are held
-against python start + one squeue. R: hpcrl render over the "(ref) import jinja2+spec" row)
+against python start + one squeue. R: hpcrl render over the "(ref) import jinja2+spec" row, in CPU
+time: what each start computes, which a loaded machine's scheduling (slurmctld digesting the
+submissions above) does not stretch as it does wall time; on an idle machine the two agree)
 Reference rows (not in X): a Python start that only imports jinja2, and one that also imports
 hpcrl.job.spec (the recipe and site dataclasses): the floor under `hpcrl render`; the squeue query
 status sends while a job it shows is alive (text, -O hpcrl.login.slurm.SQUEUE_FORMAT, -j the ids);
@@ -45,6 +47,7 @@ import argparse
 import compileall
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -60,18 +63,27 @@ RANKS_PER_NODE = 8          # Frontier: 7 trainers and the node's server (the la
 UNKNOWN_IDS = ("999999001", "999999002", "999999003")   # beyond any id the testbed hands out
 
 
-def timed(commands: dict[str, tuple[list[str], dict, Path]], repeat: int) -> dict[str, float]:
-    """Median wall time of each command (argv, env, cwd). The commands take turns, one run each per
-    round, so that a change in the machine's load (other work on a shared VM) reaches every row alike."""
-    samples: dict[str, list[float]] = {name: [] for name in commands}
+def timed(commands: dict[str, tuple[list[str], dict, Path]], repeat: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Median wall time, and median CPU time (user + system), of each command (argv, env, cwd). The
+    commands take turns, one run each per round, so that a change in the machine's load (other work
+    on a shared VM) reaches every row alike."""
+    wall: dict[str, list[float]] = {name: [] for name in commands}
+    cpu: dict[str, list[float]] = {name: [] for name in commands}
     for _ in range(repeat):
         for name, (cmd, env, cwd) in commands.items():
-            t0 = time.perf_counter()
+            c0, t0 = _children_cpu(), time.perf_counter()
             r = subprocess.run(cmd, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-            samples[name].append(time.perf_counter() - t0)
+            wall[name].append(time.perf_counter() - t0)
+            cpu[name].append(_children_cpu() - c0)
             if r.returncode != 0:
                 sys.exit(f"bench_cli: {' '.join(cmd)} failed: {r.stderr.decode().strip()}")
-    return {name: statistics.median(s) for name, s in samples.items()}
+    return ({name: statistics.median(s) for name, s in wall.items()},
+            {name: statistics.median(s) for name, s in cpu.items()})
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def sbatch(cwd: Path, *args: str) -> str:
@@ -247,7 +259,7 @@ def bench(args, work: Path, env: dict, big_job: str) -> int:
     render_dir = work / "renders"
     render_dir.mkdir()
     e = env["jobs"]
-    t = timed({
+    t, cpu = timed({
         "python -c pass": ([sys.executable, "-c", "pass"], e, work),
         "squeue": (["squeue"], e, work),
         "hpcrl --help": ([*hpcrl, "--help"], e, work),
@@ -277,12 +289,12 @@ def bench(args, work: Path, env: dict, big_job: str) -> int:
           f"{len(big_out.splitlines())} lines of detail; {in_ctld} jobs in slurmctld; "
           f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
     print_table(f"login commands, median ms of {args.repeat} runs each, taking turns",
-                ["command", "median ms", "baseline ms", "ratio"],
+                ["command", "median ms", "baseline ms", "ratio", "median CPU ms"],
                 [[name, f"{t[name] * 1e3:.1f}", "" if base is None else f"{base * 1e3:.1f}",
-                  "" if base is None else f"{t[name] / base:.2f}"] for name, base, _ in rows])
+                  "" if base is None else f"{t[name] / base:.2f}", f"{cpu[name] * 1e3:.1f}"] for name, base, _ in rows])
     worst = max(t[name] / base for name, base, in_x in rows if in_x)
     print(f"worst_cli_over_python_start={worst:.2f} "
-          f"render_over_import_floor={t['hpcrl render'] / t['(ref) import jinja2+spec']:.2f}")
+          f"render_over_import_floor={cpu['hpcrl render'] / cpu['(ref) import jinja2+spec']:.2f}")
     return 0
 
 

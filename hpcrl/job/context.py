@@ -12,8 +12,8 @@ times the RoPE scaling factor for RoPE types whose max_position_embeddings is no
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from hpcrl.job.demo import is_demo
 
@@ -25,8 +25,7 @@ _PRESCALED_ROPE = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepsee
 VLLM_DEFAULT = 2048
 
 
-@dataclass(frozen=True)
-class Context:
+class Context(NamedTuple):
     tokens: int
     source: str         # where the number comes from, for messages: "max_position_embeddings in config.json"
 

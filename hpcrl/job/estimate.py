@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 from hpcrl.job.job_memory import (compute_dtype, device_word, host_offload_bytes, lora_targets, server_parts_for,
                                   task_capacity, train_seq_len, trainer_parts_for)
@@ -111,8 +112,7 @@ class RoleFit:
                 **self.facts}
 
 
-@dataclass(frozen=True)
-class Fit:
+class Fit(NamedTuple):
     """The estimate for a job: the trainers, the server, and the mesh the trainers will get."""
     trainer: RoleFit
     server: RoleFit

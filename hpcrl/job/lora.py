@@ -12,7 +12,7 @@ against the model on the login node (hpcrl.login.inputs).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from hpcrl.job.model_shape import ModelShape
 
@@ -42,8 +42,7 @@ def decoder_linear_path(layer: int, name: str) -> str:
 _SHARED_INPUT = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "o_proj": 1, "gate_proj": 2, "up_proj": 2, "down_proj": 3}
 
 
-@dataclass(frozen=True)
-class LoraTargets:
+class LoraTargets(NamedTuple):
     """The linear layers LoRA adapts in each decoder layer, with the adapters' rank and dropout."""
     r: int
     dropout: float

@@ -72,7 +72,7 @@ has inference.gpus / tensor_parallel_size engines, each generating for the train
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from hpcrl.job.lora import LoraTargets
 from hpcrl.job.model_shape import DTYPE_BYTES, ModelShape
@@ -141,8 +141,7 @@ def zero3_device_bytes_per_param(compute_bytes: int, *, offload_optimizer: bool 
             + (0 if offload_optimizer else TRAIN_BYTES_PER_PARAM - compute_bytes))
 
 
-@dataclass(frozen=True)
-class TrainingStep:
+class TrainingStep(NamedTuple):
     """What one trainer computes at once: a micro-batch of rows, how wide, in which dtype."""
     micro_batch: int                   # rows (completions with their prompts)
     seq_len: int                       # a row's tokens, prompt and completion
@@ -155,8 +154,7 @@ class TrainingStep:
     overhead_bytes: int = TRAINER_OVERHEAD_GPU
 
 
-@dataclass(frozen=True)
-class ModelStorage:
+class ModelStorage(NamedTuple):
     """What one trainer keeps of the models between steps: over how many trainers it is sharded,
     which frozen copies, and what DeepSpeed ZeRO-3 offloads to host memory
     (zero3_device_bytes_per_param)."""

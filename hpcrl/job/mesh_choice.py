@@ -9,7 +9,7 @@ mesh that runs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from hpcrl.job.job_memory import device_word, frozen_dtype, serve_dtype, task_capacity, trainer_parts_for
 from hpcrl.job.memory import GIB, REFERENCE_BYTES_PER_PARAM, TRAIN_BYTES_PER_PARAM, gib_text
@@ -23,8 +23,7 @@ from hpcrl.job.spec import JobSpec
 STATE_MEMORY_SHARE = 0.6
 
 
-@dataclass(frozen=True)
-class MeshChoice:
+class MeshChoice(NamedTuple):
     kind: str                          # "fsdp" or "hsdp"
     shape: tuple[int, ...]             # (trainers,) or (nodes, trainers per node)
     dim_names: tuple[str, ...]
@@ -132,8 +131,7 @@ def choose_mesh_for_shape(spec: JobSpec, plan: Plan, shape: ModelShape | None, p
     return fsdp(f"{facts(1)}: too much, shard over all {plan.num_trainers} trainers")
 
 
-@dataclass(frozen=True)
-class SyncTraffic:
+class SyncTraffic(NamedTuple):
     """What one weight sync gathers, per node: every trainer of a shard group all-gathers each
     weight in the engine's dtype (FSDP2's gathers deliver the whole tensor to every member), and
     what its group's members on other nodes hold crosses the network."""

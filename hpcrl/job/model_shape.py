@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 import math
 import struct
-from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
 
 from hpcrl.job.demo import is_demo
 
@@ -26,8 +26,7 @@ _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_ex
 _MOE_TOP_K = ("num_experts_per_tok", "moe_top_k", "num_experts_per_token")
 
 
-@dataclass(frozen=True)
-class ModelShape:
+class ModelShape(NamedTuple):
     """What the estimate needs of a decoder-only transformer (Llama/Qwen/Mistral layout; with
     ``experts``, a mixture-of-experts one: Qwen3-MoE, Mixtral, Qwen2-MoE, DeepSeek-style shared experts)."""
     hidden_size: int
@@ -72,7 +71,7 @@ class ModelShape:
                     num_kv_heads=int(text.get("num_key_value_heads") or heads),
                     head_dim=int(text.get("head_dim") or h // heads), tie_word_embeddings=bool(tie),
                     dtype=dtype if dtype in DTYPE_BYTES else "float32", params=0, **moe)
-        return replace(shape, params=params or shape.params_from_shape())
+        return shape._replace(params=params or shape.params_from_shape())
 
     @property
     def active_intermediate(self) -> int:

@@ -22,7 +22,7 @@ Standard library only: `hpcrl render`/`submit` render the lead and check the tim
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from hpcrl.job.job_memory import frozen_dtype, lora_targets
 from hpcrl.job.mesh_choice import choose_mesh_for_shape
@@ -40,8 +40,7 @@ STEP_ALLOWANCE_S = 300
 ROUND_TO_S = 60
 
 
-@dataclass(frozen=True)
-class SignalLead:
+class SignalLead(NamedTuple):
     """The lead a job's script gives Slurm's --signal, and what it is made of."""
     lead_s: int
     derived: bool                   # site.signal "NAME@auto"; else the site's own lead

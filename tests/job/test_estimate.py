@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import replace
 
 import pytest
 
@@ -241,7 +240,7 @@ def test_14b_at_64_frontier_nodes_shards_over_two_nodes_and_replicates_beyond(tm
     model = 14_769_689_600 * 2
     traffic = sync_traffic(spec, spec.plan(), fit.mesh)
     assert (traffic.model_bytes, traffic.cross_node_bytes) == (model, 7 * model * 7 // 14)
-    before = sync_traffic(spec, spec.plan(), replace(fit.mesh, shape=(448,), nodes_per_shard=64))
+    before = sync_traffic(spec, spec.plan(), fit.mesh._replace(shape=(448,), nodes_per_shard=64))
     assert before.cross_node_bytes == 7 * model * 441 // 448
     # 3 nodes do not split into groups of 2: all 21 trainers shard it.
     three = _spec("frontier", 3, f"model.path={path}", "grpo.beta=0.04", "trainer.activation_checkpointing=true",
