@@ -44,8 +44,10 @@ def check_learning(steps: list[dict]) -> str:
     failures = window_means(steps, "tools/failure_frequency", END)[1]
     line = (f"tools/call_frequency {calls0:.3f} -> {calls1:.3f}, reward {reward0:.3f} -> {reward1:.3f}, "
             f"tools/failure_frequency {failures:.3f} (means of the first {START} and last {END} of {STEPS} steps)")
-    # Measured on a 2-core VM, grpo.seed 0: calls 0.42 -> 0.97, reward 0.33 -> 0.85, failures 0.02;
-    # with learning_rate 1e-8 (no learning) calls 0.25 -> 0.28, reward 0.20 -> 0.25.
+    # Measured on a 2-core VM, grpo.seed 0: calls 0.27 -> 0.96, reward 0.22 -> 0.85, failures 0.02;
+    # with learning_rate 1e-8 (no learning) calls 0.25 -> 0.28, reward 0.20 -> 0.25. Seeds 0-9 (each
+    # its own warm-up): calls 0.27-0.47 -> 0.94-0.96, reward rises 0.38-0.63; every bar below holds
+    # on 9 of them, seed 8 ends at reward 0.62 (its warm-up copies less well: p_copy 0.72).
     assert calls0 < 0.6, f"the warmed-up model already calls every time, nothing left to show: {line}"
     assert calls1 - calls0 >= 0.3 and calls1 >= 0.8, f"the model did not learn to call its tool: {line}"
     assert reward1 - reward0 >= 0.25 and reward1 >= 0.7, f"the reward did not rise with the calls: {line}"
