@@ -279,11 +279,13 @@ def bench(args, work: Path, env: dict, big_job: str) -> int:
     render_dir = work / "renders"
     render_dir.mkdir()
     e = env["jobs"]
+    render = ([*hpcrl, "render", "--site", "testbed"], e, render_dir)
+    floor = ([sys.executable, "-c", "import jinja2, hpcrl.job.spec"], e, work)
     t, cpu = timed({
         "python -c pass": ([sys.executable, "-c", "pass"], e, work),
         "squeue": (["squeue"], e, work),
         "hpcrl --help": ([*hpcrl, "--help"], e, work),
-        "hpcrl render": ([*hpcrl, "render", "--site", "testbed"], e, render_dir),
+        "hpcrl render": render,
         f"hpcrl status ({args.jobs} jobs)": ([*hpcrl, "status", "-n", str(args.jobs)], e, work),
         f"hpcrl status ({args.many} jobs, 50 shown)": ([*hpcrl, "status"], env["many"], work),
         f"hpcrl status -n {args.many} ({args.many} jobs)": (status_all, env["many"], work),
@@ -291,7 +293,7 @@ def bench(args, work: Path, env: dict, big_job: str) -> int:
         # What render cannot go below: a Python start that imports jinja2 (the template engine), and
         # one that also defines the recipe and site dataclasses (hpcrl.job.spec). Not in X.
         "(ref) import jinja2": ([sys.executable, "-c", "import jinja2"], e, work),
-        "(ref) import jinja2+spec": ([sys.executable, "-c", "import jinja2, hpcrl.job.spec"], e, work),
+        "(ref) import jinja2+spec": floor,
         # The query status sends while a job it shows is alive (hpcrl.login.slurm._from_squeue), and
         # the one it sent before (issue 17). Not in X.
         "(ref) squeue -O (status's)": (squeue_o, e, work),
@@ -313,8 +315,7 @@ def bench(args, work: Path, env: dict, big_job: str) -> int:
                 [[name, f"{t[name] * 1e3:.1f}", "" if base is None else f"{base * 1e3:.1f}",
                   "" if base is None else f"{t[name] / base:.2f}", f"{cpu[name] * 1e3:.1f}"] for name, base, _ in rows])
     worst = max(t[name] / base for name, base, in_x in rows if in_x)
-    ratios = paired_ratios(([*hpcrl, "render", "--site", "testbed"], e, render_dir),
-                           ([sys.executable, "-c", "import jinja2, hpcrl.job.spec"], e, work), 3 * args.repeat)
+    ratios = paired_ratios(render, floor, 3 * args.repeat)
     print(f"hpcrl render over its import floor, CPU time, {len(ratios)} back-to-back pairs: median "
           f"{statistics.median(ratios):.3f}, quartiles {' - '.join(f'{q:.3f}' for q in statistics.quantiles(ratios, n=4)[::2])}")
     print(f"worst_cli_over_python_start={worst:.2f} render_over_import_floor={statistics.median(ratios):.2f}")

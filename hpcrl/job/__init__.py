@@ -7,7 +7,7 @@ The layering test (tests/architecture/test_layering.py) holds the wall.
 What a user writes is dataclasses (config.py builds them, with field-named errors). What the
 estimate, the mesh choice and the signal lead compute is NamedTuples: a login command creates those
 classes at import, and in Python 3.11 a frozen dataclass costs ~0.6 ms to create against ~0.08 ms,
-which for nine of them was a fifth of `hpcrl render`'s time over its import floor.
+which for nine of them was ~5 ms of the ~30 ms `hpcrl render` spent over its import floor.
 
 errors.py      UserError: a user's mistake, one line naming the field
 config.py      typed dataclasses from plain mappings (YAML, TOML, JSON), with field-named errors

@@ -18,7 +18,6 @@ offline. A cache the site puts where this machine cannot see (Frontier's node-lo
 checked.
 """
 
-
 from __future__ import annotations
 
 import os
