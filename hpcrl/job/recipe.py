@@ -483,12 +483,6 @@ class Recipe:
         if self.grpo.max_tool_calling_iterations is not None and not self.agent.enabled:
             raise UserError("grpo.max_tool_calling_iterations: bounds an agent's tool calls; it needs agent.tools "
                             "or agent.environment_factory (leave it unset otherwise)")
-        if self.inference.max_staleness > 1 and (self.agent.enabled or self.agent.rollout_func):
-            # Their rollouts run in a thread of the trainer's, over one conversation with the engines
-            # at a time; several generations in flight need one each (not yet).
-            raise UserError(f"inference.max_staleness: at most 1 with agent rollouts (agent.tools, "
-                            f"agent.environment_factory or agent.rollout_func) in this version, got "
-                            f"{self.inference.max_staleness}")
         if self.checkpoint.save_merged_model and not self.model.use_peft:
             raise UserError("checkpoint.save_merged_model: only with model.use_peft (without LoRA the model "
                             "directory is the whole model already)")

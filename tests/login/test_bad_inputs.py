@@ -40,8 +40,6 @@ CASES = [
     ("beta-negative", None, [*TESTBED, "grpo.beta=-0.1"], "grpo.beta: must be >= 0"),
     ("is-mode", None, [*TESTBED, "grpo.vllm_importance_sampling_mode=sequence"], "grpo.vllm_importance_sampling_mode"),
     ("staleness-negative", None, [*TESTBED, "inference.max_staleness=-1"], "inference.max_staleness: must be >= 0"),
-    ("staleness-agent", "rewards: [math.sqrt]\nagent:\n  tools: [math.sqrt]\n", [*TESTBED, "inference.max_staleness=2"],
-     "inference.max_staleness: at most 1 with agent rollouts"),
     ("is-truncate-unbounded", None, [*TESTBED, "grpo.vllm_importance_sampling_mode=token_truncate",
                                      "grpo.vllm_importance_sampling_clip_max=null"], "needs vllm_importance_sampling_clip_min"),
     ("is-bounds-crossed", None, [*TESTBED, "grpo.vllm_importance_sampling_clip_min=4"], "must be below clip_max (3.0)"),

@@ -4,7 +4,9 @@ environments (agent.tools, agent.environment_factory), as TRL's GRPOTrainer runs
 ``submit`` opens one tool session per rollout (an environment instance, reset with the prompt's row;
 a string it returns is appended to the last user message) and renders each prompt with its tools; a
 thread then runs the rollouts over the node's engines, so that with inference.overlap_generation
-the whole conversation, tool rounds included, overlaps training. Where the engines take streams
+the whole conversation, tool rounds included, overlaps training; with inference.max_staleness = k
+the thread works through the k generations asked for ahead, one after another, and a weight push
+waits for the one under way (hpcrl.compute.agents.sync_gate). Where the engines take streams
 (the server's), each rollout moves on by itself (hpcrl.compute.agents.per_sample): its tools start
 when its turn is done, and its next turn joins the engine's batch when they are. Elsewhere, and
 with ``per_sample=False``, the rounds are lockstep, as TRL's (hpcrl.compute.agents.rollout). An
@@ -27,6 +29,7 @@ from typing import Any
 from hpcrl.compute.agents.conversation import ToolChat
 from hpcrl.compute.agents.per_sample import Start, first_turn, run_per_sample
 from hpcrl.compute.agents.rollout import Rollout, round_seed, tool_call_loop
+from hpcrl.compute.agents.sync_gate import SyncGate
 from hpcrl.compute.inference.types import Completion, Generator, Sampling
 from hpcrl.compute.train.data import PromptBatch, is_conversational
 
@@ -85,6 +88,7 @@ class AgentRollouts:
             self.max_iterations = 2**62         # TRL's: no bound
         self.first_turns = first_turns
         self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hpcrl-rollouts")
+        self.gate = SyncGate()
 
     def submit(self, batch: PromptBatch, sampling: Sampling) -> tuple[PromptBatch, "AgentGeneration"]:
         """Start ``sampling.n`` rollouts of each prompt of ``batch``; returns the batch as rolled out
@@ -104,23 +108,28 @@ class AgentRollouts:
 
             # The rows' prompt ids and texts are the function's, known once it has run.
             rows = PromptBatch(prompts, list(rows.texts), [[] for _ in prompts], rows.columns, rows.indices)
-            future = self.executor.submit(self._after_function, prompts, tools, sessions, environments, sampling,
-                                          len(batch))
+            future = self._in_thread(self._after_function, prompts, tools, sessions, environments, sampling, len(batch))
             return rows, RolloutFunctionGeneration(future, rows, self.chat.tokenizer)
         ids = [self.chat.prompt_ids(p, t) for p, t in zip(prompts, tools)]
         rows = PromptBatch(prompts, [self.chat.render(p, t) for p, t in zip(prompts, tools)], ids, rows.columns,
                            rows.indices)
         starts = [Start(p, t, s) for p, t, s in zip(ids, tools, sessions)]
         if self.per_sample:
-            return rows, AgentGeneration(self.executor.submit(self._per_sample, starts, environments, sampling))
-        # One request of n per prompt where the rollouts of a prompt start alike (the engines sample a
-        # group at once); a request per rollout where an environment made them differ.
-        n = sampling.n
-        alike = all(ids[i] == ids[i - i % n] for i in range(len(ids)))
-        first = (self.generator.submit(ids[::n], sampling) if alike
-                 else self.generator.submit(ids, replace(sampling, n=1)))
-        future = self.executor.submit(self._finish, first, starts, environments, sampling)
-        return rows, AgentGeneration(future)
+            return rows, AgentGeneration(self._in_thread(self._per_sample, starts, environments, sampling))
+        return rows, AgentGeneration(self._in_thread(self._lockstep, starts, environments, sampling))
+
+    def _in_thread(self, work, *args) -> concurrent.futures.Future:
+        """``work`` in the rollout thread, after the generations asked for before it, and never
+        while the trainer pushes weights (``paused_for_sync``)."""
+        def gated():
+            with self.gate.rollouts():
+                return work(*args)
+        return self.executor.submit(gated)
+
+    def paused_for_sync(self):
+        """Around a weight push: waits for the generation under way, and holds the next until the
+        push is done (every turn of a rollout comes from one weight version)."""
+        return self.gate.sync()
 
     def _after_function(self, prompts: list, tools: list[list[dict]], sessions: list, environments: list,
                         sampling: Sampling, groups: int):
@@ -157,6 +166,16 @@ class AgentRollouts:
         finally:
             for s in starts:
                 self.pool.close_session(s.session)
+
+    def _lockstep(self, starts: list[Start], environments: list, sampling: Sampling) -> list[Completion]:
+        """The rollouts in lockstep rounds, first turns included (in the executor's thread)."""
+        # One request of n per prompt where the rollouts of a prompt start alike (the engines sample a
+        # group at once); a request per rollout where an environment made them differ.
+        ids, n = [s.prompt_ids for s in starts], sampling.n
+        alike = all(ids[i] == ids[i - i % n] for i in range(len(ids)))
+        first = (self.generator.submit(ids[::n], sampling) if alike
+                 else self.generator.submit(ids, replace(sampling, n=1)))
+        return self._finish(first, starts, environments, sampling)
 
     def _finish(self, first, starts: list[Start], environments: list, sampling: Sampling,
                 requests_before: int = 0) -> list[Completion]:

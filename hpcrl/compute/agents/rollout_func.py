@@ -11,8 +11,9 @@ reaches the reward functions as a keyword argument of that name: a list gives ea
 anything else is every row's (TRL's rule; a key the reward functions already get is refused). The
 rows' prompt ids are the ones trained on; the reward functions get the dataset's prompts, as in TRL.
 
-The function runs in a thread of its own, so that with inference.overlap_generation it overlaps
-training as the engines' generation does. Beside agent.tools or agent.environment_factory, its rows are
+The function runs in a thread of its own, so that with inference.overlap_generation (or
+max_staleness) it overlaps training as the engines' generation does; a weight push waits for the
+call under way (hpcrl.compute.agents.sync_gate). Beside agent.tools or agent.environment_factory, its rows are
 the rollouts' first turns, which the tool loop then takes on (hpcrl.compute.agents.agent_rollouts). Completions carry the weight version of the engines that
 generated through ``trainer`` during the call; a call that generated nothing there is refused, since
 hpcrl's engines are the only ones that hold the policy's weights.
@@ -29,6 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from hpcrl.compute.agents.sync_gate import SyncGate
 from hpcrl.compute.agents.trainer_view import EngineCalls, TrainerView
 from hpcrl.compute.inference.types import Completion, Generator, Sampling
 from hpcrl.compute.launch.reason import Explained
@@ -86,13 +88,23 @@ class RolloutFunction:
         self.trainer = TrainerView(tokenizer, grpo, self.engines, tools=tools, chat_template=chat_template)
         self.stops = {tokenizer.eos_token_id, tokenizer.pad_token_id} - {None}
         self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hpcrl-rollout-func")
+        self.gate = SyncGate()
 
     def submit(self, batch: PromptBatch, sampling: Sampling) -> tuple[PromptBatch, "RolloutFunctionGeneration"]:
         """Call the function on each prompt of ``batch`` ``sampling.n`` times in a row; returns a row
         per rollout and the pending result, which completes the rows when taken."""
         rows = batch.repeat(sampling.n)
-        future = self.executor.submit(self.roll_out, copy.deepcopy(rows.prompts), sampling, len(batch))
-        return rows, RolloutFunctionGeneration(future, rows, self.tokenizer)
+        prompts = copy.deepcopy(rows.prompts)
+
+        def gated():
+            with self.gate.rollouts():
+                return self.roll_out(prompts, sampling, len(batch))
+        return rows, RolloutFunctionGeneration(self.executor.submit(gated), rows, self.tokenizer)
+
+    def paused_for_sync(self):
+        """Around a weight push: waits for the call under way, and holds the next until the push is
+        done (a call's generations all come from one weight version)."""
+        return self.gate.sync()
 
     def roll_out(self, prompts: list, sampling: Sampling, groups: int) -> RolledOut:
         """One call of the function on ``prompts`` (``groups`` prompts, each ``sampling.n`` times in a

@@ -144,7 +144,8 @@ class ServerGenerator:
 
     def push_weights(self, model, version: int) -> dict:
         """Generations may be in flight (inference.max_staleness): the engines take the weights
-        between two of them. A stream may not: its rollouts' turns share one version."""
+        between two of them. A stream may not: its rollouts' turns share one version (the trainer
+        waits for them first, hpcrl.compute.agents.sync_gate)."""
         assert self.in_flight is None, "weights pushed while a stream is open"
         if self.inf.staleness > 1:
             self._hold_engines()
@@ -159,13 +160,27 @@ class ServerGenerator:
         """Before a sync that meets generations in flight: every trainer has its engines finish the
         generation they are on and start no other (``weights_hold``), then waits for the others.
         Without it the trainers would wait for a busy engine inside the sync's gathers, bounded by
-        launch.collective_timeout_s instead of the generation's own bound."""
+        launch.collective_timeout_s instead of the generation's own bound.
+
+        Rollouts run from a thread of their own (agents, a rollout function) have none in flight
+        here: the trainer waited for them (hpcrl.compute.agents.sync_gate), and the wait for the
+        others is the wait for their rollouts, whose turns and tools are bounded one by one, so
+        the whole is bounded as a collective is (launch.collective_timeout_s)."""
         from datetime import timedelta
 
         import torch.distributed as dist
 
-        bound = self.inf.request_timeout_s + sum(sum(e.generating.values()) for e in self.engines.values())
+        agent = self.ctx.spec.recipe.agent
+        if agent.enabled or agent.rollout_func:
+            bound = self.ctx.spec.recipe.launch.collective_timeout_s
+            setting = ("launch.collective_timeout_s: the trainers wait for each other's rollouts in flight "
+                       "(agent tools, environments, agent.rollout_func)")
+        else:
+            bound = self.inf.request_timeout_s + sum(sum(e.generating.values()) for e in self.engines.values())
+            setting = "inference.request_timeout_s + the bounds of the generations in flight"
         for e in self.engines.values():
+            if not e.generating:
+                continue        # nothing of this trainer's to finish first (another's asks, if it has)
             reply = e.request({"op": "weights_hold"}, self.inf.request_timeout_s)
             if not reply.get("ok"):
                 raise RuntimeError(f"{e.label} refused to hold for a weight sync: {reply.get('error')}")
@@ -175,8 +190,7 @@ class ServerGenerator:
             except RuntimeError as err:
                 raise ServerUnavailable(
                     f"a trainer's engines were not ready for a weight sync within {bound:.0f} s of the first "
-                    f"(inference.request_timeout_s + the bounds of the generations in flight, "
-                    f"inference.max_staleness={self.inf.max_staleness}): {err}") from None
+                    f"({setting}, inference.max_staleness={self.inf.max_staleness}): {err}") from None
 
     def close(self) -> None:
         for e in self.engines.values():

@@ -8,6 +8,7 @@ the first turns), through the same two calls, so the loop and the evaluation hol
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Protocol
 
@@ -22,6 +23,10 @@ class Rollouts(Protocol):
     def submit(self, batch: PromptBatch, sampling: Sampling) -> tuple[PromptBatch, PendingGeneration]:
         """Start ``sampling.n`` rollouts of each prompt; returns a row per rollout (its prompt as
         rolled out: an environment may add to it) and the pending completions, in that order."""
+
+    def paused_for_sync(self) -> AbstractContextManager:
+        """Around a weight push: rollouts that talk to the engines from a thread of their own wait
+        for it, and it for the one under way (hpcrl.compute.agents.sync_gate)."""
 
     def reward_functions(self) -> list[RewardFunction]:
         """Reward sources of the rollouts' own (an environment's get_reward), after the recipe's."""
@@ -38,6 +43,10 @@ class SingleTurn:
 
     def submit(self, batch: PromptBatch, sampling: Sampling) -> tuple[PromptBatch, PendingGeneration]:
         return batch.repeat(sampling.n), self.generator.submit(batch.prompt_ids, sampling)
+
+    def paused_for_sync(self) -> AbstractContextManager:
+        # Asked for from the trainer's thread: the engines order generations and syncs themselves.
+        return nullcontext()
 
     def reward_functions(self) -> list[RewardFunction]:
         return []

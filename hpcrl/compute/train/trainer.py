@@ -578,7 +578,8 @@ class Trainer:
     def _push(self, version: int) -> float:
         t0 = time.perf_counter()
         self._heartbeat("syncing")
-        stats = self.generator.push_weights(self.engine.sync_module, version) or {}
+        with self.rollouts.paused_for_sync():
+            stats = self.generator.push_weights(self.engine.sync_module, version) or {}
         self.weight_version = version
         self.ahead.pushed_version(version)
         self.last_sync_stats = stats

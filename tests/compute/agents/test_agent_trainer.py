@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import json
 import textwrap
+import threading
 
 from dist_harness import spawn
-from support import TOOL_MODULE, ScriptedToolGenerator, cpu_trainer_setup, spy_on_packing, tool_tokenizer
+from support import (TOOL_MODULE, ScriptedStreamingGenerator, ScriptedToolGenerator, cpu_trainer_setup,
+                     spy_on_packing, tool_tokenizer)
 
 REWARDS = textwrap.dedent('''
     def answer(completions, answer, **kwargs):
@@ -52,7 +54,7 @@ def _dataset():
                                        "answer": [str(a + b) for a, b in pairs]})
 
 
-def _w_agent(rank, world, model_dir, run_dir, environment):
+def _w_agent(rank, world, model_dir, run_dir, environment, staleness=0):
     from pathlib import Path
 
     import torch
@@ -64,7 +66,7 @@ def _w_agent(rank, world, model_dir, run_dir, environment):
     from hpcrl.job import metric_keys as mk
     from hpcrl.job import rundir
     from hpcrl.job.agent_config import AgentConfig
-    from hpcrl.job.recipe import GRPOConfig, LoggingConfig, Recipe, RewardSpec
+    from hpcrl.job.recipe import GRPOConfig, InferenceConfig, LoggingConfig, Recipe, RewardSpec
 
     ckpt.control_group(60)
     modules = Path(run_dir) / rundir.REWARDS_DIR
@@ -76,12 +78,12 @@ def _w_agent(rank, world, model_dir, run_dir, environment):
     torch.distributed.barrier()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
     grpo = GRPOConfig(learning_rate=1e-3, per_device_train_batch_size=4, num_generations=4, max_completion_length=230,
-                      max_steps=2, seed=0, max_tool_calling_iterations=2, gradient_checkpointing=False,
-                      eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4)
+                      max_steps=5 if staleness else 2, seed=0, max_tool_calling_iterations=2,
+                      gradient_checkpointing=False, eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4)
     agent = (AgentConfig(environment_factory="agent_env:Adder", tool_workers=2) if environment else
              AgentConfig(tools=("agent_tools:add", "agent_tools:boom", "agent_tools:repeat"), tool_workers=2))
     recipe = Recipe(grpo=grpo, agent=agent, rewards=(RewardSpec("agent_rewards:answer"),),
-                    logging=LoggingConfig(log_completions=1))
+                    logging=LoggingConfig(log_completions=1), inference=InferenceConfig(max_staleness=staleness))
     policy, reference = load_policy_and_reference(model_dir, mesh, torch.device("cpu"), recipe)
     packed = spy_on_packing(trainer_mod)
     metrics, rows = [], []
@@ -89,11 +91,18 @@ def _w_agent(rank, world, model_dir, run_dir, environment):
     setup = cpu_trainer_setup(recipe, run_dir, model_dir, policy, reference, rank=rank, world=world, tokenizer=tok,
                               dataset=_dataset(), eval_dataset=_dataset(),
                               on_metrics=lambda step, m: metrics.append(m), on_completions=rows.extend)
-    trainer = trainer_mod.Trainer(setup, ScriptedToolGenerator(tok))
+    generator = SlowStreams(tok, grpo.num_generations) if staleness else ScriptedToolGenerator(tok)
+    trainer = trainer_mod.Trainer(setup, generator)
     try:
         assert trainer.run() == "finished"
     finally:
         trainer.rollouts.close()
+    if staleness:
+        # Generations were asked for ahead and sampled under older weights, never more than k behind;
+        # every push found no stream open, and each stream's turns came from one version.
+        assert max(m[mk.STALENESS_MAX] for m in metrics) == staleness, [m[mk.STALENESS_MAX] for m in metrics]
+        assert generator.pushes >= 4 and generator.pushed_while_streaming == 0, (generator.pushes, generator.pushed_while_streaming)
+        assert all(len(v) == 1 for v in generator.stream_versions), generator.stream_versions
     # Tool results are attended to but take no loss.
     assert packed and all(0 < loss < attended for _, loss, attended in packed), packed
     if rank != 0:
@@ -112,9 +121,58 @@ def _w_agent(rank, world, model_dir, run_dir, environment):
     Path(run_dir, "agent_metrics.json").write_text(json.dumps(last, default=str))
 
 
+class SlowStreams(ScriptedStreamingGenerator):
+    """The scripted streams, of which the second (the first generation asked for ahead, rolled out
+    while the trainer trains) waits in its first turn for a push to begin, up to 5 s: a push that
+    does not wait for the rollouts under way lands inside it. Counts such pushes, and the weight
+    versions each stream's turns carry."""
+
+    def __init__(self, tok, group):
+        super().__init__(tok, group)
+        self.open, self.pushes, self.pushed_while_streaming = 0, 0, 0
+        self.stream_versions: list[set] = []
+        self.pushing = threading.Event()
+
+    def push_weights(self, model, version):
+        self.pushes += 1
+        self.pushed_while_streaming += self.open > 0
+        self.pushing.set()
+        return super().push_weights(model, version)
+
+    def open_stream(self):
+        stream, gen = super().open_stream(), self
+        versions: set = set()
+        gen.open += 1
+        gen.stream_versions.append(versions)
+        take, close = stream.take, stream.close
+        waits = len(gen.stream_versions) == 2
+
+        def slow_take(timeout=None):
+            nonlocal waits
+            if waits:
+                gen.pushing.wait(5)
+                waits = False
+            done = take(timeout)
+            versions.update(c.weight_version for _, c in done)
+            return done
+
+        def closing():
+            close()
+            gen.open -= 1
+
+        stream.take, stream.close = slow_take, closing
+        return stream
+
+
 def test_an_agent_trains_with_tools(model_dir, tmp_path):
     spawn(_w_agent, tmp_path, model_dir, str(tmp_path / "run"), False, timeout=300)
 
 
 def test_an_agent_trains_with_an_environment(model_dir, tmp_path):
     spawn(_w_agent, tmp_path, model_dir, str(tmp_path / "run"), True, timeout=300)
+
+
+def test_an_agent_trains_generations_ahead_with_a_push_between_two_of_them(model_dir, tmp_path):
+    """inference.max_staleness = 2 with agent rollouts: the rollout thread works through the
+    generations asked for ahead while the trainer trains, and a push waits for the one under way."""
+    spawn(_w_agent, tmp_path, model_dir, str(tmp_path / "run"), False, 2, timeout=300)
