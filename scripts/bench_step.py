@@ -33,9 +33,11 @@ indicators per run: the 1-minute load average at start and end, and the CPU stea
 share of this VM's CPU time the hypervisor gave to other guests; at 50 % every time doubles).
 
 Asynchronous generation (--async, issue 31): the hpcrl systems at inference.max_staleness 0, 1, 2
-and 4 (`hpcrl`, `hpcrl-overlap`, `hpcrl-k2`, `hpcrl-k4`), no TRL. Each row adds warm steps a second
-and the engine's idle share of its serving time (its health file: busy_s against the time since its
-first request, warm-up included). Last line: async_steps_per_s_ratio_k4_over_k0=X engine_idle_k4=Y.
+and 4 (`hpcrl`, `hpcrl-overlap`, `hpcrl-k2`, `hpcrl-k4`), and 4 served per sample with syncs landing
+between engine steps (`hpcrl-k4-inflight`, inference.weight_update=in_flight), no TRL. Each row adds
+warm steps a second and the engine's idle share of its serving time (its health file: busy_s against
+the time since its first request, warm-up included). Last line: async_steps_per_s_ratio_k4_over_k0=X
+engine_idle_k4=Y, and the same two for k4-inflight.
 --long-tail [N] (hpcrl systems only): instead of one length for all, one completion in N (default 8)
 runs to max_completion_length and the others end at max_completion_length / N (a logits processor that
 masks the stop tokens before a completion's length and allows nothing else at it): the long tail that
@@ -52,8 +54,8 @@ Last line:  step_throughput_vs_trl=X step_throughput_vs_trl_in_order=Y
     .venv/bin/python scripts/bench_step.py --quick         # short steps (~2-3 min)
     .venv/bin/python scripts/bench_step.py --smoke         # that it runs (tests/e2e/test_bench_smoke.py): the 1M
                                                            # model, 2 prompts x 2 x 8 tokens, 2 steps; hpcrl-overlap
-                                                           # and TRL, then hpcrl and hpcrl-k4 with --long-tail 2
-                                                           # (as --smoke --async --systems hpcrl,hpcrl-k4
+                                                           # and TRL, then hpcrl, hpcrl-k4 (and in flight) with --long-tail 2
+                                                           # (as --smoke --async --systems hpcrl,hpcrl-k4,hpcrl-k4-inflight
                                                            # --long-tail 2), the two side by side; one last line
                                                            # with the keys of both
     .venv/bin/python scripts/bench_step.py --async         # max_staleness 0, 1, 2, 4 (--smoke --async: seconds)
@@ -232,7 +234,9 @@ def common_config(args) -> dict:
 # ---------------------------------------------------------------------------------------- hpcrl
 
 # hpcrl's systems and their inference.max_staleness (1: overlap_generation, exactly one sync behind).
-STALENESS = {"hpcrl": 0, "hpcrl-overlap": 1, "hpcrl-k2": 2, "hpcrl-k4": 4}
+STALENESS = {"hpcrl": 0, "hpcrl-overlap": 1, "hpcrl-k2": 2, "hpcrl-k4": 4, "hpcrl-k4-inflight": 4}
+# Served per sample, syncs landing between engine steps (inference.weight_update = in_flight).
+IN_FLIGHT = {"hpcrl-k4-inflight"}
 
 
 def engine_idle(run_dir: Path) -> float:
@@ -275,7 +279,8 @@ def run_hpcrl(args, model_dir: Path, work: Path, tag: str, system: str = "hpcrl"
             "seed": c["seed"], "gradient_checkpointing": False, "bf16": c["bf16"],
         },
         "inference": {"engine": "vllm", "dtype": "bfloat16" if c["bf16"] else "float32",
-                      "overlap_generation": staleness == 1, "max_staleness": staleness if staleness > 1 else 0},
+                      "overlap_generation": staleness == 1, "max_staleness": staleness if staleness > 1 else 0,
+                      "weight_update": "in_flight" if system in IN_FLIGHT else "between_requests"},
         "checkpoint": {"every": 0, "keep": 1},
     }
     if args.long_tail:
@@ -314,7 +319,8 @@ def run_hpcrl(args, model_dir: Path, work: Path, tag: str, system: str = "hpcrl"
         steps.append(dict(step=m[mk.STEP], step_s=m[mk.TIME_STEP_S], gen_s=m[mk.TIME_GENERATION_S],
                           sync_s=m[mk.TIME_SYNC_S], train_s=m[mk.TIME_TRAIN_S], other_s=m[mk.TIME_WAIT_S],
                           tokens=tokens, len_mean=m[mk.COMPLETIONS_MEAN_LENGTH],
-                          stale=m.get(mk.STALENESS_MEAN, 0.0), dropped=m.get(mk.DROPPED_STALE_TOTAL, 0)))
+                          stale=m.get(mk.STALENESS_MEAN, 0.0), dropped=m.get(mk.DROPPED_STALE_TOTAL, 0),
+                          in_flight=m.get(mk.UPDATED_IN_FLIGHT) or 0.0))
     # Start-up: from the command to the end of the first step, less that step.
     ready = ENGINE_READY.search(log_path.read_text(errors="replace"))
     startup = float(ready.group(1)) if ready else None
@@ -437,6 +443,7 @@ def summarize(runs: list[dict], warmup: int) -> dict:
     out["step_tok_s"] = median([s["tokens"] / s["step_s"] for s in warm])
     # Off-policy: the mean staleness of what was trained on; the generations dropped, whole run.
     out["stale"] = median([s.get("stale", float("nan")) for s in warm])
+    out["in_flight"] = median([s.get("in_flight", float("nan")) for s in warm])
     out["dropped"] = max((r["steps"][-1].get("dropped", float("nan")) for r in runs), default=float("nan"))
     out["load"] = median([x for r in runs for x in (r["load_start"], r["load_end"])])
     # hpcrl's engine: its idle share of the whole run (warm-up included), and warm steps a second.
@@ -463,7 +470,7 @@ def print_report(args, results: dict[str, list[dict]]) -> float | None:
             ("train tok/s", "train_tok_s", "{:.0f}"), ("step tok/s", "step_tok_s", "{:.1f}"),
             ("core-s/step", "core_s", "{:.1f}"), ("steps/s", "steps_per_s", "{:.2f}"),
             ("engine idle", "engine_idle", "{:.2f}"), ("stale", "stale", "{:.2f}"), ("dropped", "dropped", "{:.0f}"),
-            ("load", "load", "{:.1f}"), ("steal %", "steal", "{:.0f}")]
+            ("in flight", "in_flight", "{:.2f}"), ("load", "load", "{:.1f}"), ("steal %", "steal", "{:.0f}")]
     sums = {name: summarize(runs, args.warmup) for name, runs in results.items()}
     rows = [[name] + [fmt.format(s[key]) if s[key] == s[key] else "nan" for _, key, fmt in cols]
             for name, s in sums.items()]
@@ -479,9 +486,11 @@ def print_report(args, results: dict[str, list[dict]]) -> float | None:
             if not a or not b or a != a or b != b or (key.endswith("_s") and a < 0.01 * h["step_s"]):
                 return "-"
             return f"{(b / a if inverse else a / b):.2f}x"
-        rows.append([hname + "/trl", "", r("step_s", True) + "*", r("gen_s", True) + "*", "", r("train_s", True) + "*",
-                     "", "", "", r("gen_tok_s"), r("train_tok_s"), r("step_tok_s"), r("core_s", True) + "*", "", "",
-                     "", "", "", ""])
+        # The ratio row: time-like columns as TRL/hpcrl (marked *), rates as hpcrl/TRL, the rest blank.
+        inverse = {"step_s", "gen_s", "train_s", "core_s"}
+        rate = {"gen_tok_s", "train_tok_s", "step_tok_s"}
+        rows.append([hname + "/trl"] + [r(key, True) + "*" if key in inverse else r(key) if key in rate else ""
+                                        for _, key, _ in cols])
         ratios[hname] = h["step_tok_s"] / t["step_tok_s"]
     print()
     print_table(f"GRPO step, {args.model_size} model, {args.prompts} prompts x {args.generations} completions x "
@@ -516,6 +525,9 @@ def print_report(args, results: dict[str, list[dict]]) -> float | None:
     if "hpcrl" in sums and "hpcrl-k4" in sums:
         ratios["async_k4"] = sums["hpcrl-k4"]["steps_per_s"] / sums["hpcrl"]["steps_per_s"]
         ratios["engine_idle_k4"] = sums["hpcrl-k4"]["engine_idle"]
+    if "hpcrl" in sums and "hpcrl-k4-inflight" in sums:
+        ratios["async_k4_inflight"] = sums["hpcrl-k4-inflight"]["steps_per_s"] / sums["hpcrl"]["steps_per_s"]
+        ratios["engine_idle_k4_inflight"] = sums["hpcrl-k4-inflight"]["engine_idle"]
     return ratios
 
 
@@ -581,7 +593,7 @@ def main(argv=None) -> int:
     # TRL and, beside it, the synchronous and k = 4 systems with a long tail of 2; one last line with
     # the keys of both, so that one invocation checks both paths.
     both = args.smoke and not args.async_ and args.systems is None and not args.long_tail
-    args.systems = args.systems or ("hpcrl,hpcrl-overlap,hpcrl-k2,hpcrl-k4" if args.async_ else
+    args.systems = args.systems or ("hpcrl,hpcrl-overlap,hpcrl-k2,hpcrl-k4,hpcrl-k4-inflight" if args.async_ else
                                     "hpcrl-overlap,trl" if args.smoke else "hpcrl,hpcrl-overlap,trl")
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     if not systems or set(systems) - {*STALENESS, "trl"}:
@@ -594,7 +606,8 @@ def main(argv=None) -> int:
     passes = [(args, systems)]
     if both:
         passes.append((argparse.Namespace(**{**vars(args), "async_": True, "long_tail": 2,
-                                             "systems": "hpcrl,hpcrl-k4"}), ["hpcrl", "hpcrl-k4"]))
+                                             "systems": "hpcrl,hpcrl-k4,hpcrl-k4-inflight"}),
+                       ["hpcrl", "hpcrl-k4", "hpcrl-k4-inflight"]))
 
     sys.path.insert(0, str(Path(args.hpcrl_src).resolve() if args.hpcrl_src else REPO))
     from hpcrl.compute.models.tiny import make_tiny_model
@@ -652,6 +665,9 @@ def last_line_parts(ratios: dict) -> list[str]:
     if "async_k4" in ratios:
         parts += [f"async_steps_per_s_ratio_k4_over_k0={ratios['async_k4']:.2f}",
                   f"engine_idle_k4={ratios['engine_idle_k4']:.2f}"]
+    if "async_k4_inflight" in ratios:
+        parts += [f"async_steps_per_s_ratio_k4_inflight_over_k0={ratios['async_k4_inflight']:.2f}",
+                  f"engine_idle_k4_inflight={ratios['engine_idle_k4_inflight']:.2f}"]
     if "long_tail_len" in ratios:
         parts.append(f"long_tail_len_over_max={ratios['long_tail_len']:.2f}")
     return parts

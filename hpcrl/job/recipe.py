@@ -277,6 +277,13 @@ class InferenceConfig:
     # when its turn comes is dropped (counted: sample/dropped_stale_total). 0: synchronous; 1 is
     # overlap_generation (which sets it). README: "Asynchronous generation".
     max_staleness: int = 0
+    # Where a sync lands in the engines while generations are in flight (max_staleness >= 1).
+    # between_requests: between two whole generations; a completion is sampled with one version.
+    # in_flight (PipelineRL's): the engines serve every request as it comes (continuous batching
+    # across generations, per sample) and take a sync between two engine steps, so requests under
+    # way go on with the new weights; each token's version is recorded, a completion's staleness
+    # counts from its first token.
+    weight_update: Literal["between_requests", "in_flight"] = "between_requests"
     sync_bucket_mb: int = 256       # gather/send granularity: bounds the sender's extra memory
     start_timeout_s: float = 600.0  # how long trainers wait for the server to come up
     # A trainer's wait for one server answer. A generation's wait grows with its work: this plus
@@ -311,6 +318,9 @@ class InferenceConfig:
                             f"got {self.max_model_len}")
         if self.max_staleness < 0:
             raise UserError(f"{where}.max_staleness: must be >= 0 (0: synchronous generation), got {self.max_staleness}")
+        if self.weight_update == "in_flight" and self.max_staleness < 1:
+            raise UserError(f"{where}.weight_update: in_flight lands syncs in generations under way; it needs "
+                            f"{where}.max_staleness >= 1 (generations asked for ahead), got {self.max_staleness}")
         for name in ("sync_every", "sync_bucket_mb"):
             if getattr(self, name) < 1:
                 raise UserError(f"{where}.{name}: must be at least 1, got {getattr(self, name)}")
@@ -483,6 +493,10 @@ class Recipe:
         if self.grpo.max_tool_calling_iterations is not None and not self.agent.enabled:
             raise UserError("grpo.max_tool_calling_iterations: bounds an agent's tool calls; it needs agent.tools "
                             "or agent.environment_factory (leave it unset otherwise)")
+        if self.inference.weight_update == "in_flight" and (self.agent.enabled or self.agent.rollout_func):
+            raise UserError("inference.weight_update: in_flight is for single-turn GRPO in this version; agent "
+                            "rollouts (agent.tools, agent.environment_factory, agent.rollout_func) take syncs "
+                            "between their generations (between_requests)")
         if self.checkpoint.save_merged_model and not self.model.use_peft:
             raise UserError("checkpoint.save_merged_model: only with model.use_peft (without LoRA the model "
                             "directory is the whole model already)")

@@ -42,8 +42,12 @@ class _Engine:
         self.label = (f"the server on node {ctx.task.node} (rank {rank})" if ctx.plan.engines_per_node == 1 else
                       f"engine {ctx.plan.task(rank).engine} on node {ctx.task.node} (rank {rank})")
         self.in_flight = False          # a stream is open on it
+        # inference.weight_update = in_flight: syncs go while streams are open (the engine takes
+        # them between two steps), so their replies and the streams' interleave on the channel.
+        self.syncs_in_streams = ctx.spec.recipe.inference.weight_update == "in_flight"
         self.rids = itertools.count(1)
         self.early: dict = {}           # rid -> a reply read before its turn
+        self.streamed: list[dict] = []  # streams' replies read while waiting for another reply
         self.generating: dict[int, float] = {}      # rid -> the bound of a generation not yet answered
 
     def send(self, msg: dict) -> int:
@@ -52,7 +56,7 @@ class _Engine:
         return rid
 
     def request(self, msg: dict, timeout: float, setting: str = "inference.request_timeout_s") -> dict:
-        assert not self.in_flight, f"{msg['op']!r} sent to {self.label} while a stream is open"
+        assert not self.in_flight or self.syncs_in_streams, f"{msg['op']!r} sent to {self.label} while a stream is open"
         if self.generating:
             # The server answers between two generations: those ahead of this message may run first.
             timeout += sum(self.generating.values())
@@ -68,7 +72,10 @@ class _Engine:
                 got = self.channel.recv(timeout=max(0.0, deadline - time.monotonic()))
             except TimeoutError:
                 raise ServerUnavailable(f"{self.label} did not answer {op!r} within {timeout:.0f} s ({setting})") from None
-            self.early[got.get("rid")] = got
+            if got.get("rid") == "stream" and rid != "stream":
+                self.streamed.append(got)       # several may come: each is kept, in order
+            else:
+                self.early[got.get("rid")] = got
         self.generating.pop(rid, None)
         return self.early.pop(rid)
 
@@ -88,7 +95,9 @@ class ServerGenerator:
         self.engine_dtype: str | None = None
         self.syncs: list[TrainerSync] = []
         self.hold_group = None          # inference.max_staleness > 1: the trainers' barrier before a sync
-        self.in_flight: _ServerGeneration | None = None
+        self.in_flight: _ServerStream | None = None
+        # inference.weight_update = in_flight: generations go per sample on one stream that stays open.
+        self.feed: _Feed | None = _Feed(self) if self.inf.weight_update == "in_flight" else None
 
     def wait_ready(self) -> None:
         """The engines load while the trainers load the model: wait for them, bounded."""
@@ -101,7 +110,7 @@ class ServerGenerator:
         self._make_syncs()
 
     def _make_syncs(self) -> None:
-        if self.inf.staleness > 1:
+        if self.inf.staleness > 1 and self.feed is None:
             import torch.distributed as dist        # (choosing an engine imports no torch: not at the top)
 
             # The trainers' barrier before a sync that meets generations in flight (_hold_engines):
@@ -119,9 +128,12 @@ class ServerGenerator:
                         node_of_rank)
         return engine_class(self.engine).trainer_sync(self.model, peer)
 
-    def submit(self, prompts: Sequence[Sequence[int]], sampling: Sampling) -> "_ServerGeneration":
+    def submit(self, prompts: Sequence[Sequence[int]], sampling: Sampling) -> "_ServerGeneration | _FedGeneration":
         """Ask the engine(s) for completions and return at once; `result()` takes them. Several
-        may be outstanding: each engine generates them in the order asked."""
+        may be outstanding: each engine generates them in the order asked (or, in flight, its
+        completions join the engine's running batch at once)."""
+        if self.feed is not None:
+            return self.feed.submit(prompts, sampling)
         assert self.in_flight is None, "a generation submitted while a stream is open"
         parts, start, n = [], 0, len(self.engines)
         for i, e in enumerate(self.engines.values()):
@@ -145,10 +157,13 @@ class ServerGenerator:
     def push_weights(self, model, version: int) -> dict:
         """Generations may be in flight (inference.max_staleness): the engines take the weights
         between two of them. A stream may not: its rollouts' turns share one version (the trainer
-        waits for them first, hpcrl.compute.agents.sync_gate)."""
-        assert self.in_flight is None, "weights pushed while a stream is open"
-        if self.inf.staleness > 1:
-            self._hold_engines()
+        waits for them first, hpcrl.compute.agents.sync_gate), unless the engines take syncs in
+        flight (the feed's stream), between two of their steps."""
+        if self.feed is None:
+            assert self.in_flight is None, "weights pushed while a stream is open"
+            if self.inf.staleness > 1:
+                self._hold_engines()
+        # In flight, no hold: each engine stops its streams while the sync is open and goes on after.
         traffic: dict[str, int] = {}
         for sync in self.syncs:
             sync.sync(version)
@@ -244,9 +259,13 @@ class _ServerStream:
     def outstanding(self) -> int:
         return sum(self.waiting.values()) + sum(map(len, self.unsent.values()))
 
-    def add(self, key: int, prompt_ids, sampling: Sampling) -> None:
+    def add(self, key: int, prompt_ids, sampling: Sampling, engine: int | None = None) -> None:
+        """``engine``: the index of the trainer's engine it goes to (None: ``key`` modulo the engines)."""
         assert sampling.n == 1, "a stream request is one completion"
-        self.unsent[self.engines[key % len(self.engines)]].append((key, list(prompt_ids), sampling))
+        if self.outstanding == 0:
+            self.heard = time.monotonic()       # the engines' silence counts from the first request on
+        to = self.engines[(key if engine is None else engine) % len(self.engines)]
+        self.unsent[to].append((key, list(prompt_ids), sampling))
         if self.longest is None or sampling.max_tokens > self.longest.max_tokens:
             self.longest = sampling
 
@@ -255,22 +274,25 @@ class _ServerStream:
         busy = [e for e in self.engines if self.waiting[e]]
         if not busy:
             return []
-        wait = timeout if timeout is not None else max(0.0, self._deadline() - time.monotonic())
-        with selectors.DefaultSelector() as sel:
-            for e in busy:
-                sel.register(e.channel, selectors.EVENT_READ, e)
-            ready = [key.data for key, _ in sel.select(wait)]
+        ready = [e for e in busy if e.streamed]         # read during a sync's wait (in flight)
+        if not ready:
+            wait = timeout if timeout is not None else max(0.0, self._deadline() - time.monotonic())
+            with selectors.DefaultSelector() as sel:
+                for e in busy:
+                    sel.register(e.channel, selectors.EVENT_READ, e)
+                ready = [key.data for key, _ in sel.select(wait)]
         if not ready:
             if timeout is None:
                 raise ServerUnavailable(self._silence())
             return []
         done = []
         for e in ready:
-            reply = e.reply("stream", "stream", 0, "")
-            if not reply.get("ok"):
-                raise RuntimeError(f"{e.label} refused to generate: {reply.get('error')}")
-            done += reply["streamed"]
-            self.waiting[e] -= len(reply["streamed"])
+            replies = [e.streamed.pop(0) for _ in range(len(e.streamed))] or [e.reply("stream", "stream", 0, "")]
+            for reply in replies:
+                if not reply.get("ok"):
+                    raise RuntimeError(f"{e.label} refused to generate: {reply.get('error')}")
+                done += reply["streamed"]
+                self.waiting[e] -= len(reply["streamed"])
             e.in_flight = self.waiting[e] > 0
         self.heard = time.monotonic()
         return done
@@ -299,3 +321,53 @@ class _ServerStream:
         return (f"{who} returned no completion within {self._deadline() - self.heard:.0f} s "
                 f"(inference.request_timeout_s={inf.request_timeout_s:g} + inference.generation_s_per_ktoken="
                 f"{inf.generation_s_per_ktoken:g} per 1,000 completion tokens outstanding)")
+
+
+class _Feed:
+    """Single-turn generations served per sample (inference.weight_update = in_flight): every
+    completion is a request on one stream that stays open, which the engines batch with all others
+    under way, whatever generation they belong to, so a slot freed by a short completion is taken by
+    the next request at once. A generation's ``result()`` takes from the stream until its own
+    completions are in, keeping the others' for theirs."""
+
+    def __init__(self, client: ServerGenerator):
+        self.client = client
+        self.stream: _ServerStream | None = None
+        self.keys = itertools.count()
+        self.done: dict[int, Completion] = {}
+
+    def submit(self, prompts: Sequence[Sequence[int]], sampling: Sampling) -> "_FedGeneration":
+        if self.stream is None:
+            self.stream = _ServerStream(self.client)
+        engines, n = len(self.stream.engines), sampling.n
+        one = replace(sampling, n=1)
+        keys = []
+        for i, prompt in enumerate(prompts):
+            # A prompt's n completions on one engine (its prefix cache), prompts spread as a batch's are.
+            engine = i * engines // max(1, len(prompts))
+            for j in range(n):
+                key = next(self.keys)
+                seed = None if sampling.seed is None else sampling.seed * 1009 + i * n + j
+                self.stream.add(key, prompt, replace(one, seed=seed), engine=engine)
+                keys.append((key, i))
+        self.collect(0)             # sends them now; whatever is done already is kept
+        return _FedGeneration(self, keys)
+
+    def collect(self, timeout: float | None) -> None:
+        for key, completion in self.stream.take(timeout):
+            self.done[key] = completion
+
+
+class _FedGeneration:
+    """A generation's completions on the feed (their keys, in prompt order, each with its prompt)."""
+
+    def __init__(self, feed: _Feed, keys: list[tuple[int, int]]):
+        self.feed, self.keys = feed, keys
+        self.completions: list[Completion] | None = None
+
+    def result(self) -> list[Completion]:
+        if self.completions is None:
+            while any(k not in self.feed.done for k, _ in self.keys):
+                self.feed.collect(None)     # bounded: the engines' silence (inference.request_timeout_s ...)
+            self.completions = [replace(self.feed.done.pop(k), prompt_index=i) for k, i in self.keys]
+        return self.completions

@@ -133,6 +133,37 @@ class InferenceEngine(ABC):
         """Requests added and not yet returned by ``step``."""
         return len(self.__dict__.get("_stream_queue", []))
 
+    # ---- each token's weight version (inference.weight_update = in_flight: a sync between two steps)
+    def pause_for_sync(self) -> None:
+        """A sync opens while requests are under way: no step until ``resume_after_sync``. Here
+        nothing to do: the engine steps only when the server calls ``step``, and it does not while
+        a sync is open; an engine whose core steps by itself stops it."""
+
+    def resume_after_sync(self) -> None:
+        """The sync is done (or abandoned): requests under way go on."""
+
+    def note_progress(self, request: str, tokens: int) -> None:
+        """``request`` has ``tokens`` tokens now: those since the last note were sampled with the
+        weights the engine holds (``version``). An engine that steps token by token calls it for
+        every request a step moved on."""
+        marks = self.__dict__.setdefault("_version_marks", {}).setdefault(request, [])
+        if marks and marks[-1][1] == self.version:
+            marks[-1] = (tokens, self.version)
+        elif not marks or tokens > marks[-1][0]:
+            marks.append((tokens, self.version))
+
+    def stamped(self, request: str, completion: Completion) -> Completion:
+        """``completion`` (``request``'s, finished) with the versions its tokens were sampled with."""
+        marks = self.__dict__.get("_version_marks", {}).pop(request, [])
+        if len({v for _, v in marks}) <= 1:
+            return replace(completion, weight_version=marks[0][1]) if marks else completion
+        versions, start = [], 0
+        for end, version in marks:
+            versions += [version] * (end - start)
+            start = end
+        versions += [marks[-1][1]] * (len(completion.token_ids) - len(versions))
+        return replace(completion, weight_version=versions[0], token_versions=tuple(versions[:len(completion.token_ids)]))
+
     @property
     @abstractmethod
     def dtype(self) -> str | None:

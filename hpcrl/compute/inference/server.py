@@ -12,9 +12,12 @@ trainer can tell a sync's answers from a generation's.
 Streams (the agents' per-sample rollouts, types.Stream) are served continuously instead: their
 requests join the engine's running batch as they come, and each goes back as soon as it is done;
 while any is outstanding, weight-sync messages and batch requests wait for them to drain, so a
-rollout's turns are all sampled with one version of the weights. Completions carry the weight
-version they were sampled with; between the start of a sync and its successful finish (or after a
-failed one) the server refuses to generate.
+rollout's turns are all sampled with one version of the weights. With inference.weight_update =
+in_flight (single-turn GRPO's generations, served as streams) a sync is taken between two engine
+steps instead: the requests under way stop while it is open and go on with the new weights, and
+each token is stamped with the version that sampled it. Completions carry the weight version they
+were sampled with; between the start of a sync and its successful finish (or after a failed one)
+the server generates nothing.
 """
 
 from __future__ import annotations
@@ -67,6 +70,9 @@ class Server:
         self.pending: dict[int, deque[dict]] = {}     # trainer rank -> its generate requests, in order
         self.batch_opened = 0.0                         # when the oldest unserved request arrived
         self.held = False                               # a sync is announced: start no generation
+        # Syncs land between two engine steps of the streams, not after them (inference.weight_update).
+        self.in_flight = ctx.spec.recipe.inference.weight_update == "in_flight"
+        self.paused = False                             # the engine stopped for a sync in flight
         self.streams: dict[str, tuple[int, int]] = {}   # engine request id -> (trainer rank, its key)
         self.deferred: list[tuple[int, dict]] = []      # messages waiting for the streams to drain
         self.done: set[int] = set()
@@ -97,6 +103,13 @@ class Server:
             if time.time() - self.last_health > HEALTH_EVERY_S:
                 # after a failed sync the server refuses to generate until a full one finishes
                 self.write_health({"open": "syncing", "failed": "sync failed"}.get(self.receiver.state, "serving"))
+            if self.streams and not self.receiver.consistent:
+                # A sync in flight is open (or failed: the trainers end the job): the weights are
+                # half loaded, so no step until it is done.
+                received = self._receive(HEALTH_EVERY_S)
+                if received is not None:
+                    self.handle(*received)
+                continue
             if self.streams:
                 self._step_streams()
                 while self.streams and (received := self._receive(0)) is not None:
@@ -141,7 +154,7 @@ class Server:
 
     def handle(self, rank: int, msg: dict) -> None:
         op = msg.get("op")
-        if self.streams and (op == "generate" or (op or "").startswith("weights_")):
+        if self.streams and (op == "generate" or ((op or "").startswith("weights_") and not self.in_flight)):
             self.deferred.append((rank, msg))
         elif op == "stream":
             self._add_streamed(rank, msg)
@@ -153,6 +166,9 @@ class Server:
             self.held = True            # answered now, between two generations: the sync may begin
             self._reply(rank, msg, {"ok": True})
         elif op and op.startswith("weights_"):
+            if op == "weights_start" and self.in_flight and self.streams:
+                self.engine.pause_for_sync()
+                self.paused = True
             reply = self.receiver.handle(msg)
             if not reply.get("ok"):
                 # vLLM's refusal only says "EngineDeadError: see the stack trace above"; the engine
@@ -163,6 +179,9 @@ class Server:
                 self.engine.version = int(msg.get("version") or 0)
             if op in ("weights_finish", "weights_abort"):
                 self.held = False
+                if self.paused:
+                    self.engine.resume_after_sync()
+                    self.paused = False
             self._reply(rank, msg, reply)
         elif op == "health":
             self._reply(rank, msg, {"ok": True, "engine": self.engine.name, "weight_version": self.engine.version,
@@ -220,7 +239,9 @@ class Server:
     def _add_streamed(self, rank: int, msg: dict) -> None:
         """A trainer's stream requests into the engine's running batch: (key, prompt ids, sampling)."""
         requests: list[tuple[int, list[int], Sampling]] = msg["requests"]
-        if not self.receiver.consistent:
+        # In flight, requests may come while a sync is open: queued, they wait for it like the rest.
+        servable = self.receiver.state != "failed" if self.in_flight else self.receiver.consistent
+        if not servable:
             self._reply(rank, msg, {"ok": False, "error": "weights are not servable (a sync is open or failed)"})
             return
         if self.serving_since is None:

@@ -47,6 +47,10 @@ class Completion:
     # Its messages, as TRL hands a tool conversation to reward functions: assistant turns, tool results.
     messages: tuple[dict, ...] | None = None
     tool_use: Any = None        # hpcrl.compute.agents.agent_rollouts.ToolUse: calls, failures, turns, time
+    # inference.weight_update = in_flight: each token's weight version where a sync landed while the
+    # completion was being sampled (weight_version is then its first token's, the oldest); None: every
+    # token's is weight_version.
+    token_versions: tuple[int, ...] | None = None
 
     @property
     def model_tokens(self) -> int:

@@ -10,6 +10,7 @@ with ``transport_options``). vLLM itself is imported only when the engine starts
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import os
 import socket
@@ -230,6 +231,8 @@ class VLLMEngine(InferenceEngine):
             self.llm = LLM(**options)
         self.tokenizer = self.llm.get_tokenizer()
         self.version = 0
+        self._stream_ids = itertools.count()
+        self._partial: dict[str, tuple[list, list, list]] = {}     # a stream request's output so far
 
     @classmethod
     def missing(cls) -> str | None:
@@ -290,30 +293,64 @@ class VLLMEngine(InferenceEngine):
         return [c for i, out in enumerate(outputs) for c in self._completions(i, out)]
 
     def add(self, requests: Sequence[tuple[Sequence[int], Sampling]]) -> list[str]:
-        """Into the running batch at once (vLLM's scheduler takes them at its next step)."""
+        """Into the running batch at once (vLLM's scheduler takes them at its next step). Added to
+        the engine itself, not through LLM.enqueue, which asks for final outputs only: each step's
+        new tokens are what tells which weights sampled them (a sync may land between two steps)."""
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
-        ids = self.llm.enqueue([{"prompt_token_ids": list(p)} for p, _ in requests],
-                               [SamplingParams(**sampling_params(s)) for _, s in requests], use_tqdm=False)
-        # enqueue returns the engine's ids ("<counter>-<random>"); its outputs carry the counter.
-        return [i.split("-", 1)[0] for i in ids]
+        ids = []
+        for prompt, sampling in requests:
+            request = f"s{next(self._stream_ids)}"
+            params = SamplingParams(**sampling_params(sampling), output_kind=RequestOutputKind.DELTA)
+            self.llm.llm_engine.add_request(request, {"prompt_token_ids": list(prompt)}, params)
+            self._partial[request] = ([], [], [])       # token ids, log-probabilities, text pieces
+            ids.append(request)
+        return ids
 
     def step(self) -> list[tuple[str, list[Completion]]]:
-        """One step of the engine (every running request a token further); those it finished."""
-        return [(out.request_id, self._completions(0, out)) for out in self.llm.llm_engine.step() if out.finished]
+        """One step of the engine (every running request a token further); those it finished, each
+        token stamped with the weight version that sampled it."""
+        done = []
+        for out in self.llm.llm_engine.step():
+            tokens, lps, text = self._partial[out.request_id]
+            for c in out.outputs[:1]:       # a stream request is one completion
+                tokens += c.token_ids
+                lps += _logprobs(c)
+                text.append(c.text)
+            self.note_progress(out.request_id, len(tokens))
+            if out.finished:
+                del self._partial[out.request_id]
+                c = out.outputs[0]
+                done.append((out.request_id, [self.stamped(out.request_id, Completion(
+                    0, tuple(tokens), tuple(lps), "".join(text), c.finish_reason == "length", self.version))]))
+        return done
+
+    def pause_for_sync(self) -> None:
+        """An engine core in a process of its own steps by itself: vLLM's "keep" pause stops it with
+        its requests kept (the weights must not change under a step). Tokens it made before the
+        pause and the server reads after the sync are stamped with the new version: one late."""
+        if self.own_processes:
+            self.llm.llm_engine.engine_core.call_utility("pause_scheduler", "keep", False)
+
+    def resume_after_sync(self) -> None:
+        if self.own_processes:
+            self.llm.llm_engine.engine_core.call_utility("resume_scheduler")
 
     def unfinished(self) -> int:
         return self.llm.llm_engine.get_num_unfinished_requests()
 
     def _completions(self, index: int, out) -> list[Completion]:
         """A vLLM RequestOutput's completions, as the ``index``-th prompt's."""
-        completions = []
-        for c in out.outputs:
-            lps = tuple(float(next(iter(d.values())).logprob) if t not in d else float(d[t].logprob)
-                        for t, d in zip(c.token_ids, c.logprobs or []))
-            completions.append(Completion(index, tuple(c.token_ids), lps, c.text, c.finish_reason == "length",
-                                          self.version))
-        return completions
+        return [Completion(index, tuple(c.token_ids), tuple(_logprobs(c)), c.text, c.finish_reason == "length",
+                           self.version) for c in out.outputs]
+
+
+def _logprobs(c) -> list[float]:
+    """A vLLM CompletionOutput's sampled tokens' log-probabilities (logprobs=0: the sampled one's,
+    under the key of the token, or the only key where vLLM keyed it otherwise)."""
+    return [float(next(iter(d.values())).logprob) if t not in d else float(d[t].logprob)
+            for t, d in zip(c.token_ids, c.logprobs or [])]
 
     def _engine_processes(self) -> list:
         """vLLM's engine-core processes (multiprocessing Process objects); [] where vLLM keeps them elsewhere."""

@@ -13,7 +13,7 @@ import torch
 from hpcrl.compute.inference.types import Completion, PendingGeneration, check_version
 from hpcrl.compute.train import data as data_mod
 
-__all__ = ["Requested", "Generation"]
+__all__ = ["Requested", "Generation", "updated_in_flight"]
 
 
 @dataclass
@@ -73,6 +73,8 @@ class Generation:
     # Weight syncs between its completions' sampling and the policy it trains (mean, max).
     staleness: tuple[float, int] = (0.0, 0)
     logps_s: float = 0.0
+    # The share of its completions with tokens of more than one weight version (in-flight syncs).
+    updated_in_flight: float = 0.0
 
     def state_dict(self, steps_done: int) -> dict:
         """The checkpoint's form, tensors on the host, with the optimizer steps done on it."""
@@ -81,7 +83,8 @@ class Generation:
                                gen_tokens=[self.completion_tokens, self.completions, self.truncated,
                                            self.loss_tokens],
                                rstats=self.reward_stats, done=steps_done, lag=self.lag,
-                               staleness=list(self.staleness)), torch.device("cpu"))
+                               staleness=list(self.staleness), updated_in_flight=self.updated_in_flight),
+                          torch.device("cpu"))
 
     @classmethod
     def from_state(cls, state: dict | None, device: torch.device) -> "Generation | None":
@@ -95,7 +98,13 @@ class Generation:
                    ref_logps=state["ref_logps"], completion_tokens=tokens,
                    loss_tokens=loss_tokens[0] if loss_tokens else tokens, completions=completions,
                    truncated=truncated, reward_stats=state["rstats"], lag=state.get("lag", 0),
-                   staleness=tuple(state.get("staleness", (0.0, 0))))
+                   staleness=tuple(state.get("staleness", (0.0, 0))),
+                   updated_in_flight=float(state.get("updated_in_flight", 0.0)))
+
+
+def updated_in_flight(completions) -> float:
+    """The share of ``completions`` with tokens of more than one weight version (in-flight syncs)."""
+    return sum(c.token_versions is not None for c in completions) / max(1, len(completions))
 
 
 def _to_device(obj, device):

@@ -19,10 +19,9 @@ one generation older than the policy that trains on them (one-step off-policy;
 grpo.vllm_importance_sampling_correction reweights for it). The trainer takes it before pushing
 new weights, so a sync never meets a generation in flight.
 
-inference.max_staleness = k > 1 keeps k generations asked for ahead, and pushes weights while they
-are in flight: the engines take each sync between two generations, so one not yet begun is sampled
-with the newer weights. A completion is trained on at most k syncs after the weights it was sampled
-with (hpcrl.compute.train.ahead: the generations ahead, their staleness, the drops).
+inference.max_staleness = k > 1 keeps k generations asked for ahead and pushes weights while they are
+in flight, which the engines take between two generations (weight_update = in_flight: two engine
+steps). A completion is trained on at most k syncs after its oldest token (hpcrl.compute.train.ahead).
 """
 
 from __future__ import annotations
@@ -54,7 +53,7 @@ from hpcrl.compute.train.batch import micro_batched_logps, pack_batch, policy_fo
 from hpcrl.compute.train.engine import TrainEngine
 from hpcrl.compute.train.fsdp import Fsdp2Engine
 from hpcrl.compute.train.evaluation import Evaluator, epoch_ended, eval_due
-from hpcrl.compute.train.generation import Generation, Requested
+from hpcrl.compute.train.generation import Generation, Requested, updated_in_flight
 from hpcrl.compute.train.loss import (LossConfig, SamplerCorrection, effective_sample_size, grpo_loss,
                                       high_entropy_mask, sampling_importance_ratio)
 from hpcrl.compute.train.rank_metrics import Metric, global_sum, merge_metrics, reduce_metrics
@@ -429,7 +428,7 @@ class Trainer:
                           completion_tokens=tokens, loss_tokens=loss_tokens, completions=count, truncated=truncated,
                           reward_stats=reward_stats, lag=lag, wait_s=requested.wait_s,
                           staleness=(sum(staleness) / max(1, len(staleness)), max(staleness, default=0)),
-                          logps_s=time.perf_counter() - t0)
+                          logps_s=time.perf_counter() - t0, updated_in_flight=updated_in_flight(completions))
 
     @torch.no_grad()
     def _old_and_ref_logps(self, tensors: dict) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -525,6 +524,7 @@ class Trainer:
             mk.OFF_POLICY_LAG: gen.lag,
             mk.STALENESS_MEAN: gen.staleness[0], mk.STALENESS_MAX: gen.staleness[1],
             mk.DROPPED_STALE_TOTAL: self.ahead.dropped,
+            mk.UPDATED_IN_FLIGHT: gen.updated_in_flight if self.recipe.inference.weight_update == "in_flight" else None,
             mk.TIME_GENERATION_S: gen.wait_s if first else 0.0, mk.TIME_TRAIN_S: train_s,
             mk.TIME_SYNC_S: sync_s, mk.SYNC_S: sync_s if sync_s else None,
         }
@@ -569,9 +569,9 @@ class Trainer:
 
     def _sync_weights(self) -> float:
         """Push the policy to generation; returns the seconds the push took."""
-        if self.staleness <= 1:
+        if self.staleness <= 1 and self.recipe.inference.weight_update != "in_flight":
             # Overlap: the generation ahead is sampled with the weights it was asked under, one sync
-            # behind. Beyond, the engines take the weights between the generations in flight.
+            # behind. Beyond (or in flight), the engines take the weights while generations are under way.
             self.ahead.take_all()
         return self._push(self.step)
 

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 
 from hpcrl.compute.inference.engine import ENGINES, InferenceEngine, engine_class
 from hpcrl.compute.inference.types import Completion, Sampling
+from hpcrl.job.recipe import InferenceConfig
 
 
 def test_every_registered_engine_is_an_inference_engine_under_its_name():
@@ -92,7 +94,7 @@ def test_the_server_batches_by_what_the_engine_says_it_can(tmp_path, monkeypatch
 
     monkeypatch.setitem(ENGINES, "echo", f"{__name__}:EchoEngine")
     monkeypatch.setattr(EchoEngine, "per_prompt_sampling", per_prompt)
-    recipe = SimpleNamespace(inference=SimpleNamespace(engine="echo"))
+    recipe = SimpleNamespace(inference=InferenceConfig(engine="echo"))
     ctx = SimpleNamespace(spec=SimpleNamespace(recipe=recipe), device="cpu", run_dir=tmp_path,
                           task=SimpleNamespace(node=0, engine=None, rank=2), channel=_Channel({0, 1}))
     engine = server.make_engine(ctx, "/m")
@@ -133,7 +135,7 @@ def test_a_sync_refused_by_a_dead_engine_ends_the_job_with_how_it_died_not_the_r
     monkeypatch.setitem(ENGINES, "echo", f"{__name__}:EchoEngine")
     monkeypatch.setattr(EchoEngine, "weight_receiver", lambda self: SimpleNamespace(consistent=True, handle=lambda m: refusal))
     monkeypatch.setattr(server, "die", die)
-    recipe = SimpleNamespace(inference=SimpleNamespace(engine="echo"))
+    recipe = SimpleNamespace(inference=InferenceConfig(engine="echo"))
     failed = []
     ctx = SimpleNamespace(spec=SimpleNamespace(recipe=recipe), device="cpu", run_dir=tmp_path,
                           task=SimpleNamespace(node=0, engine=None, rank=2), channel=_Channel({0}),
@@ -176,7 +178,7 @@ def test_the_server_streams_each_request_back_and_holds_syncs_until_its_streams_
     from hpcrl.compute.inference import server
 
     monkeypatch.setitem(ENGINES, "echo", f"{__name__}:EchoEngine")
-    recipe = SimpleNamespace(inference=SimpleNamespace(engine="echo"))
+    recipe = SimpleNamespace(inference=InferenceConfig(engine="echo"))
     ctx = SimpleNamespace(spec=SimpleNamespace(recipe=recipe), device="cpu", run_dir=tmp_path,
                           task=SimpleNamespace(node=0, engine=None, rank=2), channel=_Channel({0, 1}))
     s = server.Server(ctx, server.make_engine(ctx, "/m"))
@@ -192,6 +194,113 @@ def test_the_server_streams_each_request_back_and_holds_syncs_until_its_streams_
     got = {rank: [(key, c.token_ids[0]) for key, c in msg["streamed"]] for rank, msg in ctx.channel.replies}
     assert got == {0: [(5, 11), (9, 12)], 1: [(5, 13)]}       # each request's own seed, whatever its batch
     assert s.streams == {} and s.requests == 3
+
+
+class TickEngine(EchoEngine):
+    """A mock engine that steps token by token, as vLLM does: every running request gets one token
+    a step (the weight version it holds, so a token shows what sampled it), and ends at max_tokens.
+    Counts steps taken while its weights are half loaded."""
+
+    name = "tick"
+
+    def __init__(self):
+        super().__init__()
+        self.running, self.counter, self.steps_while_open = {}, 0, 0
+        self.receiver = _Receiver()
+        self.pauses = []
+
+    def pause_for_sync(self):
+        self.pauses.append("pause")
+
+    def resume_after_sync(self):
+        self.pauses.append("resume")
+
+    def weight_receiver(self):
+        return self.receiver
+
+    def add(self, requests):
+        ids = []
+        for _, sampling in requests:
+            self.counter += 1
+            self.running[str(self.counter)] = (sampling.max_tokens, [])
+            ids.append(str(self.counter))
+        return ids
+
+    def step(self):
+        self.steps_while_open += not self.receiver.consistent
+        done = []
+        for rid, (length, tokens) in list(self.running.items()):
+            tokens.append(self.version)
+            self.note_progress(rid, len(tokens))
+            if len(tokens) == length:
+                del self.running[rid]
+                done.append((rid, [self.stamped(rid, Completion(0, tuple(tokens), (0.0,) * length, "", True,
+                                                                self.version))]))
+        return done
+
+    def unfinished(self):
+        return len(self.running)
+
+
+class _Receiver:
+    def __init__(self):
+        self.state = "serving"
+
+    @property
+    def consistent(self):
+        return self.state == "serving"
+
+    def handle(self, msg):
+        self.state = "open" if msg["op"] == "weights_start" else "serving"
+        return {"ok": True}
+
+
+class _ScriptedChannel(_Channel):
+    """The trainers' messages in order, one a receive; then silence."""
+
+    def __init__(self, expected, script):
+        super().__init__(expected)
+        self.script = list(script)
+
+    def recv_any(self, timeout=None):
+        if not self.script:
+            raise TimeoutError
+        return self.script.pop(0)
+
+
+def test_in_flight_a_sync_lands_between_two_engine_steps_and_each_token_keeps_its_version(tmp_path, monkeypatch):
+    """inference.weight_update = in_flight: a sync that comes while streams run is taken at once, not
+    after they drain; the engine takes no step while it is open, the requests under way go on with
+    the new weights after it, and each completion says which version sampled each of its tokens."""
+    from hpcrl.compute.inference import server
+
+    monkeypatch.setitem(ENGINES, "tick", f"{__name__}:TickEngine")
+    recipe = SimpleNamespace(inference=InferenceConfig(engine="tick", weight_update="in_flight", max_staleness=2))
+    one = Sampling(n=1, max_tokens=4, seed=1)
+    script = [(0, {"op": "stream", "requests": [(7, [1], one), (8, [2], replace(one, max_tokens=2))]}),
+              (0, {"op": "weights_start", "version": 3, "rid": 1}),      # read after the first step
+              (0, {"op": "health", "rid": 2}),                           # the sync is open: no step
+              (0, {"op": "weights_finish", "version": 3, "rid": 3})]
+    ctx = SimpleNamespace(spec=SimpleNamespace(recipe=recipe), device="cpu", run_dir=tmp_path,
+                          task=SimpleNamespace(node=0, engine=None, rank=2), channel=_ScriptedChannel({0}, script))
+    s = server.Server(ctx, server.make_engine(ctx, "/m"))
+    s.handle(*ctx.channel.recv_any())           # the stream's requests, into the engine
+    s._step_streams()                           # a token each, with version 0
+    while s.streams:                            # the serving loop's stream branch, as serve() runs it
+        if not s.receiver.consistent:
+            s.handle(*ctx.channel.recv_any())
+            continue
+        s._step_streams()
+        while s.streams and ctx.channel.script:
+            s.handle(*ctx.channel.recv_any())
+    assert s.engine.steps_while_open == 0 and s.deferred == [] and s.engine.pauses == ["pause", "resume"]
+    streamed = {key: c for _, msg in ctx.channel.replies for key, c in msg.get("streamed", [])}
+    # Two steps, then the sync: request 8 (2 tokens) ended before it landed; 7 was under way and
+    # took its last two tokens with the new weights. A completion's version is its oldest token's.
+    assert streamed[8].token_ids == (0, 0) and streamed[8].token_versions is None and streamed[8].weight_version == 0
+    assert streamed[7].token_ids == (0, 0, 3, 3)
+    assert streamed[7].token_versions == (0, 0, 3, 3) and streamed[7].weight_version == 0
+    assert [msg.get("rid") for _, msg in ctx.channel.replies if "streamed" not in msg] == [1, 2, 3]
 
 
 def test_the_transformers_engine_serves_a_stream_a_batch_a_step_each_request_as_if_alone(transformers_engine):
@@ -216,7 +325,7 @@ def test_queued_generations_are_served_in_order_with_a_sync_landing_between_two(
     monkeypatch.setitem(ENGINES, "echo", f"{__name__}:EchoEngine")
     monkeypatch.setattr(EchoEngine, "weight_receiver", lambda self: ChannelReceiver(self))
     monkeypatch.setattr(EchoEngine, "load_weights", lambda self, tensors: None, raising=False)
-    recipe = SimpleNamespace(inference=SimpleNamespace(engine="echo"))
+    recipe = SimpleNamespace(inference=InferenceConfig(engine="echo"))
     ctx = SimpleNamespace(spec=SimpleNamespace(recipe=recipe), device="cpu", run_dir=tmp_path,
                           task=SimpleNamespace(node=0, engine=None, rank=2), channel=_Channel({0}))
     s = server.Server(ctx, server.make_engine(ctx, "/m"))
@@ -279,3 +388,64 @@ def test_a_trainer_tells_a_syncs_reply_from_a_generations_by_its_request_id():
     assert channel.waited[0] == pytest.approx(201, abs=0.5)             # its own 100 s and the generation's 101 s
     assert [c.token_ids for c in pending.result()] == [(9,)]           # kept, not read again
     assert len(channel.waited) == 2 and engine.generating == {} and engine.early == {}
+
+
+def test_in_flight_a_trainer_keeps_what_its_stream_sends_during_a_sync_for_the_generation_it_belongs_to():
+    """inference.weight_update = in_flight: a trainer's generations go per sample on one stream that
+    stays open through its syncs. Completions the engine sends while the trainer waits for a sync's
+    reply are kept in order, and each generation's result() gets its own, in prompt order, with the
+    others' kept for theirs; every completion is its own request, with its own seed."""
+    import os
+
+    from hpcrl.compute.inference.client import ServerGenerator
+    from hpcrl.job.placement import make_plan
+    from hpcrl.login import profiles
+
+    def done(*keys):
+        return {"ok": True, "rid": "stream",
+                "streamed": [(k, Completion(0, (k,), (0.0,), "", False, 0)) for k in keys]}
+
+    class Channel:
+        """A node channel's trainer end: replies queued by the test, readable through a pipe."""
+
+        def __init__(self):
+            self.sent, self.queue = [], []
+            self.r, self.w = os.pipe()
+
+        def fileno(self):
+            return self.r
+
+        def push(self, reply):
+            self.queue.append(reply)
+            os.write(self.w, b"x")
+
+        def send(self, msg):
+            self.sent.append(msg)
+            if msg["op"] == "weights_start":     # the engine sends completions before the sync's reply
+                self.push(done(4, 0))
+                self.push(done(1))
+                self.push({"ok": True, "rid": msg["rid"], "state": "open"})
+
+        def recv(self, timeout=None):
+            os.read(self.r, 1)
+            return self.queue.pop(0)
+
+    local = profiles.load("local")
+    plan = make_plan(local, 1)
+    # A completion lost would leave a result() waiting: 1 s of the engine's silence ends the test.
+    inf = InferenceConfig(max_staleness=2, weight_update="in_flight", request_timeout_s=1)
+    channel = Channel()
+    ctx = SimpleNamespace(spec=SimpleNamespace(recipe=SimpleNamespace(inference=inf)), plan=plan,
+                          task=plan.task(0), channels={plan.task(0).servers[0]: channel})
+    gen = ServerGenerator(ctx, model=None)
+    first = gen.submit([[1], [2]], Sampling(n=2, max_tokens=4, seed=5))      # keys 0-3
+    second = gen.submit([[3]], Sampling(n=2, max_tokens=4, seed=6))          # keys 4-5
+    asked = [r for msg in channel.sent for r in msg["requests"]]
+    assert [(key, ids) for key, ids, _ in asked] == [(0, [1]), (1, [1]), (2, [2]), (3, [2]), (4, [3]), (5, [3])]
+    assert len({s.seed for _, _, s in asked}) == 6 and all(s.n == 1 for _, _, s in asked)
+    engine = gen.engines[plan.task(0).servers[0]]
+    assert engine.request({"op": "weights_start", "version": 1}, 10)["state"] == "open"
+    channel.push(done(2, 3, 5))
+    assert [(c.prompt_index, c.token_ids) for c in first.result()] == [(0, (0,)), (0, (1,)), (1, (2,)), (1, (3,))]
+    assert [(c.prompt_index, c.token_ids) for c in second.result()] == [(0, (4,)), (0, (5,))]
+    assert channel.queue == [] and gen.feed.done == {}
