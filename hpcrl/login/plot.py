@@ -267,7 +267,8 @@ def write_plot(run_dir: str | Path, output: Optional[str | Path] = None) -> Path
             ax.set_title("Off-policy: completions behind the policy")
             metric_lines(ax, [(mk.STALENESS_MEAN, "staleness (syncs, mean)"),
                               (mk.STALENESS_MAX, "staleness (syncs, max)"),
-                              (mk.DROPPED_STALE_TOTAL, "dropped as too stale (total)")])
+                              (mk.DROPPED_STALE_TOTAL, "dropped as too stale (total)"),
+                              (mk.UPDATED_IN_FLIGHT, "a sync landed inside (share)")])
             ax.set_ylim(bottom=0)
             ax.set_ylabel("syncs / completions")
             kl = [_num(rec.get(mk.SAMPLING_MISMATCH_KL)) for rec in steps]

@@ -11,28 +11,19 @@ below leave room for other machines' numerics.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import shutil
 import sys
 import time
 from pathlib import Path
 
-import pytest
-from conftest import REPO, run_to_the_end
+from conftest import REPO, WHOLE_RUN, run_to_the_end
 from support import window_means
 
 PY = sys.executable
-MPIEXEC = str(Path(PY).parent / "mpiexec") if (Path(PY).parent / "mpiexec").exists() else shutil.which("mpiexec")
 STEPS = 20
 START, END = 3, 10         # steps averaged at each end: the calls catch on within ~10 steps
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.vllm,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed"),
-    pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec (pip install mpich)"),
-]
+pytestmark = WHOLE_RUN
 
 
 def check_learning(steps: list[dict]) -> str:

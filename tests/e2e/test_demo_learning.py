@@ -8,28 +8,18 @@ machine the run is the same every time; the margins below leave room for other m
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import shutil
 import sys
 import time
-from pathlib import Path
 
-import pytest
-from conftest import run_to_the_end
+from conftest import WHOLE_RUN, run_to_the_end
 from support import WINDOW, window_means
 
 from hpcrl.job.grpo_config import DEMO_GRPO
 
 PY = sys.executable
-MPIEXEC = str(Path(PY).parent / "mpiexec") if (Path(PY).parent / "mpiexec").exists() else shutil.which("mpiexec")
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.vllm,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed"),
-    pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec (pip install mpich)"),
-]
+pytestmark = WHOLE_RUN
 
 
 def check_learning(steps: list[dict], max_steps: int) -> str:

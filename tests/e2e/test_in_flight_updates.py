@@ -3,34 +3,25 @@
 the trainer's stream, syncs landing between engine steps.
 
 For a sync to land inside a completion the engine must still be sampling when the trainer pushes:
-the demo's completions end after two tokens, and its tiny model trains faster than it samples only
-if sampling is slowed. A vLLM logits processor (written below, handed to the engine with
-inference.engine_args, as a user's would be) forces 24 tokens and spends 60 ms on each step (a generation then takes longer than a training step).
+the demo's completions end after two tokens, and its tiny model trains faster than it samples. A
+vLLM logits processor (written below, handed to the engine with inference.engine_args, as a user's
+would be) forces 24 tokens and spends 60 ms on each step: a generation then takes longer than a
+training step.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import shutil
 import sys
 import textwrap
-from pathlib import Path
 
-import pytest
-from conftest import run_to_the_end
+from conftest import WHOLE_RUN, run_to_the_end
 
 from hpcrl.job import metric_keys as mk
 
 PY = sys.executable
-MPIEXEC = str(Path(PY).parent / "mpiexec") if (Path(PY).parent / "mpiexec").exists() else shutil.which("mpiexec")
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.vllm,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed"),
-    pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec (pip install mpich)"),
-]
+pytestmark = WHOLE_RUN
 
 LENGTH = 24
 SLOW_DECODING = textwrap.dedent(f'''
