@@ -41,9 +41,9 @@ node), writes the figure (--out, default docs/step_model.png), and, last, one li
     engine_idle_at_256_continuous=...
 X, Y = single server's step / hpcrl's step at 256 nodes; C = the fewest nodes at which hpcrl's step
 is the shorter (strong scaling; inf where it never is). The async_* figures: hpcrl's step with a
-long tail of completion lengths, in order against a batch generated ahead (k >= 1, as built) and
-against engines that refill their freed slots (continuous per sample, not built), at 256 nodes;
-engine idle = the share of an engine's decode capacity a step leaves unused. The same rule,
+long tail of completion lengths, in order against a batch generated ahead (k >= 1, between_requests)
+and against engines that refill their freed slots (continuous per sample: weight_update in_flight),
+at 256 nodes; engine idle = the share of an engine's decode capacity a step leaves unused. The same rule,
 applied to bench_step --async's measured CPU phases, is printed beside the bench's measurements.
 
     .venv/bin/python scripts/model_step.py [--out docs/step_model.png] [--no-plot] [--server-gpus 8]
@@ -216,10 +216,10 @@ def generation_tail_s(inp: Inputs, completions: float, engines: int) -> tuple[fl
 
 def async_step(inp: Inputs, nodes: int, completions: float) -> dict[str, float]:
     """hpcrl's step with the long tail, in three schedules. The sync stops the engines in each.
-    k = 0: generate (to the last token), then train. k >= 1 as built: the next batch is generated
-    while this one trains, a batch at a time (the server runs each trainer's oldest request to its
-    end), so the tail stays in the generation. Continuous (not built): engines refill freed slots,
-    so generation is the tokens at full batch. Engine idle: the share of the step its decode
+    k = 0: generate (to the last token), then train. k >= 1 between requests: the next batch is
+    generated while this one trains, a batch at a time (the server runs each trainer's oldest request
+    to its end), so the tail stays in the generation. Continuous (weight_update in_flight): engines
+    refill freed slots, so generation is the tokens at full batch. Engine idle: the share of the step its decode
     capacity was not used (1 - tokens at full batch / step)."""
     batch, steady = generation_tail_s(inp, completions, nodes * inp.engines_per_node)
     train = training_s(inp, completions, nodes * inp.trainers_per_node) + allreduce_s(inp, nodes)
@@ -317,8 +317,8 @@ def print_tables(inp: Inputs, runs: dict[str, list[dict]]) -> None:
              + [f"{r['async']['step k0'] / r['async'][f'step {k}']:.2f}x" for k in ("k1", "continuous")]
              + [f"{r['async'][f'idle {k}']:.2f}" for k in ("k0", "k1", "continuous")] for r in rows]
     print_table(f"hpcrl with a long tail (1 completion in {inp.tail_every} {inp.tail_ratio:g}x the others), strong "
-                f"scaling, seconds a step: in order (k0), a batch ahead (k>=1, as built), continuous per sample "
-                f"(not built)", ["nodes", "batch gen", "steady gen", "train+allred", "sync", "step k0", "step k>=1",
+                f"scaling, seconds a step: in order (k0), a batch ahead (k>=1, between_requests), continuous per sample "
+                f"(in_flight)", ["nodes", "batch gen", "steady gen", "train+allred", "sync", "step k0", "step k>=1",
                                  "step contin.", "k>=1/k0", "contin./k0", "idle k0", "idle k>=1", "idle contin."], table)
     cpu = async_check_on_cpu(inp)
     print_table("the async rule on this CPU (bench_step --async phases): predicted against measured",

@@ -367,7 +367,9 @@ class _FedGeneration:
 
     def result(self) -> list[Completion]:
         if self.completions is None:
-            while any(k not in self.feed.done for k, _ in self.keys):
+            while missing := [k for k, _ in self.keys if k not in self.feed.done]:
+                if not self.feed.stream.outstanding:
+                    raise RuntimeError(f"the engines answered every request but {len(missing)} of this generation's")
                 self.feed.collect(None)     # bounded: the engines' silence (inference.request_timeout_s ...)
             self.completions = [replace(self.feed.done.pop(k), prompt_index=i) for k, i in self.keys]
         return self.completions
