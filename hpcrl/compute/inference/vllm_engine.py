@@ -345,13 +345,6 @@ class VLLMEngine(InferenceEngine):
         return [Completion(index, tuple(c.token_ids), tuple(_logprobs(c)), c.text, c.finish_reason == "length",
                            self.version) for c in out.outputs]
 
-
-def _logprobs(c) -> list[float]:
-    """A vLLM CompletionOutput's sampled tokens' log-probabilities (logprobs=0: the sampled one's,
-    under the key of the token, or the only key where vLLM keyed it otherwise)."""
-    return [float(next(iter(d.values())).logprob) if t not in d else float(d[t].logprob)
-            for t, d in zip(c.token_ids, c.logprobs or [])]
-
     def _engine_processes(self) -> list:
         """vLLM's engine-core processes (multiprocessing Process objects); [] where vLLM keeps them elsewhere."""
         core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
@@ -397,3 +390,10 @@ def _logprobs(c) -> list[float]:
         finalizer = getattr(core, "_finalizer", None)       # vLLM's InprocClient: the shutdown at exit
         if finalizer is not None:
             finalizer.detach()
+
+
+def _logprobs(c) -> list[float]:
+    """A vLLM CompletionOutput's sampled tokens' log-probabilities (logprobs=0: the sampled one's,
+    under the key of the token, or the only key where vLLM keyed it otherwise)."""
+    return [float(next(iter(d.values())).logprob) if t not in d else float(d[t].logprob)
+            for t, d in zip(c.token_ids, c.logprobs or [])]

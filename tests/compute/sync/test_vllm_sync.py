@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import gc
 import hashlib
+import itertools
 import json
 import os
 import queue
@@ -764,6 +765,7 @@ def test_streamed_requests_join_the_running_batch_and_keep_their_seeds(side):
         pytest.skip("one engine is enough")
     engine = object.__new__(VLLMEngine)         # the module's LLM, behind the engine's stream methods
     engine.llm, engine.version = side.llm, 0
+    engine._stream_ids, engine._partial = itertools.count(), {}
     long = Sampling(n=1, max_tokens=40, seed=3, generation_kwargs={"ignore_eos": True})
     short = Sampling(n=1, max_tokens=4, seed=5, generation_kwargs={"ignore_eos": True})
     first = engine.add([([1, 5, 7, 9], long), ([2, 6, 8], long)])
