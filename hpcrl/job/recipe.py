@@ -299,6 +299,11 @@ class InferenceConfig:
         """The staleness bound the trainers keep: max_staleness, or 1 with overlap_generation."""
         return max(self.max_staleness, 1 if self.overlap_generation else 0)
 
+    @property
+    def in_flight(self) -> bool:
+        """Syncs land between two engine steps, in requests under way (weight_update)."""
+        return self.weight_update == "in_flight"
+
     def eager(self, device: str) -> bool:
         """enforce_eager as the engine gets it: the recipe's, else on for the CPU build only."""
         return device == "cpu" if self.enforce_eager is None else self.enforce_eager
@@ -318,7 +323,7 @@ class InferenceConfig:
                             f"got {self.max_model_len}")
         if self.max_staleness < 0:
             raise UserError(f"{where}.max_staleness: must be >= 0 (0: synchronous generation), got {self.max_staleness}")
-        if self.weight_update == "in_flight" and self.max_staleness < 1:
+        if self.in_flight and self.max_staleness < 1:
             raise UserError(f"{where}.weight_update: in_flight lands syncs in generations under way; it needs "
                             f"{where}.max_staleness >= 1 (generations asked for ahead), got {self.max_staleness}")
         for name in ("sync_every", "sync_bucket_mb"):
@@ -493,7 +498,7 @@ class Recipe:
         if self.grpo.max_tool_calling_iterations is not None and not self.agent.enabled:
             raise UserError("grpo.max_tool_calling_iterations: bounds an agent's tool calls; it needs agent.tools "
                             "or agent.environment_factory (leave it unset otherwise)")
-        if self.inference.weight_update == "in_flight" and (self.agent.enabled or self.agent.rollout_func):
+        if self.inference.in_flight and (self.agent.enabled or self.agent.rollout_func):
             raise UserError("inference.weight_update: in_flight is for single-turn GRPO in this version; agent "
                             "rollouts (agent.tools, agent.environment_factory, agent.rollout_func) take syncs "
                             "between their generations (between_requests)")

@@ -121,10 +121,7 @@ class AgentRollouts:
     def _in_thread(self, work, *args) -> concurrent.futures.Future:
         """``work`` in the rollout thread, after the generations asked for before it, and never
         while the trainer pushes weights (``paused_for_sync``)."""
-        def gated():
-            with self.gate.rollouts():
-                return work(*args)
-        return self.executor.submit(gated)
+        return self.executor.submit(self.gate.run, work, *args)
 
     def paused_for_sync(self):
         """Around a weight push: waits for the generation under way, and holds the next until the

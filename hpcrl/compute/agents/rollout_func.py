@@ -94,12 +94,8 @@ class RolloutFunction:
         """Call the function on each prompt of ``batch`` ``sampling.n`` times in a row; returns a row
         per rollout and the pending result, which completes the rows when taken."""
         rows = batch.repeat(sampling.n)
-        prompts = copy.deepcopy(rows.prompts)
-
-        def gated():
-            with self.gate.rollouts():
-                return self.roll_out(prompts, sampling, len(batch))
-        return rows, RolloutFunctionGeneration(self.executor.submit(gated), rows, self.tokenizer)
+        future = self.executor.submit(self.gate.run, self.roll_out, copy.deepcopy(rows.prompts), sampling, len(batch))
+        return rows, RolloutFunctionGeneration(future, rows, self.tokenizer)
 
     def paused_for_sync(self):
         """Around a weight push: waits for the call under way, and holds the next until the push is

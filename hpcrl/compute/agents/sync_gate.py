@@ -44,6 +44,11 @@ class SyncGate:
                 self._rolling = False
                 self._cond.notify_all()
 
+    def run(self, work, *args):
+        """``work(*args)`` as a generation of rollouts (what the rollout thread's executor calls)."""
+        with self.rollouts():
+            return work(*args)
+
     @contextmanager
     def sync(self) -> Iterator[None]:
         """Wait for the rollouts under way (each of their waits on the engines and tools has its own

@@ -44,7 +44,7 @@ class _Engine:
         self.in_flight = False          # a stream is open on it
         # inference.weight_update = in_flight: syncs go while streams are open (the engine takes
         # them between two steps), so their replies and the streams' interleave on the channel.
-        self.syncs_in_streams = ctx.spec.recipe.inference.weight_update == "in_flight"
+        self.syncs_in_streams = ctx.spec.recipe.inference.in_flight
         self.rids = itertools.count(1)
         self.early: dict = {}           # rid -> a reply read before its turn
         self.streamed: list[dict] = []  # streams' replies read while waiting for another reply
@@ -97,7 +97,7 @@ class ServerGenerator:
         self.hold_group = None          # inference.max_staleness > 1: the trainers' barrier before a sync
         self.in_flight: _ServerStream | None = None
         # inference.weight_update = in_flight: generations go per sample on one stream that stays open.
-        self.feed: _Feed | None = _Feed(self) if self.inf.weight_update == "in_flight" else None
+        self.feed: _Feed | None = _Feed(self) if self.inf.in_flight else None
 
     def wait_ready(self) -> None:
         """The engines load while the trainers load the model: wait for them, bounded."""

@@ -71,7 +71,7 @@ class Server:
         self.batch_opened = 0.0                         # when the oldest unserved request arrived
         self.held = False                               # a sync is announced: start no generation
         # Syncs land between two engine steps of the streams, not after them (inference.weight_update).
-        self.in_flight = ctx.spec.recipe.inference.weight_update == "in_flight"
+        self.in_flight = ctx.spec.recipe.inference.in_flight
         self.paused = False                             # the engine stopped for a sync in flight
         self.streams: dict[str, tuple[int, int]] = {}   # engine request id -> (trainer rank, its key)
         self.deferred: list[tuple[int, dict]] = []      # messages waiting for the streams to drain

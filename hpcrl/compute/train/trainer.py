@@ -524,7 +524,7 @@ class Trainer:
             mk.OFF_POLICY_LAG: gen.lag,
             mk.STALENESS_MEAN: gen.staleness[0], mk.STALENESS_MAX: gen.staleness[1],
             mk.DROPPED_STALE_TOTAL: self.ahead.dropped,
-            mk.UPDATED_IN_FLIGHT: gen.updated_in_flight if self.recipe.inference.weight_update == "in_flight" else None,
+            mk.UPDATED_IN_FLIGHT: gen.updated_in_flight if self.recipe.inference.in_flight else None,
             mk.TIME_GENERATION_S: gen.wait_s if first else 0.0, mk.TIME_TRAIN_S: train_s,
             mk.TIME_SYNC_S: sync_s, mk.SYNC_S: sync_s if sync_s else None,
         }
@@ -569,7 +569,7 @@ class Trainer:
 
     def _sync_weights(self) -> float:
         """Push the policy to generation; returns the seconds the push took."""
-        if self.staleness <= 1 and self.recipe.inference.weight_update != "in_flight":
+        if self.staleness <= 1 and not self.recipe.inference.in_flight:
             # Overlap: the generation ahead is sampled with the weights it was asked under, one sync
             # behind. Beyond (or in flight), the engines take the weights while generations are under way.
             self.ahead.take_all()
