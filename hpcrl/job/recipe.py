@@ -282,7 +282,8 @@ class InferenceConfig:
     # in_flight (PipelineRL's): the engines serve every request as it comes (continuous batching
     # across generations, per sample) and take a sync between two engine steps, so requests under
     # way go on with the new weights; each token's version is recorded, a completion's staleness
-    # counts from its first token.
+    # counts from its first token. An agent's rollout goes on with the new weights from the next
+    # token, in the turn under way or the next (not with agent.rollout_func).
     weight_update: Literal["between_requests", "in_flight"] = "between_requests"
     sync_bucket_mb: int = 256       # gather/send granularity: bounds the sender's extra memory
     start_timeout_s: float = 600.0  # how long trainers wait for the server to come up
@@ -498,10 +499,10 @@ class Recipe:
         if self.grpo.max_tool_calling_iterations is not None and not self.agent.enabled:
             raise UserError("grpo.max_tool_calling_iterations: bounds an agent's tool calls; it needs agent.tools "
                             "or agent.environment_factory (leave it unset otherwise)")
-        if self.inference.in_flight and (self.agent.enabled or self.agent.rollout_func):
-            raise UserError("inference.weight_update: in_flight is for single-turn GRPO in this version; agent "
-                            "rollouts (agent.tools, agent.environment_factory, agent.rollout_func) take syncs "
-                            "between their generations (between_requests)")
+        if self.inference.in_flight and self.agent.rollout_func:
+            raise UserError("inference.weight_update: in_flight does not go with agent.rollout_func: the function "
+                            "returns its own token ids, so which weights sampled each cannot be told; its "
+                            "rollouts take syncs between their generations (between_requests)")
         if self.checkpoint.save_merged_model and not self.model.use_peft:
             raise UserError("checkpoint.save_merged_model: only with model.use_peft (without LoRA the model "
                             "directory is the whole model already)")

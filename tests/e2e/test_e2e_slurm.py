@@ -478,9 +478,11 @@ def test_an_agent_on_two_nodes_runs_each_nodes_tools_against_its_own_engine_unti
     """examples/agent.yaml (the agent demo: demo:tiny:agent calls a calculator) on 2 nodes of one
     trainer and one vLLM engine each: every trainer's rollouts call tools in its own tool workers on
     its own node, stream their turns to its own node's engine, and the tool use is in the metrics;
-    each engine is synced by its own node's sender (no gather crosses nodes). Once it has trained 3
-    steps and checkpointed, node 1's engine is SIGKILLed: the job ends naming it, and keeps the
-    checkpoint. (One job for both: the killed engine's test ran a vLLM job of this shape of its own.)"""
+    each engine is synced by its own node's sender (no gather crosses nodes), in flight
+    (inference.weight_update), two generations ahead (max_staleness 2). Once it has trained 3
+    steps and checkpointed, node 1's engine is SIGKILLed mid-stream: the job ends naming it, and keeps
+    the checkpoint. (One job for all three: the killed engine's test ran a vLLM job of this shape of
+    its own, and in flight ran on one machine only.)"""
     examples = REPO / "examples"
     for name in ("calculator_tools.py", "calculator_rewards.py", "calculator_tasks.jsonl"):
         shutil.copy(examples / name, tmp_path / name)
@@ -492,7 +494,8 @@ def test_an_agent_on_two_nodes_runs_each_nodes_tools_against_its_own_engine_unti
     assert "node_tools.calculator" in recipe
     (tmp_path / "agent.yaml").write_text(recipe)
     r = hpcrl("submit", "--site", "testbed", "agent.yaml", "-N", "2", *TWO_TASKS, "grpo.max_steps=100000",
-              "checkpoint.every=2", "inference.engine=vllm", "-t", "15", cwd=tmp_path)
+              "checkpoint.every=2", "inference.engine=vllm", "inference.max_staleness=2",
+              "inference.weight_update=in_flight", "-t", "15", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     job_id, run_dir = r.stdout.strip(), Path(r.stderr.rsplit("run directory ", 1)[1].strip())
     cancel_after(job_id)
@@ -508,6 +511,11 @@ def test_an_agent_on_two_nodes_runs_each_nodes_tools_against_its_own_engine_unti
     metrics = _metrics(run_dir)
     assert [m["step"] for m in metrics] == list(range(1, len(metrics) + 1)) and len(metrics) >= 3
     assert all(m["tools/call_frequency"] > 0 for m in metrics), [m["tools/call_frequency"] for m in metrics]
+    # Two generations ahead, never more; in flight, each step says how many of its rollouts a sync
+    # landed in.
+    staleness = [m["sample/staleness_max"] for m in metrics]
+    assert max(staleness) <= 2 and staleness[-1] >= 1, staleness
+    assert all(0 <= m["sample/updated_in_flight_frac"] <= 1 for m in metrics), metrics[-1]
     # The gathers of each sync, counted in hpcrl.compute.sync.gather.GatherTraffic: none between nodes.
     synced = [m for m in metrics if m.get("sync_s")]
     assert len(synced) >= 2 and all(m["sync_gathered_bytes_cross_node"] == 0 for m in synced), synced

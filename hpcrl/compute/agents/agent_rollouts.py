@@ -6,7 +6,8 @@ a string it returns is appended to the last user message) and renders each promp
 thread then runs the rollouts over the node's engines, so that with inference.overlap_generation
 the whole conversation, tool rounds included, overlaps training; with inference.max_staleness = k
 the thread works through the k generations asked for ahead, one after another, and a weight push
-waits for the one under way (hpcrl.compute.agents.sync_gate). Where the engines take streams
+waits for the one under way (hpcrl.compute.agents.sync_gate), unless the engines take it in flight
+(inference.weight_update): then the rollouts under way go on with the new weights. Where the engines take streams
 (the server's), each rollout moves on by itself (hpcrl.compute.agents.per_sample): its tools start
 when its turn is done, and its next turn joins the engine's batch when they are. Elsewhere, and
 with ``per_sample=False``, the rounds are lockstep, as TRL's (hpcrl.compute.agents.rollout). An
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -75,10 +77,12 @@ class AgentRollouts:
     back; ``by_column``: the rows choose their environment by their ``environment`` column;
     ``per_sample``: each rollout moves on by itself where the generator takes streams (else, and
     when False, lockstep rounds: the bench's baseline); ``first_turns``: a
-    hpcrl.compute.agents.rollout_func.RolloutFunction that makes the first turns (else the engines)."""
+    hpcrl.compute.agents.rollout_func.RolloutFunction that makes the first turns (else the engines);
+    ``in_flight``: the engines take syncs between two of their steps (inference.weight_update), so a
+    push does not wait for the rollouts under way, whose tokens carry the versions that sampled them."""
 
     def __init__(self, generator: Generator, pool, chat: ToolChat, grpo, context_len: int, by_column: bool = False,
-                 per_sample: bool = True, first_turns=None):
+                 per_sample: bool = True, first_turns=None, in_flight: bool = False):
         self.generator, self.pool, self.chat, self.grpo = generator, pool, chat, grpo
         self.context_len = context_len
         self.by_column = by_column
@@ -89,6 +93,7 @@ class AgentRollouts:
         self.first_turns = first_turns
         self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hpcrl-rollouts")
         self.gate = SyncGate()
+        self.in_flight = in_flight
 
     def submit(self, batch: PromptBatch, sampling: Sampling) -> tuple[PromptBatch, "AgentGeneration"]:
         """Start ``sampling.n`` rollouts of each prompt of ``batch``; returns the batch as rolled out
@@ -125,8 +130,9 @@ class AgentRollouts:
 
     def paused_for_sync(self):
         """Around a weight push: waits for the generation under way, and holds the next until the
-        push is done (every turn of a rollout comes from one weight version)."""
-        return self.gate.sync()
+        push is done (every turn of a rollout comes from one weight version); in flight, nothing:
+        the engines take the push between two of their steps."""
+        return nullcontext() if self.in_flight else self.gate.sync()
 
     def _after_function(self, prompts: list, tools: list[list[dict]], sessions: list, environments: list,
                         sampling: Sampling, groups: int):
@@ -208,7 +214,10 @@ class AgentRollouts:
         use = ToolUse(calls=r.calls, failures=r.failures, turns=r.turns, tool_s=r.tool_s,
                       environment=self.pool.environment_class_name(environment) if self.pool.has_environments else None,
                       environment_reward=reward)
+        versions = r.versions or [first.weight_version]
         return replace(first, token_ids=tuple(r.completion_ids), logprobs=tuple(r.logprobs),
+                       # In flight a rollout's later tokens may come from newer weights (types.Completion).
+                       weight_version=versions[0], token_versions=tuple(versions) if len(set(versions)) > 1 else None,
                        text=self.chat.tokenizer.decode(r.completion_ids, skip_special_tokens=True),
                        # TRL's rule for a multi-turn completion: cut where it does not end its turn.
                        truncated=bool(r.completion_ids) and r.completion_ids[-1] not in stops,

@@ -20,8 +20,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from hpcrl.compute.agents.conversation import ToolChat
-from hpcrl.compute.agents.rollout import (Rollout, continuation, extend, submit_tools, tool_messages, turn_seed,
-                                          tools_bound_s)
+from hpcrl.compute.agents.rollout import (Rollout, continuation, extend, submit_tools, token_versions,
+                                          tool_messages, tools_bound_s, turn_seed)
 from hpcrl.compute.inference.types import Completion, Sampling, Stream
 
 __all__ = ["Start", "first_turn", "run_per_sample"]
@@ -105,7 +105,7 @@ def first_turn(s: Start, c: Completion, chat: ToolChat) -> Rollout:
     env_mask) is kept, so the environment's tokens in it take no loss."""
     return Rollout(prompt_ids=s.prompt_ids, tools=s.tools, session=s.session, completion_ids=list(c.token_ids),
                    logprobs=list(c.logprobs), messages=[chat.parse(c.token_ids, s.prompt_ids, s.tools)],
-                   truncated=c.truncated, tool_mask=list(c.tool_mask or ()))
+                   truncated=c.truncated, tool_mask=list(c.tool_mask or ()), versions=token_versions(c))
 
 
 def _wait_for_tools(tools: dict[int, tuple[Any, float]], tools_done: queue.SimpleQueue) -> None:

@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 
 from hpcrl.compute.agents.conversation import ToolChat
 
-__all__ = ["Rollout", "tool_call_loop", "continuation", "extend", "run_tools", "submit_tools", "tools_bound_s",
+__all__ = ["Rollout", "tool_call_loop", "continuation", "extend", "token_versions", "run_tools", "submit_tools", "tools_bound_s",
            "tool_messages", "tool_message"]
 
 
@@ -35,6 +35,9 @@ class Rollout:
     messages: list[dict]
     truncated: bool                     # the last turn stopped at the length limit
     tool_mask: list[int] = field(default_factory=list)
+    # Each completion token's weight version (a tool result's tokens: its turn's); [] where no
+    # turn's completion carried them.
+    versions: list[int] = field(default_factory=list)
     calls: int = 0
     failures: int = 0
     turns: int = 1
@@ -110,6 +113,8 @@ def extend(r: Rollout, pct: list[int], out, chat: ToolChat, max_completion_lengt
     tool_len = len(pct) - len(r.prompt_ids) - len(r.completion_ids)
     r.tool_mask += [0] * tool_len + [1] * len(new)
     r.logprobs += [0.0] * tool_len + logps
+    if r.versions:
+        r.versions += [r.versions[-1]] * tool_len + token_versions(out)[:budget]
     r.completion_ids = pct[len(r.prompt_ids):] + new
     r.truncated = out.truncated or len(new) < len(out.token_ids)
     r.turns += 1
@@ -118,6 +123,11 @@ def extend(r: Rollout, pct: list[int], out, chat: ToolChat, max_completion_lengt
     message = chat.parse(new, pct, r.tools)
     r.messages.append(message)
     return bool(message.get("tool_calls"))
+
+
+def token_versions(c) -> list[int]:
+    """The weight version of each of completion ``c``'s tokens."""
+    return list(c.token_versions) if c.token_versions is not None else [c.weight_version] * len(c.token_ids)
 
 
 def run_tools(active: Sequence[Rollout], pool) -> list[list[dict]]:

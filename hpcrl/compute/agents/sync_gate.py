@@ -4,7 +4,8 @@ An agent's rollouts (and a rollout function's) talk to the engines from their ow
 turn, and every turn of a rollout must come from one weight version. With several generations asked
 for ahead (inference.max_staleness > 1) the trainer pushes weights while some are still to be rolled
 out, so it waits here for the one under way to finish, and the next waits for the sync: the engines'
-channels are never used by both threads at once, and a sync never lands inside a rollout.
+channels are never used by both threads at once, and a sync never lands inside a rollout. In flight
+(inference.weight_update) the push does not wait here: the engines take it between two steps.
 """
 
 from __future__ import annotations

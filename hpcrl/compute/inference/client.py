@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import itertools
 import selectors
+import threading
 import time
+from contextlib import nullcontext
 from dataclasses import replace
 from typing import Sequence
 
@@ -34,9 +36,15 @@ class _Engine:
     """One engine of the node as a trainer sees it: its channel, on which several requests may be
     outstanding (generations asked for ahead, a sync meanwhile). Each message carries a request id
     (``rid``) that the server's reply repeats; replies read while waiting for another are kept for
-    whoever waits on them."""
+    whoever waits on them: by rid (``early``), and a stream's in order (``streamed``).
 
-    def __init__(self, ctx: LaunchContext, rank: int):
+    ``arrivals``: in flight (inference.weight_update), where a sync's replies and a stream's
+    interleave on the channel and may be awaited from two threads (an agent's rollouts stream from
+    a thread of their own while the trainer's pushes weights), one reader thread takes everything
+    the engine sends and files it, and waiters wait on this condition, which all of the trainer's
+    engines share; without it the waiting thread reads the channel itself."""
+
+    def __init__(self, ctx: LaunchContext, rank: int, arrivals: threading.Condition | None = None):
         self.ctx, self.rank = ctx, rank
         self.channel = ctx.channels[rank]
         self.label = (f"the server on node {ctx.task.node} (rank {rank})" if ctx.plan.engines_per_node == 1 else
@@ -46,13 +54,16 @@ class _Engine:
         # them between two steps), so their replies and the streams' interleave on the channel.
         self.syncs_in_streams = ctx.spec.recipe.inference.in_flight
         self.rids = itertools.count(1)
+        self.sending = threading.Lock()         # one message at a time on the socket, whichever thread sends
         self.early: dict = {}           # rid -> a reply read before its turn
-        self.streamed: list[dict] = []  # streams' replies read while waiting for another reply
+        self.streamed: list[dict] = []  # streams' replies, in order, until a take
         self.generating: dict[int, float] = {}      # rid -> the bound of a generation not yet answered
+        self.reader = _Reader(self, arrivals) if arrivals is not None else None
 
     def send(self, msg: dict) -> int:
-        rid = next(self.rids)
-        self.channel.send({**msg, "rid": rid})
+        with self.sending:
+            rid = next(self.rids)
+            self.channel.send({**msg, "rid": rid})
         return rid
 
     def request(self, msg: dict, timeout: float, setting: str = "inference.request_timeout_s") -> dict:
@@ -66,18 +77,69 @@ class _Engine:
     def reply(self, rid, op: str, timeout: float, setting: str) -> dict:
         """The engine's answer to the message ``rid`` (an ``op``) within ``timeout``; ``setting``
         says which recipe fields set that bound, for the message of an engine that stays silent."""
-        deadline = time.monotonic() + timeout
-        while rid not in self.early:
-            try:
-                got = self.channel.recv(timeout=max(0.0, deadline - time.monotonic()))
-            except TimeoutError:
-                raise ServerUnavailable(f"{self.label} did not answer {op!r} within {timeout:.0f} s ({setting})") from None
-            if got.get("rid") == "stream" and rid != "stream":
-                self.streamed.append(got)       # several may come: each is kept, in order
-            else:
-                self.early[got.get("rid")] = got
+        if not self.wait_for(lambda: rid in self.early, time.monotonic() + timeout):
+            raise ServerUnavailable(f"{self.label} did not answer {op!r} within {timeout:.0f} s ({setting})")
         self.generating.pop(rid, None)
         return self.early.pop(rid)
+
+    def wait_for(self, arrived, deadline: float) -> bool:
+        """Until ``arrived()`` (what has been filed satisfies it), or False at ``deadline``."""
+        if self.reader is not None:
+            return self.reader.wait_for(arrived, deadline)
+        while not arrived():
+            try:
+                self.file(self.channel.recv(timeout=max(0.0, deadline - time.monotonic())))
+            except TimeoutError:
+                return False
+        return True
+
+    def file(self, got: dict) -> None:
+        if got.get("rid") == "stream":
+            self.streamed.append(got)       # several may come: each is kept, in order
+        else:
+            self.early[got.get("rid")] = got
+
+    def take_streamed(self) -> list[dict]:
+        """The streams' replies filed so far, in order (each taken once)."""
+        with self.reader.arrivals if self.reader is not None else nullcontext():
+            got, self.streamed = self.streamed, []
+        return got
+
+
+class _Reader:
+    """In flight: the thread that reads an engine's channel (see _Engine) and files what comes."""
+
+    POLL_S = 1.0        # how often it looks whether the trainer has closed (a read has no end else)
+
+    def __init__(self, engine: _Engine, arrivals: threading.Condition):
+        self.engine, self.arrivals = engine, arrivals
+        self.failed: BaseException | None = None
+        self.closing = False
+        self.thread = threading.Thread(target=self._read, name=f"hpcrl-engine-{engine.rank}-reader", daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        while not self.closing:
+            try:
+                got = self.engine.channel.recv(timeout=self.POLL_S)
+            except TimeoutError:
+                continue
+            except BaseException as e:      # the channel closed (a dead engine): every waiter raises it
+                with self.arrivals:
+                    self.failed = e
+                    self.arrivals.notify_all()
+                return
+            with self.arrivals:
+                self.engine.file(got)
+                self.arrivals.notify_all()
+
+    def wait_for(self, arrived, deadline: float) -> bool:
+        with self.arrivals:
+            done = self.arrivals.wait_for(lambda: arrived() or self.failed is not None,
+                                          max(0.0, deadline - time.monotonic()))
+            if not arrived() and self.failed is not None:
+                raise self.failed
+            return done and arrived()
 
 
 class ServerGenerator:
@@ -90,7 +152,8 @@ class ServerGenerator:
         self.ctx = ctx
         self.model = model
         self.inf = ctx.spec.recipe.inference
-        self.engines = {rank: _Engine(ctx, rank) for rank in ctx.task.servers}
+        self.arrivals = threading.Condition() if self.inf.in_flight else None
+        self.engines = {rank: _Engine(ctx, rank, self.arrivals) for rank in ctx.task.servers}
         self.engine = None              # the engines' name and dtype, from their first health replies
         self.engine_dtype: str | None = None
         self.syncs: list[TrainerSync] = []
@@ -158,8 +221,8 @@ class ServerGenerator:
         """Generations may be in flight (inference.max_staleness): the engines take the weights
         between two of them. A stream may not: its rollouts' turns share one version (the trainer
         waits for them first, hpcrl.compute.agents.sync_gate), unless the engines take syncs in
-        flight (the feed's stream), between two of their steps."""
-        if self.feed is None:
+        flight, between two of their steps (the feed's stream, or an agent's)."""
+        if not self.inf.in_flight:
             assert self.in_flight is None, "weights pushed while a stream is open"
             if self.inf.staleness > 1:
                 self._hold_engines()
@@ -209,6 +272,8 @@ class ServerGenerator:
 
     def close(self) -> None:
         for e in self.engines.values():
+            if e.reader is not None:
+                e.reader.closing = True
             try:
                 e.channel.send({"op": "done"})
             except Exception:
@@ -274,21 +339,15 @@ class _ServerStream:
         busy = [e for e in self.engines if self.waiting[e]]
         if not busy:
             return []
-        ready = [e for e in busy if e.streamed]         # read during a sync's wait (in flight)
-        if not ready:
-            wait = timeout if timeout is not None else max(0.0, self._deadline() - time.monotonic())
-            with selectors.DefaultSelector() as sel:
-                for e in busy:
-                    sel.register(e.channel, selectors.EVENT_READ, e)
-                ready = [key.data for key, _ in sel.select(wait)]
+        wait = timeout if timeout is not None else max(0.0, self._deadline() - time.monotonic())
+        ready = _streams_arrived(busy, time.monotonic() + wait)
         if not ready:
             if timeout is None:
                 raise ServerUnavailable(self._silence())
             return []
         done = []
         for e in ready:
-            replies = [e.streamed.pop(0) for _ in range(len(e.streamed))] or [e.reply("stream", "stream", 0, "")]
-            for reply in replies:
+            for reply in e.take_streamed():
                 if not reply.get("ok"):
                     raise RuntimeError(f"{e.label} refused to generate: {reply.get('error')}")
                 done += reply["streamed"]
@@ -321,6 +380,28 @@ class _ServerStream:
         return (f"{who} returned no completion within {self._deadline() - self.heard:.0f} s "
                 f"(inference.request_timeout_s={inf.request_timeout_s:g} + inference.generation_s_per_ktoken="
                 f"{inf.generation_s_per_ktoken:g} per 1,000 completion tokens outstanding)")
+
+
+def _streams_arrived(engines: list[_Engine], deadline: float) -> list[_Engine]:
+    """The engines of ``engines`` with a stream's reply filed, waiting for one until ``deadline``."""
+    ready = [e for e in engines if e.streamed]          # filed while a reply to another was awaited
+    if ready:
+        return ready
+    if engines[0].reader is not None:       # in flight: the readers file them; all share one condition
+        arrivals = engines[0].reader.arrivals
+        with arrivals:
+            arrivals.wait_for(lambda: any(e.streamed or e.reader.failed for e in engines),
+                              max(0.0, deadline - time.monotonic()))
+            dead = [e.reader.failed for e in engines if e.reader.failed is not None]
+            if dead and not any(e.streamed for e in engines):
+                raise dead[0]
+    else:
+        with selectors.DefaultSelector() as sel:
+            for e in engines:
+                sel.register(e.channel, selectors.EVENT_READ, e)
+            for key, _ in sel.select(max(0.0, deadline - time.monotonic())):
+                key.data.file(key.data.channel.recv(timeout=0))
+    return [e for e in engines if e.streamed]
 
 
 class _Feed:

@@ -13,9 +13,9 @@ Streams (the agents' per-sample rollouts, types.Stream) are served continuously 
 requests join the engine's running batch as they come, and each goes back as soon as it is done;
 while any is outstanding, weight-sync messages and batch requests wait for them to drain, so a
 rollout's turns are all sampled with one version of the weights. With inference.weight_update =
-in_flight (single-turn GRPO's generations, served as streams) a sync is taken between two engine
-steps instead: the requests under way stop while it is open and go on with the new weights, and
-each token is stamped with the version that sampled it. Completions carry the weight version they
+in_flight (single-turn GRPO's generations served as streams, and agents' turns) a sync is taken
+between two engine steps instead: the requests under way stop while it is open and go on with the
+new weights, and each token is stamped with the version that sampled it. Completions carry the weight version they
 were sampled with; between the start of a sync and its successful finish (or after a failed one)
 the server generates nothing.
 """
@@ -166,7 +166,9 @@ class Server:
             self.held = True            # answered now, between two generations: the sync may begin
             self._reply(rank, msg, {"ok": True})
         elif op and op.startswith("weights_"):
-            if op == "weights_start" and self.in_flight and self.streams:
+            if op == "weights_start" and self.in_flight:
+                # Paused even with no request under way: one may come while the sync is open (an
+                # agent's next turn), and an engine core that steps by itself must not start it.
                 self.engine.pause_for_sync()
                 self.paused = True
             reply = self.receiver.handle(msg)

@@ -91,4 +91,4 @@ def make_rollouts(recipe, generator: Generator, tokenizer, run_dir: Path | None,
         first_turns = RolloutFunction(func, agent.rollout_func, generator, tokenizer, recipe.grpo, tools=schemas,
                                       chat_template=chat.chat_template)
     return AgentRollouts(generator, pool, chat, recipe.grpo, context_len, by_column=by_column,
-                         first_turns=first_turns)
+                         first_turns=first_turns, in_flight=recipe.inference.in_flight)

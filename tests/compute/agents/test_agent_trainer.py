@@ -54,7 +54,7 @@ def _dataset():
                                        "answer": [str(a + b) for a, b in pairs]})
 
 
-def _w_agent(rank, world, model_dir, run_dir, environment, staleness=0):
+def _w_agent(rank, world, model_dir, run_dir, environment, staleness=0, weight_update="between_requests"):
     from pathlib import Path
 
     import torch
@@ -83,7 +83,8 @@ def _w_agent(rank, world, model_dir, run_dir, environment, staleness=0):
     agent = (AgentConfig(environment_factory="agent_env:Adder", tool_workers=2) if environment else
              AgentConfig(tools=("agent_tools:add", "agent_tools:boom", "agent_tools:repeat"), tool_workers=2))
     recipe = Recipe(grpo=grpo, agent=agent, rewards=(RewardSpec("agent_rewards:answer"),),
-                    logging=LoggingConfig(log_completions=1), inference=InferenceConfig(max_staleness=staleness))
+                    logging=LoggingConfig(log_completions=1),
+                    inference=InferenceConfig(max_staleness=staleness, weight_update=weight_update))
     policy, reference = load_policy_and_reference(model_dir, mesh, torch.device("cpu"), recipe)
     packed = spy_on_packing(trainer_mod)
     metrics, rows = [], []
@@ -91,18 +92,34 @@ def _w_agent(rank, world, model_dir, run_dir, environment, staleness=0):
     setup = cpu_trainer_setup(recipe, run_dir, model_dir, policy, reference, rank=rank, world=world, tokenizer=tok,
                               dataset=_dataset(), eval_dataset=_dataset(),
                               on_metrics=lambda step, m: metrics.append(m), on_completions=rows.extend)
-    generator = SlowStreams(tok, grpo.num_generations) if staleness else ScriptedToolGenerator(tok)
+    # In flight the push comes while the stream waits (however long a loaded machine takes to train a
+    # step); between requests it cannot, and the wait runs out.
+    generator = (SlowStreams(tok, grpo.num_generations, 60 if weight_update == "in_flight" else 5) if staleness
+                 else ScriptedToolGenerator(tok))
+    rolled = spy_on_rollouts()
     trainer = trainer_mod.Trainer(setup, generator)
     try:
         assert trainer.run() == "finished"
     finally:
         trainer.rollouts.close()
     if staleness:
-        # Generations were asked for ahead and sampled under older weights, never more than k behind;
-        # every push found no stream open, and each stream's turns came from one version.
+        # Generations were asked for ahead and sampled under older weights, never more than k behind
+        # (counted from a rollout's first token).
         assert max(m[mk.STALENESS_MAX] for m in metrics) == staleness, [m[mk.STALENESS_MAX] for m in metrics]
-        assert generator.pushes >= 4 and generator.pushed_while_streaming == 0, (generator.pushes, generator.pushed_while_streaming)
-        assert all(len(v) == 1 for v in generator.stream_versions), generator.stream_versions
+        pushed = (generator.pushes, generator.pushed_while_streaming)
+        if weight_update == "in_flight":
+            # The push went while the second generation's stream was open, and its rollouts' later
+            # turns came from the new weights: their tokens say so, and the step that trained on
+            # them counts them.
+            assert generator.pushes >= 4 and generator.pushed_while_streaming >= 1, pushed
+            assert any(len(v) == 2 for v in generator.stream_versions), generator.stream_versions
+            assert any(m[mk.UPDATED_IN_FLIGHT] > 0 for m in metrics), [m[mk.UPDATED_IN_FLIGHT] for m in metrics]
+            assert all(c.token_versions is None or (c.weight_version == c.token_versions[0] < c.token_versions[-1])
+                       for c in rolled), "a rollout's versions run from its first token's up"
+        else:
+            # Every push found no stream open, and each stream's turns came from one version.
+            assert generator.pushes >= 4 and generator.pushed_while_streaming == 0, pushed
+            assert all(len(v) == 1 for v in generator.stream_versions), generator.stream_versions
     # Tool results are attended to but take no loss.
     assert packed and all(0 < loss < attended for _, loss, attended in packed), packed
     if rank != 0:
@@ -121,23 +138,41 @@ def _w_agent(rank, world, model_dir, run_dir, environment, staleness=0):
     Path(run_dir, "agent_metrics.json").write_text(json.dumps(last, default=str))
 
 
+def spy_on_rollouts() -> list:
+    """Every completion the agent rollouts make, from now on in this process."""
+    from hpcrl.compute.agents.agent_rollouts import AgentRollouts
+
+    rolled, real = [], AgentRollouts._completions
+
+    def spy(self, *args):
+        rolled.extend(real(self, *args))
+        return rolled[-len(args[0]):]
+
+    AgentRollouts._completions = spy
+    return rolled
+
+
 class SlowStreams(ScriptedStreamingGenerator):
     """The scripted streams, of which the second (the first generation asked for ahead, rolled out
-    while the trainer trains) waits in its first turn for a push to begin, up to 5 s: a push that
-    does not wait for the rollouts under way lands inside it. Counts such pushes, and the weight
-    versions each stream's turns carry."""
+    while the trainer trains) waits in its first turn for a push made after it opened, up to
+    ``wait_s``: a push that does not wait for the rollouts under way lands inside it. Counts such
+    pushes, and the weight versions each stream's turns carry."""
 
-    def __init__(self, tok, group):
+    def __init__(self, tok, group, wait_s: float):
         super().__init__(tok, group)
+        self.wait_s = wait_s
         self.open, self.pushes, self.pushed_while_streaming = 0, 0, 0
         self.stream_versions: list[set] = []
-        self.pushing = threading.Event()
+        self.pushed = threading.Condition()
 
     def push_weights(self, model, version):
-        self.pushes += 1
         self.pushed_while_streaming += self.open > 0
-        self.pushing.set()
-        return super().push_weights(model, version)
+        try:
+            return super().push_weights(model, version)
+        finally:
+            with self.pushed:
+                self.pushes += 1
+                self.pushed.notify_all()
 
     def open_stream(self):
         stream, gen = super().open_stream(), self
@@ -146,11 +181,13 @@ class SlowStreams(ScriptedStreamingGenerator):
         gen.stream_versions.append(versions)
         take, close = stream.take, stream.close
         waits = len(gen.stream_versions) == 2
+        pushes_before = gen.pushes
 
         def slow_take(timeout=None):
             nonlocal waits
             if waits:
-                gen.pushing.wait(5)
+                with gen.pushed:
+                    gen.pushed.wait_for(lambda: gen.pushes > pushes_before, gen.wait_s)
                 waits = False
             done = take(timeout)
             versions.update(c.weight_version for _, c in done)
@@ -176,3 +213,11 @@ def test_an_agent_trains_generations_ahead_with_a_push_between_two_of_them(model
     """inference.max_staleness = 2 with agent rollouts: the rollout thread works through the
     generations asked for ahead while the trainer trains, and a push waits for the one under way."""
     spawn(_w_agent, tmp_path, model_dir, str(tmp_path / "run"), False, 2, timeout=300)
+
+
+def test_in_flight_an_agents_push_lands_inside_its_rollouts_and_their_tokens_say_which_weights_sampled_them(
+        model_dir, tmp_path):
+    """inference.weight_update = in_flight with agent rollouts: a push does not wait for the rollouts
+    under way (the engines take it between two steps); a rollout's turns after it come from the new
+    weights, and its completion carries each token's version, its first token's as its own."""
+    spawn(_w_agent, tmp_path, model_dir, str(tmp_path / "run"), False, 2, "in_flight", timeout=300)

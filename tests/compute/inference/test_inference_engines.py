@@ -395,49 +395,17 @@ def test_in_flight_a_trainer_keeps_what_its_stream_sends_during_a_sync_for_the_g
     stays open through its syncs. Completions the engine sends while the trainer waits for a sync's
     reply are kept in order, and each generation's result() gets its own, in prompt order, with the
     others' kept for theirs; every completion is its own request, with its own seed."""
-    import os
-
-    from hpcrl.compute.inference.client import ServerGenerator
-    from hpcrl.job.placement import make_plan
-    from hpcrl.login import profiles
-
-    def done(*keys):
-        return {"ok": True, "rid": "stream",
-                "streamed": [(k, Completion(0, (k,), (0.0,), "", False, 0)) for k in keys]}
-
-    class Channel:
-        """A node channel's trainer end: replies queued by the test, readable through a pipe."""
-
-        def __init__(self):
-            self.sent, self.queue = [], []
-            self.r, self.w = os.pipe()
-
-        def fileno(self):
-            return self.r
-
-        def push(self, reply):
-            self.queue.append(reply)
-            os.write(self.w, b"x")
-
+    class Channel(PipeChannel):
         def send(self, msg):
-            self.sent.append(msg)
+            super().send(msg)
             if msg["op"] == "weights_start":     # the engine sends completions before the sync's reply
-                self.push(done(4, 0))
-                self.push(done(1))
+                self.push(_streamed(4, 0))
+                self.push(_streamed(1))
                 self.push({"ok": True, "rid": msg["rid"], "state": "open"})
 
-        def recv(self, timeout=None):
-            os.read(self.r, 1)
-            return self.queue.pop(0)
-
-    local = profiles.load("local")
-    plan = make_plan(local, 1)
-    # A completion lost would leave a result() waiting: 1 s of the engine's silence ends the test.
-    inf = InferenceConfig(max_staleness=2, weight_update="in_flight", request_timeout_s=1)
     channel = Channel()
-    ctx = SimpleNamespace(spec=SimpleNamespace(recipe=SimpleNamespace(inference=inf)), plan=plan,
-                          task=plan.task(0), channels={plan.task(0).servers[0]: channel})
-    gen = ServerGenerator(ctx, model=None)
+    # A completion lost would leave a result() waiting: 1 s of the engine's silence ends the test.
+    gen, plan = _in_flight_client(channel)
     first = gen.submit([[1], [2]], Sampling(n=2, max_tokens=4, seed=5))      # keys 0-3
     second = gen.submit([[3]], Sampling(n=2, max_tokens=4, seed=6))          # keys 4-5
     asked = [r for msg in channel.sent for r in msg["requests"]]
@@ -445,7 +413,112 @@ def test_in_flight_a_trainer_keeps_what_its_stream_sends_during_a_sync_for_the_g
     assert len({s.seed for _, _, s in asked}) == 6 and all(s.n == 1 for _, _, s in asked)
     engine = gen.engines[plan.task(0).servers[0]]
     assert engine.request({"op": "weights_start", "version": 1}, 10)["state"] == "open"
-    channel.push(done(2, 3, 5))
+    channel.push(_streamed(2, 3, 5))
     assert [(c.prompt_index, c.token_ids) for c in first.result()] == [(0, (0,)), (0, (1,)), (1, (2,)), (1, (3,))]
     assert [(c.prompt_index, c.token_ids) for c in second.result()] == [(0, (4,)), (0, (5,))]
     assert channel.queue == [] and gen.feed.done == {}
+
+
+def test_in_flight_an_agents_stream_and_a_push_wait_on_one_channel_from_two_threads():
+    """In flight an agent's rollouts take their stream's replies in a thread of their own while the
+    trainer's thread waits for a sync's: one reader thread files what the engine sends, and each
+    waiter gets its own, whatever their order on the channel. A channel that closes (a dead engine)
+    ends the stream's wait at once with the channel's error, not at the end of its bound."""
+    import threading
+
+    from hpcrl.compute.launch.wire import ChannelClosed
+
+    channel = PipeChannel()
+    gen, plan = _in_flight_client(channel, request_timeout_s=30)
+    engine = gen.engines[plan.task(0).servers[0]]
+    stream = gen.open_stream()
+    stream.add(7, [1, 2], Sampling(n=1, max_tokens=4))
+    stream.add(8, [1, 3], Sampling(n=1, max_tokens=4))
+    taken, sync_reply = [], []
+    rollouts = threading.Thread(target=lambda: [taken.extend(stream.take()) for _ in range(2)])
+    rollouts.start()                    # it sends the requests, then waits on the engine
+    sync = threading.Thread(target=lambda: sync_reply.append(engine.request({"op": "weights_start", "version": 1}, 30)))
+    sync.start()
+    while len(channel.sent) < 2:
+        threading.Event().wait(0.01)
+    # The engine answers the rollouts' first, then the sync, then the rollouts' second.
+    start = next(m for m in channel.sent if m["op"] == "weights_start")
+    channel.push(_streamed(7))
+    channel.push({"ok": True, "rid": start["rid"], "state": "open"})
+    channel.push(_streamed(8))
+    rollouts.join(5)
+    sync.join(5)
+    assert [k for k, _ in taken] == [7, 8] and sync_reply == [{"ok": True, "rid": start["rid"], "state": "open"}]
+    stream.add(9, [1, 4], Sampling(n=1, max_tokens=4))
+    failed = []
+    waiting = threading.Thread(target=lambda: failed.append(_raised(stream.take)))
+    waiting.start()
+    channel.close_writer()
+    waiting.join(5)
+    assert not waiting.is_alive() and isinstance(failed[0], ChannelClosed), failed
+
+
+def _raised(call):
+    try:
+        call()
+    except BaseException as e:
+        return e
+    return None
+
+
+def _streamed(*keys):
+    """A stream's reply from the engine: the completions of requests ``keys``."""
+    return {"ok": True, "rid": "stream", "streamed": [(k, Completion(0, (k,), (0.0,), "", False, 0)) for k in keys]}
+
+
+class PipeChannel:
+    """A node channel's trainer end: replies queued by the test, readable through a pipe (a reader
+    thread waits on it as on the socket, with a timeout); closing the pipe's end is a dead engine."""
+
+    def __init__(self):
+        import os
+
+        self.sent, self.queue = [], []
+        self.r, self.w = os.pipe()
+
+    def fileno(self):
+        return self.r
+
+    def push(self, reply):
+        import os
+
+        self.queue.append(reply)
+        os.write(self.w, b"x")
+
+    def close_writer(self):
+        import os
+
+        os.close(self.w)
+
+    def send(self, msg):
+        self.sent.append(msg)
+
+    def recv(self, timeout=None):
+        import os
+        import select
+
+        from hpcrl.compute.launch.wire import ChannelClosed
+
+        if not select.select([self.r], [], [], timeout)[0]:
+            raise TimeoutError(f"no message within {timeout} s")
+        if not os.read(self.r, 1):
+            raise ChannelClosed("peer closed the connection")
+        return self.queue.pop(0)
+
+
+def _in_flight_client(channel, request_timeout_s: float = 1):
+    """A trainer's ServerGenerator in flight (inference.weight_update) over ``channel``."""
+    from hpcrl.compute.inference.client import ServerGenerator
+    from hpcrl.job.placement import make_plan
+    from hpcrl.login import profiles
+
+    plan = make_plan(profiles.load("local"), 1)
+    inf = InferenceConfig(max_staleness=2, weight_update="in_flight", request_timeout_s=request_timeout_s)
+    ctx = SimpleNamespace(spec=SimpleNamespace(recipe=SimpleNamespace(inference=inf)), plan=plan,
+                          task=plan.task(0), channels={plan.task(0).servers[0]: channel})
+    return ServerGenerator(ctx, model=None), plan
