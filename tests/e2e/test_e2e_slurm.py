@@ -454,6 +454,7 @@ def test_vllm_job_checkpoints_at_the_signal_requeues_and_survives_a_killed_attem
 
 NODE_TOOLS = '''
 import os
+import time
 
 LOG = LOG_PATH
 
@@ -469,6 +470,9 @@ def calculator(expression: str) -> str:
     # Where this call ran: the tool worker's node (its trainer's) and process.
     with open(LOG, "a") as log:
         log.write(f"{os.environ.get('SLURMD_NODENAME')} {os.environ.get('SLURM_PROCID')} {os.getpid()}\\n")
+    # A tool that takes its time, as real ones do: a generation (~20 calls on 4 workers) then takes
+    # longer than a training step (~2.4 s), so pushes come while rollouts wait on their tools.
+    time.sleep(0.5)
     return _calculator(expression)
 '''
 
@@ -511,11 +515,12 @@ def test_an_agent_on_two_nodes_runs_each_nodes_tools_against_its_own_engine_unti
     metrics = _metrics(run_dir)
     assert [m["step"] for m in metrics] == list(range(1, len(metrics) + 1)) and len(metrics) >= 3
     assert all(m["tools/call_frequency"] > 0 for m in metrics), [m["tools/call_frequency"] for m in metrics]
-    # Two generations ahead, never more; in flight, each step says how many of its rollouts a sync
-    # landed in.
+    # Two generations ahead, never more; in flight, syncs landed inside rollouts under way (between a
+    # tool call and the turn after it), whose tokens then carry two versions.
     staleness = [m["sample/staleness_max"] for m in metrics]
     assert max(staleness) <= 2 and staleness[-1] >= 1, staleness
-    assert all(0 <= m["sample/updated_in_flight_frac"] <= 1 for m in metrics), metrics[-1]
+    in_flight = [m["sample/updated_in_flight_frac"] for m in metrics]
+    assert max(in_flight) > 0, in_flight
     # The gathers of each sync, counted in hpcrl.compute.sync.gather.GatherTraffic: none between nodes.
     synced = [m for m in metrics if m.get("sync_s")]
     assert len(synced) >= 2 and all(m["sync_gathered_bytes_cross_node"] == 0 for m in synced), synced
