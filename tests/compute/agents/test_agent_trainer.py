@@ -201,17 +201,16 @@ class SlowStreams(ScriptedStreamingGenerator):
         return stream
 
 
-def test_an_agent_trains_with_tools(model_dir, tmp_path):
-    spawn(_w_agent, tmp_path, model_dir, str(tmp_path / "run"), False, timeout=300)
-
-
 def test_an_agent_trains_with_an_environment(model_dir, tmp_path):
+    """Synchronous (max_staleness 0), lockstep rounds (a generator without streams)."""
     spawn(_w_agent, tmp_path, model_dir, str(tmp_path / "run"), True, timeout=300)
 
 
-def test_an_agent_trains_generations_ahead_with_a_push_between_two_of_them(model_dir, tmp_path):
-    """inference.max_staleness = 2 with agent rollouts: the rollout thread works through the
-    generations asked for ahead while the trainer trains, and a push waits for the one under way."""
+def test_an_agent_trains_with_tools_generations_ahead_with_a_push_between_two_of_them(model_dir, tmp_path):
+    """inference.max_staleness = 2 with agent rollouts over streams (per sample): the rollout thread
+    works through the generations asked for ahead while the trainer trains, and a push waits for the
+    one under way. (The plain tools run at max_staleness 0 was a test of its own: every check of it
+    is made here too, and the environment's run keeps max_staleness 0.)"""
     spawn(_w_agent, tmp_path, model_dir, str(tmp_path / "run"), False, 2, timeout=300)
 
 
