@@ -9,5 +9,6 @@ tool_pool.py         tools and environments run in worker processes: each call b
 tool_worker.py       what runs inside one tool worker process (the standard library and the user's modules, never torch)
 rollout_func.py      a TRL rollout function as the trainer's rollouts: its rows checked, made completions, extra fields to rewards
 trainer_view.py      the `trainer` a rollout function gets: GRPOTrainer's attributes, generation through the node's engines
-sync_gate.py         the rollout thread and the trainer's weight pushes take turns (generations asked for ahead)
+sync_gate.py         the rollout thread and the trainer's weight pushes take turns (generations asked for ahead,
+                     between requests; in flight the engines take the push between two steps)
 """
