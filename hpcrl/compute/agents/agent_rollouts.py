@@ -7,8 +7,8 @@ thread then runs the rollouts over the node's engines, so that with inference.ov
 the whole conversation, tool rounds included, overlaps training; with inference.max_staleness = k
 the thread works through the k generations asked for ahead, one after another, and a weight push
 waits for the one under way (hpcrl.compute.agents.sync_gate), unless the engines take it in flight
-(inference.weight_update): then the rollouts under way go on with the new weights. Where the engines take streams
-(the server's), each rollout moves on by itself (hpcrl.compute.agents.per_sample): its tools start
+(inference.weight_update): then the rollouts under way go on with the new weights. Where the
+engines take streams (the server's), each rollout moves on by itself (hpcrl.compute.agents.per_sample): its tools start
 when its turn is done, and its next turn joins the engine's batch when they are. Elsewhere, and
 with ``per_sample=False``, the rounds are lockstep, as TRL's (hpcrl.compute.agents.rollout). An
 environment's get_reward() is read when its rollout is done, and the session is closed then: what

@@ -19,8 +19,8 @@ from typing import Any, Callable, Sequence
 
 from hpcrl.compute.agents.conversation import ToolChat
 
-__all__ = ["Rollout", "tool_call_loop", "continuation", "extend", "token_versions", "run_tools", "submit_tools", "tools_bound_s",
-           "tool_messages", "tool_message"]
+__all__ = ["Rollout", "tool_call_loop", "continuation", "extend", "token_versions", "run_tools", "submit_tools",
+           "tools_bound_s", "tool_messages", "tool_message"]
 
 
 @dataclass

@@ -50,9 +50,6 @@ class _Engine:
         self.label = (f"the server on node {ctx.task.node} (rank {rank})" if ctx.plan.engines_per_node == 1 else
                       f"engine {ctx.plan.task(rank).engine} on node {ctx.task.node} (rank {rank})")
         self.in_flight = False          # a stream is open on it
-        # inference.weight_update = in_flight: syncs go while streams are open (the engine takes
-        # them between two steps), so their replies and the streams' interleave on the channel.
-        self.syncs_in_streams = ctx.spec.recipe.inference.in_flight
         self.rids = itertools.count(1)
         self.sending = threading.Lock()         # one message at a time on the socket, whichever thread sends
         self.early: dict = {}           # rid -> a reply read before its turn
@@ -67,7 +64,10 @@ class _Engine:
         return rid
 
     def request(self, msg: dict, timeout: float, setting: str = "inference.request_timeout_s") -> dict:
-        assert not self.in_flight or self.syncs_in_streams, f"{msg['op']!r} sent to {self.label} while a stream is open"
+        # In flight (a reader files the replies) syncs go while streams are open: the engine takes
+        # them between two steps.
+        assert not self.in_flight or self.reader is not None, \
+            f"{msg['op']!r} sent to {self.label} while a stream is open"
         if self.generating:
             # The server answers between two generations: those ahead of this message may run first.
             timeout += sum(self.generating.values())
@@ -85,7 +85,7 @@ class _Engine:
     def wait_for(self, arrived, deadline: float) -> bool:
         """Until ``arrived()`` (what has been filed satisfies it), or False at ``deadline``."""
         if self.reader is not None:
-            return self.reader.wait_for(arrived, deadline)
+            return _wait_filed([self], arrived, deadline)
         while not arrived():
             try:
                 self.file(self.channel.recv(timeout=max(0.0, deadline - time.monotonic())))
@@ -115,8 +115,7 @@ class _Reader:
         self.engine, self.arrivals = engine, arrivals
         self.failed: BaseException | None = None
         self.closing = False
-        self.thread = threading.Thread(target=self._read, name=f"hpcrl-engine-{engine.rank}-reader", daemon=True)
-        self.thread.start()
+        threading.Thread(target=self._read, name=f"hpcrl-engine-{engine.rank}-reader", daemon=True).start()
 
     def _read(self) -> None:
         while not self.closing:
@@ -133,13 +132,20 @@ class _Reader:
                 self.engine.file(got)
                 self.arrivals.notify_all()
 
-    def wait_for(self, arrived, deadline: float) -> bool:
-        with self.arrivals:
-            done = self.arrivals.wait_for(lambda: arrived() or self.failed is not None,
-                                          max(0.0, deadline - time.monotonic()))
-            if not arrived() and self.failed is not None:
-                raise self.failed
-            return done and arrived()
+
+def _wait_filed(engines: list[_Engine], arrived, deadline: float) -> bool:
+    """In flight: until ``arrived()`` (what the readers of ``engines`` filed satisfies it), or False at
+    ``deadline``; a reader whose channel failed first raises the channel's error at once."""
+    arrivals = engines[0].reader.arrivals           # one condition for all of a trainer's engines
+    with arrivals:
+        arrivals.wait_for(lambda: arrived() or any(e.reader.failed for e in engines),
+                          max(0.0, deadline - time.monotonic()))
+        if arrived():
+            return True
+        for e in engines:
+            if e.reader.failed is not None:
+                raise e.reader.failed
+        return False
 
 
 class ServerGenerator:
@@ -152,8 +158,8 @@ class ServerGenerator:
         self.ctx = ctx
         self.model = model
         self.inf = ctx.spec.recipe.inference
-        self.arrivals = threading.Condition() if self.inf.in_flight else None
-        self.engines = {rank: _Engine(ctx, rank, self.arrivals) for rank in ctx.task.servers}
+        arrivals = threading.Condition() if self.inf.in_flight else None
+        self.engines = {rank: _Engine(ctx, rank, arrivals) for rank in ctx.task.servers}
         self.engine = None              # the engines' name and dtype, from their first health replies
         self.engine_dtype: str | None = None
         self.syncs: list[TrainerSync] = []
@@ -387,14 +393,8 @@ def _streams_arrived(engines: list[_Engine], deadline: float) -> list[_Engine]:
     ready = [e for e in engines if e.streamed]          # filed while a reply to another was awaited
     if ready:
         return ready
-    if engines[0].reader is not None:       # in flight: the readers file them; all share one condition
-        arrivals = engines[0].reader.arrivals
-        with arrivals:
-            arrivals.wait_for(lambda: any(e.streamed or e.reader.failed for e in engines),
-                              max(0.0, deadline - time.monotonic()))
-            dead = [e.reader.failed for e in engines if e.reader.failed is not None]
-            if dead and not any(e.streamed for e in engines):
-                raise dead[0]
+    if engines[0].reader is not None:       # in flight: the readers file them
+        _wait_filed(engines, lambda: any(e.streamed for e in engines), deadline)
     else:
         with selectors.DefaultSelector() as sel:
             for e in engines:

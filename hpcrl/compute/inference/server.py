@@ -15,9 +15,9 @@ while any is outstanding, weight-sync messages and batch requests wait for them 
 rollout's turns are all sampled with one version of the weights. With inference.weight_update =
 in_flight (single-turn GRPO's generations served as streams, and agents' turns) a sync is taken
 between two engine steps instead: the requests under way stop while it is open and go on with the
-new weights, and each token is stamped with the version that sampled it. Completions carry the weight version they
-were sampled with; between the start of a sync and its successful finish (or after a failed one)
-the server generates nothing.
+new weights, and each token is stamped with the version that sampled it. Completions carry the
+weight version they were sampled with; between the start of a sync and its successful finish (or
+after a failed one) the server generates nothing.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ imports neither vLLM nor torch."""
 
 from __future__ import annotations
 
+import os
+import select
 import subprocess
 import sys
 from dataclasses import replace
@@ -476,8 +478,6 @@ class PipeChannel:
     thread waits on it as on the socket, with a timeout); closing the pipe's end is a dead engine."""
 
     def __init__(self):
-        import os
-
         self.sent, self.queue = [], []
         self.r, self.w = os.pipe()
 
@@ -485,23 +485,16 @@ class PipeChannel:
         return self.r
 
     def push(self, reply):
-        import os
-
         self.queue.append(reply)
         os.write(self.w, b"x")
 
     def close_writer(self):
-        import os
-
         os.close(self.w)
 
     def send(self, msg):
         self.sent.append(msg)
 
     def recv(self, timeout=None):
-        import os
-        import select
-
         from hpcrl.compute.launch.wire import ChannelClosed
 
         if not select.select([self.r], [], [], timeout)[0]:
