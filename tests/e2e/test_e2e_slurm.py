@@ -395,9 +395,9 @@ def test_time_limit_checkpoints_requeues_and_resumes_each_step_once(testbed, tim
     sends it up to ~30 s earlier still) makes the trainers checkpoint, the script requeues, the job
     resumes, until the work is done. Each step of the first attempt sleeps 4 s (the
     slow-first-attempt fault) so that the work outlasts one allocation whatever the machine's
-    speed. With inference.max_staleness=2 the checkpoint also holds the two generations asked for
-    ahead, and the resumed job trains on them (the weights pushed while they were in flight, over
-    the channel sync of the transformers engine). Two nodes of DeepSpeed ZeRO-3 trainers
+    speed. With inference.max_staleness=2 two generations are asked for ahead (the weights pushed
+    while they are in flight, over the channel sync of the transformers engine); the checkpoint keeps
+    their prompts only, and the resumed job drops them, says so, and asks for the same prompts again. Two nodes of DeepSpeed ZeRO-3 trainers
     (trainer.engine deepspeed), one a node: the checkpoint's partitions come from both nodes, and go
     through the same commit and requeue (FSDP2's resume is tested in-process,
     tests/compute/train/test_trainer_resume.py, and on the testbed by
@@ -410,12 +410,14 @@ def test_time_limit_checkpoints_requeues_and_resumes_each_step_once(testbed, tim
     steps = [m["step"] for m in metrics]
     assert steps == list(range(1, TIME_LIMIT_STEPS + 1)), steps          # every step exactly once
     # Two generations ahead: no completion more than 2 syncs behind (across the requeue too), and
-    # the engines, faster than the slowed steps, kept 2 ahead; none dropped.
+    # the engines, faster than the slowed steps, kept 2 ahead; none dropped for staleness. A resume
+    # dropped the two ahead of its checkpoint: the step after it trains on completions it asked for.
+    log = Path(info["log"]).read_text()
+    assert "checkpoint and requeue" in log and "dropped its 2 generation(s) asked for ahead" in log, log[-3000:]
     staleness = [m["sample/staleness_max"] for m in metrics]
     assert staleness[0] == 0 and max(staleness) == 2 and all(x <= 2 for x in staleness), staleness
+    assert all(staleness[s] == 0 for s in _resumed_at(log)), (staleness, _resumed_at(log))
     assert metrics[-1]["sample/dropped_stale_total"] == 0
-    log = Path(info["log"]).read_text()
-    assert "checkpoint and requeue" in log and "resumed from" in log
     assert "trainer engine: deepspeed ZeRO-3" in log
     assert (run_dir / "checkpoints" / f"step-{TIME_LIMIT_STEPS}" / "deepspeed").is_dir()
 
@@ -440,16 +442,24 @@ def test_vllm_job_checkpoints_at_the_signal_requeues_and_survives_a_killed_attem
     metrics = _metrics(run_dir)
     assert [m["step"] for m in metrics] == list(range(1, VLLM_REQUEUE_STEPS + 1))
     # overlap_generation: the next generation is in flight on the vLLM server while the trainer trains
-    # (sampled one version behind), and a checkpoint keeps it, so across both resumes too.
-    assert [m["off_policy_lag"] for m in metrics] == [0] + [1] * (VLLM_REQUEUE_STEPS - 1)
+    # (sampled one version behind). A checkpoint keeps its prompts only: each resume drops it and
+    # asks again at the checkpoint's weights, so the step after a resume is on-policy, as step 1 is.
+    log = Path(info["log"]).read_text()
+    resumed = _resumed_at(log)
+    assert len(resumed) >= 2 and log.count("dropped its 1 generation(s) asked for ahead") >= 2, log[-3000:]
+    assert [m["off_policy_lag"] for m in metrics] == [0 if s == 0 or s in resumed else 1
+                                                     for s in range(VLLM_REQUEUE_STEPS)], (resumed, metrics)
     health = json.loads(rundir.server_health_file(run_dir, 0, 0).read_text())
     assert (health["engine"], health["state"], health["weight_version"]) == ("vllm", "finished", VLLM_REQUEUE_STEPS - 1)
     line = _status_line(hpcrl, job_id)
     assert "COMPLETED" in line and f" {VLLM_REQUEUE_STEPS} " in line, line
-    log = Path(info["log"]).read_text()
     assert "stop requested (SIGUSR2)" in log and "hpcrl: requeueing job" in log, log[-3000:]
     assert "EngineDeadError" not in log and "MPI_Init" not in log, log[-3000:]
-    assert log.count("resumed from") >= 2
+
+
+def _resumed_at(log: str) -> set[int]:
+    """The steps the job's attempts resumed at (the index of the first step each trained, from 0)."""
+    return {int(step) for step in re.findall(r"resumed from \S+ at step (\d+)", log)}
 
 
 NODE_TOOLS = '''

@@ -16,6 +16,7 @@ from typing import Sequence
 from hpcrl.compute.inference.engine import SyncPeer, engine_class
 from hpcrl.compute.inference.types import Completion, Sampling
 from hpcrl.compute.launch.context import LaunchContext
+from hpcrl.compute.launch.wire import ChannelClosed
 from hpcrl.compute.sync.api import TrainerSync
 
 
@@ -277,9 +278,14 @@ class ServerGenerator:
                     f"({setting}, inference.max_staleness={self.inf.max_staleness}): {err}") from None
 
     def close(self) -> None:
+        """Goodbye to each engine. Generations may still be in flight (a stop: the checkpoint kept
+        their prompts only); in flight, whoever waits for one (an agent's rollout thread) raises now."""
         for e in self.engines.values():
             if e.reader is not None:
-                e.reader.closing = True
+                with e.reader.arrivals:
+                    e.reader.closing = True
+                    e.reader.failed = e.reader.failed or ChannelClosed(f"the trainer closed its channel to {e.label}")
+                    e.reader.arrivals.notify_all()
             try:
                 e.channel.send({"op": "done"})
             except Exception:

@@ -195,7 +195,13 @@ class Server:
             self._reply(rank, msg, {"ok": False, "error": f"unknown request {op!r}"})
 
     def _reply(self, rank: int, msg: dict, reply: dict) -> None:
-        self.ctx.channel.reply(rank, {**reply, "rid": msg.get("rid")})
+        try:
+            self.ctx.channel.reply(rank, {**reply, "rid": msg.get("rid")})
+        except PeerClosed:
+            # A trainer that stopped (a checkpoint, then goodbye) leaves its generations ahead
+            # unanswered; one that went without its goodbye is found when its channel is read to
+            # the end (_receive), and ends the job there.
+            pass
 
     def _generate_pending(self) -> None:
         """The oldest request of every trainer that has one, as one batch."""

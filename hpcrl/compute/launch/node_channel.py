@@ -130,7 +130,8 @@ class NodeServerChannel:
         try:
             wire.send_msg(self._conn(rank), obj)
         except ChannelClosed:
-            self._drop(rank)
+            # Not dropped here: what the trainer said before it closed (its goodbye) may still wait
+            # to be read, and recv_from drops the connection once it has read to the end.
             raise PeerClosed(rank) from None
 
     def broadcast(self, obj: Any) -> None:

@@ -1,7 +1,8 @@
 """A generation as the training loop holds it: asked for (``Requested``: prompts, the weight
 version its completions must carry, the generator's handle) and then scored and packed
-(``Generation``: what its optimizer steps share). Both go into checkpoints whole, so that a resumed
-run trains on exactly the completions the interrupted one had."""
+(``Generation``: what its optimizer steps share). A checkpoint keeps the generation being trained
+on whole, so that a resumed run finishes it on exactly its completions, and of those asked for
+ahead only the prompts (hpcrl.compute.train.ahead)."""
 
 from __future__ import annotations
 
@@ -39,15 +40,6 @@ class Requested:
             check_version(completions, self.version)
             self.completions, self.pending = completions, None
         return self.completions
-
-    def state_dict(self) -> dict:
-        assert self.completions is not None, "a generation in flight cannot be checkpointed: take() it first"
-        return {"batch": self.batch, "version": self.version, "completions": self.completions, "rows": self.rows}
-
-    @classmethod
-    def from_state(cls, state: dict | None) -> "Requested | None":
-        return None if state is None else cls(state["batch"], state["version"], None, state["completions"],
-                                              rows=state.get("rows"))
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,8 @@ new weights, so a sync never meets a generation in flight.
 
 inference.max_staleness = k > 1 keeps k generations asked for ahead and pushes weights while they are
 in flight, which the engines take between two generations (weight_update = in_flight: two engine
-steps). A completion is trained on at most k syncs after its oldest token (hpcrl.compute.train.ahead).
+steps). A completion is trained on at most k syncs after its oldest token, and a resume drops those
+ahead of its checkpoint (hpcrl.compute.train.ahead).
 """
 
 from __future__ import annotations
@@ -272,9 +273,10 @@ class Trainer:
         state = extra.get("generation")
         self.generation = Generation.from_state(state, self.setup.device)
         self.generation_steps_done = 0 if state is None else int(state["done"])
-        self.ahead.load_state_dict(extra)
+        dropped = self.ahead.load_state_dict(extra)
         self._load_reference_shards(extra.get("reference"))
-        self.setup.log(f"resumed from {latest} at step {self.step}")
+        self.setup.log(f"resumed from {latest} at step {self.step}" + (dropped and f"; dropped its {dropped} "
+                       f"generation(s) asked for ahead (never trained on): their prompts are asked for again" or ""))
         return True
 
     def _reference_shards(self) -> list[torch.Tensor] | None:
@@ -396,11 +398,11 @@ class Trainer:
             shutil.rmtree(rundir.model_dir(self.setup.run_dir, step, output_dir), ignore_errors=True)
 
     # ------------------------------------------------------------------ one generation
-    def _request(self, first_step: int) -> Requested:
-        """Ask for the generation that training starts on at optimizer step `first_step`."""
-        idx = next(self.sampler)
-        batch = data_mod.make_batch(self.setup.dataset, idx, self.setup.tokenizer,
-                                    **(self.grpo.chat_template_kwargs or {}))
+    def _request(self, first_step: int, batch: data_mod.PromptBatch | None = None) -> Requested:
+        """Ask for the generation training starts on at step `first_step` (of `batch`: a resume's, again)."""
+        if batch is None:
+            batch = data_mod.make_batch(self.setup.dataset, next(self.sampler), self.setup.tokenizer,
+                                        **(self.grpo.chat_template_kwargs or {}))
         # A seed per (step, rank): generation is reproducible, so a resumed run repeats itself.
         sampling = Sampling.of(self.grpo, self.grpo.num_generations,
                                seed=self.grpo.seed * 100_003 + first_step * 1_009 + self.setup.trainer_rank)
@@ -505,13 +507,12 @@ class Trainer:
         out.update({mk.LOSS: loss_t, mk.GRAD_NORM: grad_norm, mk.LEARNING_RATE_USED: lr_used})
         return out
 
-    def _step_metrics(self, generation: Generation, losses: dict, *, first: bool, train_s: float,
+    def _step_metrics(self, gen: Generation, losses: dict, *, first: bool, train_s: float,
                       sync_s: float, started: float) -> dict:
         """The step's metrics. The first step on a generation carries the time spent making it.
         time_step_s runs from the previous step's metrics (from the start of the generation for its
         first step), so time_wait_s holds what no phase accounts for: scoring, packing, reporting,
         checkpoints."""
-        gen = generation
         metrics = {
             mk.STEP: self.step, mk.MAX_STEPS: self.grpo.max_steps, mk.TIME: time.time(), **gen.reward_stats, **losses,
             mk.ADVANTAGE_MEAN: gen.advantages.mean().item(), mk.ADVANTAGE_STD: gen.advantages.std().item(),
@@ -519,9 +520,8 @@ class Trainer:
             mk.COMPLETIONS_CLIPPED_RATIO: gen.truncated / max(1, gen.completions),
             mk.NUM_TOKENS: self.trainer_state.num_input_tokens_seen,
             mk.LEARNING_RATE: self.engine.learning_rate(), mk.EPOCH: self.step * self.epochs_per_step,
-            mk.WEIGHT_VERSION: self.weight_version,
             # How many weight versions the completions trained on are behind the policy.
-            mk.OFF_POLICY_LAG: gen.lag,
+            mk.WEIGHT_VERSION: self.weight_version, mk.OFF_POLICY_LAG: gen.lag,
             mk.STALENESS_MEAN: gen.staleness[0], mk.STALENESS_MAX: gen.staleness[1],
             mk.DROPPED_STALE_TOTAL: self.ahead.dropped,
             mk.UPDATED_IN_FLIGHT: gen.updated_in_flight if self.recipe.inference.in_flight else None,

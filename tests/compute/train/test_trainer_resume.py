@@ -20,9 +20,12 @@ same completions, old log-probabilities and advantages instead of generating ane
 With inference.overlap_generation the next generation is asked for while the current one trains;
 the generator here samples only when the trainer takes the result (as a server samples while the
 trainer trains), so a take after a weight push would carry the new version and show a lag of 0.
-The checkpoint holds the generation asked for ahead, and the resumed run trains on it. With
-inference.max_staleness=2 two are asked for ahead and sampled at once (an eager server): the
-checkpoint holds both, and every completion is two syncs behind once the queue is full.
+With inference.max_staleness=2 two are asked for ahead and sampled at once (an eager server), and
+every completion is two syncs behind once the queue is full. Issue #31: a checkpoint keeps only the
+prompts of the generations asked for ahead; the resumed run drops their completions (it says so)
+and asks for the same prompts again at the checkpoint's weights. So its steps train on the same
+prompts as the uninterrupted run's, each once, but from fresher weights: the staleness climbs from 0
+again as at a fresh start, and the metrics after the resume differ.
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ TIMING_KEYS = {"time", "time_generation_s", "time_train_s", "time_sync_s", "sync
 
 
 def _recipe(run_dir: str, every: int, mu: int, staleness: int, lora: bool = False):
-    from hpcrl.job.recipe import CheckpointConfig, GRPOConfig, InferenceConfig, ModelConfig, Recipe
+    from hpcrl.job.recipe import (CheckpointConfig, GRPOConfig, InferenceConfig, LoggingConfig, ModelConfig,
+                                  Recipe)
 
     grpo = GRPOConfig(
         learning_rate=5e-3, per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4,
@@ -59,7 +63,7 @@ def _recipe(run_dir: str, every: int, mu: int, staleness: int, lora: bool = Fals
     # adapters' inputs makes the restored RNG state matter too.
     model = ModelConfig(use_peft=True, lora_r=4, lora_alpha=16, lora_dropout=0.1,
                         lora_target_modules="all-linear") if lora else ModelConfig()
-    return Recipe(model=model, grpo=grpo,
+    return Recipe(model=model, grpo=grpo, logging=LoggingConfig(log_completions=1),
                   checkpoint=CheckpointConfig(every=every, keep=2, dir=str(Path(run_dir) / "ckpt")),
                   inference=InferenceConfig(overlap_generation=staleness == 1,
                                             max_staleness=staleness if staleness > 1 else 0))
@@ -84,6 +88,13 @@ class _SampledWhenTaken:
         return self.inner.push_weights(model, version)
 
 
+def _append(path, line: str) -> None:
+    with open(path, "a") as f:         # on disk before a later SIGKILL
+        f.write(line + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def record_metrics(rank: int, metrics_path, die_after: int | None):
     """A resume leg's on_metrics: rank 0 appends every step's line to metrics_path, durably; with
     die_after=k every rank is SIGKILLed as step k+1 is reported (before it is saved)."""
@@ -91,11 +102,17 @@ def record_metrics(rank: int, metrics_path, die_after: int | None):
         if die_after is not None and step == die_after + 1:
             os.kill(os.getpid(), signal.SIGKILL)
         if rank == 0:
-            with open(metrics_path, "a") as f:         # on disk before a later SIGKILL
-                f.write(json.dumps(m) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
+            _append(metrics_path, json.dumps(m))
     return on_metrics
+
+
+def record_prompts(metrics_path):
+    """Rank 0's on_completions: the prompts every trainer trains on, each row with its first step,
+    beside metrics_path."""
+    def on_completions(rows):
+        for row in rows:
+            _append(f"{metrics_path}.prompts", json.dumps([row["step"], row["prompt"]]))
+    return on_completions
 
 
 def _w_run(rank, world, model_dir, run_dir, metrics_path, every, mu, staleness, die_after, seed, lora=False,
@@ -127,7 +144,9 @@ def _w_run(rank, world, model_dir, run_dir, metrics_path, every, mu, staleness, 
 
     on_metrics = record_metrics(rank, metrics_path, die_after)
     setup = cpu_trainer_setup(recipe, run_dir, model_dir, policy, reference, rank=rank, world=world,
-                              tokenizer=AutoTokenizer.from_pretrained(model_dir), on_metrics=on_metrics, engine=engine)
+                              tokenizer=AutoTokenizer.from_pretrained(model_dir), on_metrics=on_metrics, engine=engine,
+                              on_completions=record_prompts(metrics_path) if rank == 0 else None,
+                              log=lambda line: rank == 0 and _append(f"{metrics_path}.log", line))
     generator = InProcessGenerator(TransformersEngine(model_dir, device="cpu", dtype="float32", seed=recipe.grpo.seed))
     trainer = Trainer(setup, _SampledWhenTaken(generator) if staleness == 1 else generator)
     outcome = trainer.run()
@@ -203,12 +222,35 @@ def test_killed_and_resumed_run_repeats_the_uninterrupted_one(tmp_path, model_di
     assert all(0.0 <= a[s]["frac_reward_zero_std"] <= 1.0 for s in a)
     # The run learns something at all: otherwise equal metrics would prove little.
     assert len({round(a[s]["loss"], 9) for s in a}) > 1 and any(a[s]["grad_norm"] > 0 for s in a)
+    # The same prompts, step by step, each trained on once: the resumed leg's first steps train on
+    # the prompts whose generations the checkpoint had asked for ahead.
+    prompts = {name: _prompts(path) for name, path in (("a", whole), ("b", first), ("c", second))}
+    assert min(prompts["a"]) == 1 and {**prompts["b"], **prompts["c"]} == prompts["a"]
+    assert sorted(prompts["c"]) == [s for s in sorted(prompts["a"]) if s > K], (sorted(prompts["c"]), sorted(prompts["a"]))
     problems = [f"step {s} (checkpointing run): {d}" for s in range(1, K + 1) for d in _differences(a[s], b[s])]
+    dropped = [line for line in (Path(f"{second}.log").read_text().splitlines()) if "asked for ahead" in line]
+    if staleness:
+        # Dropped at the resume, said once; then the staleness climbs from 0 again.
+        assert len(dropped) == 1 and f"dropped its {staleness} generation(s)" in dropped[0], dropped
+        lags = [c[s]["off_policy_lag"] for s in sorted(c)]
+        assert lags == [min(j, staleness) for j in range(len(c))], lags
+        assert not problems, "metrics differ from the uninterrupted run:\n" + "\n".join(problems)
+        return
+    assert not dropped, dropped
     problems += [f"step {s} (resumed): {d}" for s in range(K + 1, N_STEPS + 1) for d in _differences(a[s], c[s])]
     assert not problems, "metrics differ from the uninterrupted run:\n" + "\n".join(problems)
     worst = max(abs(a[s][k] - c[s][k]) for s in c for k in c[s].keys() - TIMING_KEYS
                 if isinstance(c[s][k], float) and not math.isnan(c[s][k]))
     print(f"num_iterations={mu}: steps {K + 1}..{N_STEPS} after the resume, largest metric difference {worst:.3g}")
+
+
+def _prompts(metrics_path: Path) -> dict[int, list[str]]:
+    """The prompts trained on, by the first step of their generation (sorted: rows come by rank)."""
+    out: dict[int, list[str]] = {}
+    for line in Path(f"{metrics_path}.prompts").read_text().splitlines():
+        step, prompt = json.loads(line)
+        out.setdefault(step, []).append(prompt)
+    return {step: sorted(p) for step, p in out.items()}
 
 
 def test_a_generation_checkpointed_before_tool_masks_resumes_with_its_completion_mask_as_loss_mask():
