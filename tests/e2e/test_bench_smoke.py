@@ -70,6 +70,9 @@ BENCHES = [  # script, arguments besides --smoke, the keys of its last line, sec
                                 "long_tail_len_over_max"}, 600, pytest.mark.slow, needs_mpi, *needs_vllm),
     bench("bench_agent.py", [], {"agent_rollouts_per_s_ratio_vs_lockstep", "agent_ratio_at_1_turns"}, 240,
           pytest.mark.slow, *needs_vllm),
+    # Two `hpcrl run`s of 6 steps: synchronous, and k = 4 in flight (which must reach staleness 4).
+    bench("bench_learning.py", [], {"reward_gap_k4_in_flight_vs_sync", "worst_seed_gap_k4_in_flight", "bar",
+                                    "seeds"}, 300, pytest.mark.slow, *needs_vllm),
 ]
 
 

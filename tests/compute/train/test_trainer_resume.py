@@ -270,3 +270,34 @@ def test_a_generation_checkpointed_before_tool_masks_resumes_with_its_completion
     restored = Generation.from_state(state, torch.device("cpu"))
     assert torch.equal(restored.tensors["loss_mask"], tensors["completion_mask"])
     assert torch.equal(restored.tensors["loss_mask"], tensors["loss_mask"])
+
+
+def test_the_generations_ahead_of_a_checkpoint_are_asked_for_again_by_their_prompts_older_checkpoints_too():
+    """hpcrl.compute.train.ahead: a checkpoint keeps the prompts of the generations ahead; a resume
+    asks for them again, oldest first, before the sampler's next. Checkpoints written before issue
+    #31's drop kept the completions ("ahead", or one "next"): only their prompts are used now."""
+    from types import SimpleNamespace
+
+    from hpcrl.compute.train.ahead import Ahead
+
+    asked = []
+
+    def request(step, batch=None):
+        asked.append((step, batch))
+        return SimpleNamespace(batch=batch or f"sampled for {step}")
+
+    ahead = Ahead(2, request)
+    ahead.fill(0, 1, 10)
+    assert ahead.state_dict()["ahead_prompts"] == ["sampled for 0", "sampled for 1"]
+    assert "ahead" not in ahead.state_dict(), "no completions in a checkpoint"
+    for extra, kept in [({"ahead_prompts": ["p3", "p4"]}, ["p3", "p4"]),
+                        ({"ahead": [{"batch": "p3", "version": 2, "completions": ["c"]},
+                                    {"batch": "p4", "version": 2, "completions": ["c"]}]}, ["p3", "p4"]),
+                        ({"next": {"batch": "p3", "version": 2, "completions": ["c"]}}, ["p3"])]:
+        resumed, asked[:] = Ahead(2, request), []
+        assert resumed.load_state_dict({**extra, "pushed": [1, 2]}) == len(kept)
+        assert len(resumed) == 0 and resumed.pushed == [1, 2]
+        resumed.fill(3, 1, 10)
+        resumed.queue.popleft()
+        resumed.fill(4, 1, 10)
+        assert asked == [(3, "p3"), (4, kept[1] if len(kept) > 1 else None), (5, None)], asked
