@@ -499,10 +499,6 @@ class Recipe:
         if self.grpo.max_tool_calling_iterations is not None and not self.agent.enabled:
             raise UserError("grpo.max_tool_calling_iterations: bounds an agent's tool calls; it needs agent.tools "
                             "or agent.environment_factory (leave it unset otherwise)")
-        if self.inference.in_flight and self.agent.rollout_func:
-            raise UserError("inference.weight_update: in_flight does not go with agent.rollout_func: the function "
-                            "returns its own token ids, so which weights sampled each cannot be told; its "
-                            "rollouts take syncs between their generations (between_requests)")
         if self.checkpoint.save_merged_model and not self.model.use_peft:
             raise UserError("checkpoint.save_merged_model: only with model.use_peft (without LoRA the model "
                             "directory is the whole model already)")

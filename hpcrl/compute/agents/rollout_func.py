@@ -12,11 +12,17 @@ anything else is every row's (TRL's rule; a key the reward functions already get
 rows' prompt ids are the ones trained on; the reward functions get the dataset's prompts, as in TRL.
 
 The function runs in a thread of its own, so that with inference.overlap_generation (or
-max_staleness) it overlaps training as the engines' generation does; a weight push waits for the
-call under way (hpcrl.compute.agents.sync_gate). Beside agent.tools or agent.environment_factory, its rows are
-the rollouts' first turns, which the tool loop then takes on (hpcrl.compute.agents.agent_rollouts). Completions carry the weight version of the engines that
-generated through ``trainer`` during the call; a call that generated nothing there is refused, since
-hpcrl's engines are the only ones that hold the policy's weights.
+max_staleness) it overlaps training as the engines' generation does. Between requests, a weight push
+waits for the call under way (hpcrl.compute.agents.sync_gate), so a call's generations share one
+weight version; in flight (inference.weight_update) it does not, and a sync may land between two of
+a call's generations, or inside one. Beside agent.tools or agent.environment_factory, its rows are the
+rollouts' first turns, which the tool loop then takes on (hpcrl.compute.agents.agent_rollouts).
+
+Completions carry the weight versions of the engines' completions that the call generated through
+``trainer``: each token's, where the row's model tokens are those completions as they were handed out
+(``token_versions`` where they differ, ``weight_version`` the first token's, as for any completion);
+else the oldest version the call saw, so that staleness is never undercounted. A call that generated
+nothing there is refused, since hpcrl's engines are the only ones that hold the policy's weights.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import math
 import os
 import sys
 from collections.abc import Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -80,7 +87,7 @@ class RolloutFunction:
     tokenizer's), as ``trainer.tools`` and ``trainer.chat_template``."""
 
     def __init__(self, func: Callable, path: str, generator: Generator, tokenizer, grpo,
-                 tools: list[dict] | None = None, chat_template: str | None = None):
+                 tools: list[dict] | None = None, chat_template: str | None = None, in_flight: bool = False):
         self.func, self.where = func, f"{FIELD} ({path})"
         self.tokenizer = tokenizer
         self.engines = EngineCalls(generator)
@@ -89,6 +96,7 @@ class RolloutFunction:
         self.stops = {tokenizer.eos_token_id, tokenizer.pad_token_id} - {None}
         self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hpcrl-rollout-func")
         self.gate = SyncGate()
+        self.in_flight = in_flight
 
     def submit(self, batch: PromptBatch, sampling: Sampling) -> tuple[PromptBatch, "RolloutFunctionGeneration"]:
         """Call the function on each prompt of ``batch`` ``sampling.n`` times in a row; returns a row
@@ -98,9 +106,10 @@ class RolloutFunction:
         return rows, RolloutFunctionGeneration(future, rows, self.tokenizer)
 
     def paused_for_sync(self):
-        """Around a weight push: waits for the call under way, and holds the next until the push is
-        done (a call's generations all come from one weight version)."""
-        return self.gate.sync()
+        """Around a weight push: between requests, waits for the call under way and holds the next
+        until the push is done (a call's generations all come from one weight version); in flight,
+        nothing (the engines take the sync between two of their steps)."""
+        return nullcontext() if self.in_flight else self.gate.sync()
 
     def roll_out(self, prompts: list, sampling: Sampling, groups: int) -> RolledOut:
         """One call of the function on ``prompts`` (``groups`` prompts, each ``sampling.n`` times in a
@@ -142,11 +151,10 @@ class RolloutFunction:
             raise RolloutFunctionError(
                 f"{self.where} returned rows without generating through its trainer (trainer.vllm_generation): "
                 f"hpcrl's engines hold the policy's weights, so the completions trained on must come from them")
-        if len(versions) > 1:       # the loop never pushes weights while a generation is in flight
+        if len(versions) > 1 and not self.in_flight:       # between requests, the gate keeps a call on one
             raise RolloutFunctionError(f"{self.where}: its generations came from weight versions {sorted(versions)}")
-        version = next(iter(versions))
         completions = [self._completion(i, output["completion_ids"][i], output["logprobs"][i],
-                                        None if env_mask is None else env_mask[i], i // n, version)
+                                        None if env_mask is None else env_mask[i], i // n, min(versions))
                        for i in range(rows)]
         prompt_ids = [self._ids(ids, "prompt_ids", i) for i, ids in enumerate(output["prompt_ids"])]
         return RolledOut(completions, prompt_ids,
@@ -168,14 +176,17 @@ class RolloutFunction:
         if mask is not None and any(m not in (0, 1) for m in mask):
             raise RolloutFunctionError(f"{self.where}: env_mask[{row}] holds {sorted(set(mask) - {0, 1})!r:.60}; "
                                        f"1 marks the model's tokens, 0 the environment's")
+        # Always a mask: a row cut short by the function, not by the engine's context, must not read
+        # as a completion the context cut (hpcrl.compute.train.scoring warns of those).
+        tool_mask = tuple(int(m) for m in mask) if mask is not None else (1,) * len(ids)
+        stamped = self.engines.stamp(ids, tool_mask) if len(self.engines.versions) > 1 else None
         return Completion(
             prompt_index=prompt_index, token_ids=tuple(ids), logprobs=self._logprobs(logprobs, row),
             text=self.tokenizer.decode(ids, skip_special_tokens=True),
             # TRL's rule for these rows: truncated where the completion does not end its sequence.
-            truncated=bool(ids) and ids[-1] not in self.stops, weight_version=version,
-            # Always a mask: a row cut short by the function, not by the engine's context, must not
-            # read as a completion the context cut (hpcrl.compute.train.scoring warns of those).
-            tool_mask=tuple(int(m) for m in mask) if mask is not None else (1,) * len(ids))
+            truncated=bool(ids) and ids[-1] not in self.stops,
+            weight_version=stamped[0] if stamped else version, tool_mask=tool_mask,
+            token_versions=stamped if stamped and len(set(stamped)) > 1 else None)
 
     def _logprobs(self, values: Any, row: int) -> tuple[float, ...]:
         try:

@@ -5,7 +5,8 @@ the forms TRL's vLLM server mode offers (``trainer.vllm_generation.vllm_client.g
 
 Generation goes through hpcrl's Generator (the node's engines, which hold the policy's weights); the
 requests of one rollout call go one at a time (a function may generate from several threads) and the
-weight versions of their completions are recorded, to stamp the rows the function returns. Whatever
+weight versions of their completions are recorded, token by token, to stamp the rows the function
+returns (EngineCalls.stamp). Whatever
 else a function reaches for (``trainer.model``, ``trainer.accelerator``, ``trainer.state``, vLLM's
 colocated ``llm``, ...) is one AttributeError that names what hpcrl offers.
 """
@@ -30,7 +31,7 @@ TRAINER_OFFERS = ("processing_class", "args", "num_generations", "num_generation
 class EngineCalls:
     """The node's engines as one rollout call reaches them: a request at a time, each with a seed of
     its own (derived from the call's, so a resumed run samples the same), and the weight versions of
-    every completion handed out since the call began."""
+    every completion handed out since the call began, and each one's tokens with theirs."""
 
     def __init__(self, generator: Generator):
         self.generator = generator
@@ -38,10 +39,35 @@ class EngineCalls:
         self.sampling: Sampling | None = None
         self.requests = 0
         self.versions: set[int] = set()
+        self.sampled: dict[tuple[int, ...], tuple[int, ...]] = {}     # token ids -> each one's version
 
     def begin(self, sampling: Sampling) -> None:
         """A rollout call starts: ``sampling`` is the loop's (the recipe's grpo fields, the call's seed)."""
-        self.sampling, self.requests, self.versions = sampling, 0, set()
+        self.sampling, self.requests, self.versions, self.sampled = sampling, 0, set(), {}
+
+    def stamp(self, ids: Sequence[int], mask: Sequence[int]) -> tuple[int, ...] | None:
+        """Each token's weight version in a row the function returned, where every run of its model
+        tokens (``mask`` 1) is a completion handed out in this call, as it was handed out; the
+        environment's tokens take the version of the model's before them. None where that is not so
+        (the function cut or changed what the engines sampled): which weights sampled each token is
+        then unknown."""
+        out: list[int] = []
+        i = 0
+        while i < len(ids):
+            j = i
+            while j < len(ids) and mask[j] == mask[i]:
+                j += 1
+            if mask[i]:
+                versions = self.sampled.get(tuple(ids[i:j]))
+                if versions is None:
+                    return None
+                out += versions
+            elif out:
+                out += [out[-1]] * (j - i)
+            else:
+                return None         # the environment's tokens first: no version to give them
+            i = j
+        return tuple(out)
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], **changes: Any) -> list[Completion]:
         """``n`` completions of each prompt, grouped by prompt; ``changes``: the call's Sampling fields replaced."""
@@ -52,8 +78,24 @@ class EngineCalls:
             self.requests += 1
             out = self.generator.submit([list(p) for p in prompt_ids],
                                         replace(self.sampling, seed=seed, **changes)).result()
-            self.versions.update(c.weight_version for c in out)
+            for c in out:
+                versions = c.token_versions or (c.weight_version,) * len(c.token_ids)
+                self.versions.update(versions or (c.weight_version,))
+                # The same tokens sampled again under other weights: the older version, token by
+                # token (staleness is never undercounted).
+                seen = self.sampled.get(tuple(c.token_ids), versions)
+                self.sampled[tuple(c.token_ids)] = tuple(map(min, seen, versions))
         return sorted(out, key=lambda c: c.prompt_index)       # stable: a prompt's n keep their order
+
+
+def _token_ids(where: str, prompt: Any, index: int) -> list[int]:
+    """A prompt of token ids as a list of ints, or a TypeError naming it (here, not as the engine's
+    failure: a tokenizer's BatchEncoding passed on whole is a list of its keys)."""
+    try:
+        return [int(t) for t in prompt]
+    except (TypeError, ValueError):
+        raise TypeError(f"{where}: prompts[{index}] is neither a text nor a list of token ids: "
+                        f"{type(prompt).__name__} {prompt!r:.60}") from None
 
 
 def _unsupported(where: str, what: str, why: str = "") -> ValueError:
@@ -104,7 +146,8 @@ class EngineClient:
         where = "trainer.vllm_generation.vllm_client.generate"
         if features is not None:
             raise _unsupported(where, "features= (multimodal prompts)")
-        ids = [self.tokenizer(p)["input_ids"] if isinstance(p, str) else list(p) for p in prompts]
+        ids = [self.tokenizer(p)["input_ids"] if isinstance(p, str) else _token_ids(where, p, i)
+               for i, p in enumerate(prompts)]
         return self._sample(where, ids, ClientSampling.of(where, sampling))
 
     def chat(self, messages: list[list[dict]], chat_template_kwargs: dict | None = None, tools: list | None = None,
@@ -153,7 +196,7 @@ class EngineGeneration:
         if len(prompts) % num_generations:
             raise ValueError(f"{where}: {len(prompts)} prompts are not groups of num_generations={num_generations} "
                              f"(each prompt num_generations times in a row)")
-        unique = [list(p) for p in prompts[::num_generations]]
+        unique = [_token_ids(where, p, i * num_generations) for i, p in enumerate(prompts[::num_generations])]
         with profiler or nullcontext():
             out = self.engines.generate(unique, n=num_generations)
         shaped = _shaped([p for p in unique for _ in range(num_generations)], out, 0)

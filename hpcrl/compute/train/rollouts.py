@@ -70,7 +70,8 @@ def make_rollouts(recipe, generator: Generator, tokenizer, run_dir: Path | None,
 
         func = load_rollout_func(agent.rollout_func, module_dir)
         if not agent.enabled:
-            return RolloutFunction(func, agent.rollout_func, generator, tokenizer, recipe.grpo)
+            return RolloutFunction(func, agent.rollout_func, generator, tokenizer, recipe.grpo,
+                                   in_flight=recipe.inference.in_flight)
     if not agent.enabled:
         return SingleTurn(generator)
     from hpcrl.compute.agents.agent_rollouts import AgentRollouts
@@ -89,6 +90,6 @@ def make_rollouts(recipe, generator: Generator, tokenizer, run_dir: Path | None,
         for environment in factories or [None]:
             schemas += [t for t in pool.schemas(environment) if t not in schemas]
         first_turns = RolloutFunction(func, agent.rollout_func, generator, tokenizer, recipe.grpo, tools=schemas,
-                                      chat_template=chat.chat_template)
+                                      chat_template=chat.chat_template, in_flight=recipe.inference.in_flight)
     return AgentRollouts(generator, pool, chat, recipe.grpo, context_len, by_column=by_column,
                          first_turns=first_turns, in_flight=recipe.inference.in_flight)

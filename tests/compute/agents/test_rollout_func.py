@@ -2,7 +2,8 @@
 them, makes the rollouts; hpcrl gives it a `trainer` and trains on what it returns.
 
 The training run: 2 gloo trainer ranks, a scripted generator standing in for the node's engines,
-generation overlapped with training; the function plays a two-turn game through
+two generations ahead with weights taken in flight (a push lands between two turns of a call); the
+function plays a two-turn game through
 trainer.vllm_generation.vllm_client (a guess, the environment's feedback, a second guess), so its
 rows hold tokens the environment put there (env_mask 0: attended to, no loss) and an environment
 reward that reaches the reward function as an extra field. The other tests check the one-line refusals of what cannot be trained on, the `trainer`
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import re
 import textwrap
+import threading
 import types
 
 import pytest
@@ -99,6 +101,29 @@ def _dataset():
                                        "answer": [str(a + b) for a, b in pairs]})
 
 
+class PushInsideACall(GuessingGenerator):
+    """The scripted engines, whose 10th request (the second turn of the first rollout of the
+    generation asked for ahead, rolled out while the trainer trains) waits up to 60 s for a weight
+    push: in flight the push does not wait for the call, so it lands between that rollout's turns."""
+
+    def __init__(self, tok):
+        super().__init__(tok)
+        self.pushes = 0
+        self.pushed = threading.Condition()
+
+    def push_weights(self, model, version: int) -> dict:
+        with self.pushed:
+            self.pushes += 1
+            self.pushed.notify_all()
+        return super().push_weights(model, version)
+
+    def submit(self, prompts, sampling: Sampling) -> Generated:
+        if len(self.asked) == 9:
+            with self.pushed:
+                self.pushed.wait_for(lambda: self.pushes > 0, 60)
+        return super().submit(prompts, sampling)
+
+
 def _w_train(rank, world, model_dir, run_dir):
     from pathlib import Path
 
@@ -126,10 +151,11 @@ def _w_train(rank, world, model_dir, run_dir):
     grpo = GRPOConfig(learning_rate=1e-3, per_device_train_batch_size=4, num_generations=4, max_completion_length=32,
                       max_steps=2, seed=0, gradient_checkpointing=False, eval_strategy="steps", eval_steps=2,
                       per_device_eval_batch_size=4)
-    # Overlapped: the function runs in its thread while the trainer trains on the generation before.
+    # Two generations ahead, weights taken in flight: the function runs in its thread while the
+    # trainer trains on the generation before, and a push does not wait for the call under way.
     recipe = Recipe(grpo=grpo, agent=AgentConfig(rollout_func="game_rollouts.rollout_func"),
                     rewards=(RewardSpec("game_rewards:env"),), logging=LoggingConfig(log_completions=1),
-                    inference=InferenceConfig(overlap_generation=True))
+                    inference=InferenceConfig(max_staleness=2, weight_update="in_flight"))
     policy, reference = load_policy_and_reference(model_dir, mesh, torch.device("cpu"), recipe)
     packed = spy_on_packing(trainer_mod)
     metrics, rows = [], []
@@ -137,7 +163,7 @@ def _w_train(rank, world, model_dir, run_dir):
     setup = cpu_trainer_setup(recipe, run_dir, model_dir, policy, reference, rank=rank, world=world, tokenizer=tok,
                               dataset=_dataset(), eval_dataset=_dataset(),
                               on_metrics=lambda step, m: metrics.append(m), on_completions=rows.extend)
-    generator = GuessingGenerator(tok)
+    generator = PushInsideACall(tok)
     trainer = trainer_mod.Trainer(setup, generator)
     assert isinstance(trainer.rollouts, RolloutFunction)
     try:
@@ -151,6 +177,10 @@ def _w_train(rank, world, model_dir, run_dir):
     for prompt_ids, loss, attended in packed:
         assert all("You are a calculator." in tok.decode(p) for p in prompt_ids)
         assert 0 < loss < attended, (loss, attended)
+    # The push landed inside the second generation's first rollout: its second turn's tokens carry
+    # the new version, its first turn's the old one, and the step that trained on it counts it.
+    assert generator.pushes >= 1 and [m[mk.UPDATED_IN_FLIGHT] for m in metrics][:2] == [0.0, 0.25], metrics
+    assert max(m[mk.STALENESS_MAX] for m in metrics) <= 2
     if rank != 0:
         return
     last = metrics[-1]
@@ -240,6 +270,9 @@ BAD_OUTPUTS = [
      "engines (they return the sampled token's log-probability only: logprobs=0)"),
     ("unknown-keyword", lambda p, t: t.vllm_generation.vllm_client.generate(prompts=p, best_of=2),
      "raised TypeError: trainer.vllm_generation.vllm_client.generate() got an unexpected keyword argument 'best_of'"),
+    ("prompt-ids-not-ids", lambda p, t: t.vllm_generation.vllm_client.generate(prompts=[{"input_ids": [1, 2]}]),
+     "raised TypeError: trainer.vllm_generation.vllm_client.generate: prompts[0] is neither a text nor a list of "
+     "token ids: dict {'input_ids': [1, 2]}"),
     ("colocated-vllm", lambda p, t: t.vllm_generation.llm.generate(p),
      "raised AttributeError: trainer.vllm_generation.llm: hpcrl's engines run in their own processes"),
 ]
@@ -382,3 +415,65 @@ def test_make_rollouts_takes_a_rollout_function_beside_tools_as_the_first_turns(
         assert trainer.chat_template is None            # Qwen2.5's template is prefix-preserving
     finally:
         rollouts.close()
+
+
+# ---------------------------------------------------------------------------- in flight: which weights sampled each token
+class SyncAfterTheFirstRequest:
+    """The engines in flight, scripted: a sync lands after the call's first request (version 0, then
+    1), and, where ``inside``, inside the second request's completions (their last token 2). Each
+    completion's tokens say which request made it."""
+
+    def __init__(self, inside=False):
+        self.version, self.requests, self.inside = 0, 0, inside
+
+    def submit(self, prompts, sampling: Sampling) -> Generated:
+        self.requests += 1
+        ids = (40 + self.requests, 50 + self.requests, 60)
+        stamps = (self.version, self.version, 2) if self.inside and self.requests == 2 else None
+        out = [Completion(k, ids, (-0.5,) * 3, "", True, self.version, token_versions=stamps)
+               for k in range(len(prompts)) for _ in range(sampling.n)]
+        self.version = 1
+        return Generated(out)
+
+
+def _two_turns(cut=False):
+    def rollout(prompts, trainer):
+        """A guess, the environment's two tokens, a second guess (cut: its last token dropped)."""
+        client, out = trainer.vllm_generation.vllm_client, {k: [] for k in ("prompt_ids", "completion_ids",
+                                                                              "logprobs", "env_mask")}
+        for p in prompts:
+            first, second = (client.generate(prompts=[p], n=1, max_tokens=3) for _ in range(2))
+            a, b = first["completion_ids"][0], second["completion_ids"][0][:2 if cut else 3]
+            out["prompt_ids"].append(first["prompt_ids"][0])
+            out["completion_ids"].append(a + [11, 12] + b)
+            out["logprobs"].append([-0.5] * (len(a) + 2 + len(b)))
+            out["env_mask"].append([1] * len(a) + [0, 0] + [1] * len(b))
+        return out
+    return rollout
+
+
+@pytest.mark.parametrize("cut,inside,stamps", [
+    (False, False, (0, 0, 0, 0, 0, 1, 1, 1)),       # the first turn (and the environment's tokens after it) 0
+    (False, True, (0, 0, 0, 0, 0, 1, 1, 2)),        # the sync inside the second turn shows too
+    (True, False, None),                            # the function changed a turn: the oldest version, 0
+], ids=["between-turns", "inside-a-turn", "a-turn-cut-by-the-function"])
+def test_in_flight_a_calls_rows_carry_each_tokens_version_where_they_are_the_engines_tokens(cut, inside, stamps):
+    from hpcrl.compute.agents.rollout_func import RolloutFunction, RolloutFunctionError
+
+    tok = tool_tokenizer()
+    grpo = GRPOConfig(num_generations=1, max_completion_length=8)
+    rollouts = RolloutFunction(_two_turns(cut), "my_rollouts.run", SyncAfterTheFirstRequest(inside), tok, grpo,
+                               in_flight=True)
+    try:
+        rows, pending = rollouts.submit(_batch(["1+2="]), Sampling(n=1, max_tokens=8, seed=1))
+        (completion,) = pending.result()
+    finally:
+        rollouts.close()
+    assert (completion.weight_version, completion.token_versions) == (0, stamps)
+    # Between requests a push waits for the call: versions that differ are the loop's bug, said as such.
+    between = RolloutFunction(_two_turns(), "my_rollouts.run", SyncAfterTheFirstRequest(), tok, grpo)
+    try:
+        with pytest.raises(RolloutFunctionError, match=r"came from weight versions \[0, 1\]"):
+            between.submit(_batch(["1+2="]), Sampling(n=1, max_tokens=8, seed=1))[1].result()
+    finally:
+        between.close()
