@@ -6,9 +6,9 @@ the forms TRL's vLLM server mode offers (``trainer.vllm_generation.vllm_client.g
 Generation goes through hpcrl's Generator (the node's engines, which hold the policy's weights); the
 requests of one rollout call go one at a time (a function may generate from several threads) and the
 weight versions of their completions are recorded, token by token, to stamp the rows the function
-returns (EngineCalls.stamp). Whatever
-else a function reaches for (``trainer.model``, ``trainer.accelerator``, ``trainer.state``, vLLM's
-colocated ``llm``, ...) is one AttributeError that names what hpcrl offers.
+returns (EngineCalls.stamp). Whatever else a function reaches for (``trainer.model``,
+``trainer.accelerator``, ``trainer.state``, vLLM's colocated ``llm``, ...) is one AttributeError that
+names what hpcrl offers.
 """
 
 from __future__ import annotations
