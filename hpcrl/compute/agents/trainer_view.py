@@ -18,7 +18,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, fields, replace
 from typing import Any, Sequence
 
-from hpcrl.compute.agents.rollout import round_seed
+from hpcrl.compute.agents.rollout import round_seed, token_versions
 from hpcrl.compute.inference.types import Completion, Generator, Sampling
 
 __all__ = ["ClientSampling", "EngineCalls", "EngineClient", "EngineGeneration", "TrainerView", "TrainingArgs"]
@@ -79,7 +79,7 @@ class EngineCalls:
             out = self.generator.submit([list(p) for p in prompt_ids],
                                         replace(self.sampling, seed=seed, **changes)).result()
             for c in out:
-                versions = c.token_versions or (c.weight_version,) * len(c.token_ids)
+                versions = tuple(token_versions(c))
                 self.versions.update(versions or (c.weight_version,))
                 # The same tokens sampled again under other weights: the older version, token by
                 # token (staleness is never undercounted).
