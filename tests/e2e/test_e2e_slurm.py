@@ -463,12 +463,33 @@ def _resumed_at(log: str) -> set[int]:
 
 
 NODE_TOOLS = '''
+import json
 import os
 import time
 
 LOG = LOG_PATH
+RUN_DIR = RUN_DIR_PATH
 
 from calculator_tools import calculator as _calculator
+
+
+def _steps_logged() -> int:
+    try:
+        with open(os.path.join(RUN_DIR, "metrics.jsonl")) as metrics:
+            return sum(1 for _ in metrics)
+    except FileNotFoundError:
+        return 0
+
+
+def _training_after() -> int | None:
+    """The steps done when rank 0's trainer began the step it is training now; None if it is not
+    training (hpcrl writes the phase to heartbeat.json)."""
+    try:
+        with open(os.path.join(RUN_DIR, "heartbeat.json")) as heartbeat:
+            beat = json.load(heartbeat)
+    except (OSError, ValueError):
+        return None
+    return beat["step"] if beat.get("phase") == "training" else None
 
 
 def calculator(expression: str) -> str:
@@ -480,9 +501,17 @@ def calculator(expression: str) -> str:
     # Where this call ran: the tool worker's node (its trainer's) and process.
     with open(LOG, "a") as log:
         log.write(f"{os.environ.get('SLURMD_NODENAME')} {os.environ.get('SLURM_PROCID')} {os.getpid()}\\n")
-    # A tool that takes its time, as real ones do: a generation (~20 calls on 4 workers) then takes
-    # longer than a training step (~2.4 s), so pushes come while rollouts wait on their tools.
-    time.sleep(0.5)
+    # A tool that takes its time, as real ones do: a call of rank 0's rollouts made while rank 0 trains
+    # lasts until that step is logged (at most 10 s), and a step is logged after its push. So the turn
+    # after the call is sampled with newer weights than the turn before it, by construction, not by
+    # timing (with plain sleeps, under CI's load, the generations ahead finished before any push). Rank
+    # 0 only: the other trainer may still wait for its generation while rank 0 trains, and its step
+    # could not end while its own rollouts waited here.
+    done = _training_after() if os.environ.get("SLURM_PROCID") == "0" else None
+    if done is not None:
+        deadline = time.time() + 10
+        while _steps_logged() <= done and time.time() < deadline:
+            time.sleep(0.05)
     return _calculator(expression)
 '''
 
@@ -493,7 +522,7 @@ def test_an_agent_on_two_nodes_runs_each_nodes_tools_against_its_own_engine_unti
     trainer and one vLLM engine each: every trainer's rollouts call tools in its own tool workers on
     its own node, stream their turns to its own node's engine, and the tool use is in the metrics;
     each engine is synced by its own node's sender (no gather crosses nodes), in flight
-    (inference.weight_update), two generations ahead (max_staleness 2). Once it has trained 3
+    (inference.weight_update), two generations ahead (max_staleness 2). Once it has trained 4
     steps and checkpointed, node 1's engine is SIGKILLed mid-stream: the job ends naming it, and keeps
     the checkpoint. (One job for all three: the killed engine's test ran a vLLM job of this shape of
     its own, and in flight ran on one machine only.)"""
@@ -501,7 +530,9 @@ def test_an_agent_on_two_nodes_runs_each_nodes_tools_against_its_own_engine_unti
     for name in ("calculator_tools.py", "calculator_rewards.py", "calculator_tasks.jsonl"):
         shutil.copy(examples / name, tmp_path / name)
     log = tmp_path / "tool-calls.log"
-    (tmp_path / "node_tools.py").write_text(NODE_TOOLS.replace("LOG_PATH", repr(str(log))))
+    run_dir = tmp_path / "run"
+    (tmp_path / "node_tools.py").write_text(NODE_TOOLS.replace("LOG_PATH", repr(str(log)))
+                                            .replace("RUN_DIR_PATH", repr(str(run_dir))))
     recipe = (examples / "agent.yaml").read_text().replace("examples/calculator_tasks.jsonl",
                                                             "calculator_tasks.jsonl")
     recipe = recipe.replace("[calculator_tools.calculator]", "[node_tools.calculator]")
@@ -509,11 +540,12 @@ def test_an_agent_on_two_nodes_runs_each_nodes_tools_against_its_own_engine_unti
     (tmp_path / "agent.yaml").write_text(recipe)
     r = hpcrl("submit", "--site", "testbed", "agent.yaml", "-N", "2", *TWO_TASKS, "grpo.max_steps=100000",
               "checkpoint.every=2", "inference.engine=vllm", "inference.max_staleness=2",
-              "inference.weight_update=in_flight", "-t", "15", cwd=tmp_path)
+              "inference.weight_update=in_flight", "-t", "15", "--run-dir", str(run_dir), cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    job_id, run_dir = r.stdout.strip(), Path(r.stderr.rsplit("run directory ", 1)[1].strip())
+    job_id = r.stdout.strip()
+    assert Path(r.stderr.rsplit("run directory ", 1)[1].strip()) == run_dir, r.stderr
     cancel_after(job_id)
-    killed_at, ckpt_step = _kill_when(hpcrl, job_id, run_dir, 3, "server", 1)
+    killed_at, ckpt_step = _kill_when(hpcrl, job_id, run_dir, 4, "server", 1)
     info = _wait(hpcrl, job_id, lambda i: i["state"] in FINAL, 120)
     assert time.time() - killed_at < 60, "the job outlived its engine by a minute"
     assert info["state"] == "FAILED", info
@@ -523,10 +555,11 @@ def test_an_agent_on_two_nodes_runs_each_nodes_tools_against_its_own_engine_unti
     assert _latest_checkpoint_step(run_dir) >= ckpt_step
 
     metrics = _metrics(run_dir)
-    assert [m["step"] for m in metrics] == list(range(1, len(metrics) + 1)) and len(metrics) >= 3
+    assert [m["step"] for m in metrics] == list(range(1, len(metrics) + 1)) and len(metrics) >= 4
     assert all(m["tools/call_frequency"] > 0 for m in metrics), [m["tools/call_frequency"] for m in metrics]
     # Two generations ahead, never more; in flight, syncs landed inside rollouts under way (between a
-    # tool call and the turn after it), whose tokens then carry two versions.
+    # tool call and the turn after it), whose tokens then carry two versions: NODE_TOOLS holds the calls
+    # made while rank 0 trains until that step's push. (Generation 4 is asked as step 2's training starts.)
     staleness = [m["sample/staleness_max"] for m in metrics]
     assert max(staleness) <= 2 and staleness[-1] >= 1, staleness
     in_flight = [m["sample/updated_in_flight_frac"] for m in metrics]
