@@ -91,7 +91,14 @@ class Stage:
     """Copy a packed Python environment (conda-pack tarball) to node-local storage before the run:
     importing Python from a shared file system at scale takes minutes (OLCF measured an import at 8
     nodes: 2 s from NVMe, 51 s from Lustre, almost 4 min from NFS)."""
-    python_env: str = ""           # path of env.tar.gz on the shared file system ("" = no staging)
+    # A packed environment on the shared file system (conda pack -o env.tar.gz; any tar the script's
+    # `tar -xf` reads, with an optional bin/conda-unpack), or "auto": hpcrl packs the job's own (the
+    # virtual or conda environment of site.python) beside the run directory (hpcrl.login.python_env).
+    # "" = no staging, unless python_env_from_nodes says otherwise.
+    python_env: str = ""
+    # At this many nodes or more, an empty python_env is "auto" (0 = never): the site's scale where
+    # imports from its shared file system cost more than staging does.
+    python_env_from_nodes: int = 0
     dest: str = "/mnt/bb/$USER/hpcrl-env"
     # The model, copied to each node's local storage before the run, where every node loads its own
     # copy: the shared file system is read once instead of by every node, and loading sends no
@@ -112,6 +119,8 @@ class Stage:
     kernel_cache_dest: str = "/tmp/hpcrl-kernels-$USER"
 
     def validate(self, where: str) -> None:
+        if self.python_env_from_nodes < 0:
+            raise UserError(f"{where}.python_env_from_nodes: must be >= 0 (0: never), got {self.python_env_from_nodes}")
         if self.kernel_cache not in ("", "auto"):
             _check_path(self.kernel_cache, f"{where}.kernel_cache", "a directory on the shared file system")
         _check_path(self.kernel_cache_dest, f"{where}.kernel_cache_dest", "a node-local directory")

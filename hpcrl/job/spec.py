@@ -48,6 +48,10 @@ class JobSpec:
     # Seconds before the time limit that Slurm sends site.signal, as compose settled them: the site's
     # own lead, or for "NAME@auto" one derived from the checkpoint (hpcrl.job.signal_lead). 0: none.
     signal_lead_s: int = 0
+    # site.stage.python_env "auto" (or python_env_from_nodes): the environment compose found for the
+    # job's interpreter, which the login node packs into the tarball stage.python_env names before the
+    # run directory is written (hpcrl.login.python_env). "" = a tarball the user gave, or no staging.
+    python_env_source: str = ""
 
     @property
     def name(self) -> str:

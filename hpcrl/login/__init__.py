@@ -23,6 +23,7 @@ commands/      one module per subcommand (run, render, submit, plan, sites, stat
                plot), each a main(args); cli.py imports only the one given
 render.py      JobSpec -> the standalone sbatch script (templates/sbatch.sh.j2)
 job_env.py     the job's environment from the site's fields (NCCL's fabric, GPU order, HF_HOME, kernel cache)
+python_env.py  the Python environment the job stages at scale (stage.python_env "auto"): which, and the tarball's name
 launch_prefix.py  site.container as the script runs it: apptainer's command or pyxis's srun options, the binds
 module_imports.py the recipe's own modules its named ones import (ast), copied with them
 shell_words.py the script's quoting: literal words, and words whose plain $VARIABLES expand

@@ -27,7 +27,7 @@ from hpcrl.job.recipe import TRL_REWARDS_MATH_VERIFY, expand_shorthands, reward_
 from hpcrl.job.site import Site
 from hpcrl.job.slurm_time import parse_walltime
 from hpcrl.job.spec import SPEC_VERSION, JobSpec
-from hpcrl.login import deepspeed_inputs, job_env, profiles, write_dirs
+from hpcrl.login import deepspeed_inputs, job_env, profiles, python_env, write_dirs
 from hpcrl.login.module_imports import with_imported
 if TYPE_CHECKING:
     from hpcrl.login.trl_config import Translation
@@ -311,11 +311,12 @@ def _compose(recipe: Recipe, recipe_path: str | None, site_name: str, run_dir: s
     from hpcrl.login.inputs import model_to_stage
 
     site = job_env.resolve(site, run_path)       # "auto" paths beside the run directory
+    site, python_env_source = python_env.resolve(site, recipe.resources.nodes, python, run_path, notes)
     model_source = model_to_stage(recipe, site) if recipe.mode == "train" else ""
     if model_source:
         _check_text(model_source, "model.path")
     spec = JobSpec(SPEC_VERSION, __version__, time.time(), str(run_path), site, recipe, time_s, python,
-                   reward_modules, model_source, deepspeed_user, lead_s)
+                   reward_modules, model_source, deepspeed_user, lead_s, python_env_source=python_env_source)
     if site.container.image:
         from hpcrl.login.launch_prefix import container_binds      # its checks, before anything is written
 

@@ -11,7 +11,7 @@ from hpcrl import __version__
 from hpcrl.job import rundir
 from hpcrl.job.slurm_time import format_walltime
 from hpcrl.job.spec import JobSpec
-from hpcrl.login import job_env, user_cache
+from hpcrl.login import job_env, python_env, user_cache
 from hpcrl.login.shell_words import env_quote, quote
 
 
@@ -49,5 +49,10 @@ def render_sbatch(spec: JobSpec) -> str:
         gpu_request=site.gpu_request.format(gpus=site.node.gpus) if site.gpu_request else "",
         signal_name=site.signal_name, signal_lead=spec.signal_lead_s, hpcrl_version=__version__,
         rundir=rundir, max_restarts=spec.recipe.launch.max_restarts, container=_container(spec),
-        kernel_cache=job_env.staged_kernel_cache(spec),
+        kernel_cache=job_env.staged_kernel_cache(spec), env_pack=_env_pack(spec),
     )
+
+
+def _env_pack(spec: JobSpec) -> str:
+    """The command that packs the job's environment for staging (hpcrl.login.python_env), quoted."""
+    return " ".join(f'"{w}"' if w == python_env.PART else quote(w) for w in python_env.pack_command(spec.python_env_source))

@@ -254,22 +254,44 @@ def test_hpcrl_cancel_checkpoints_then_cancels_without_a_requeue(testbed, hpcrl,
     # (test_status_when_slurmctld_does_not_answer).
 
 
-def test_a_trl_users_config_on_two_nodes_with_its_model_staged_by_sbcast(testbed, hpcrl, cancel_after, tmp_path):
+def test_a_trl_users_config_on_two_nodes_with_its_model_and_environment_staged(testbed, hpcrl, cancel_after, tmp_path):
     """The YAML `hpcrl run` takes in tests/login/test_trl_config.py, submitted as it is to 2 nodes.
     Its model goes to the nodes as on Frontier (site.stage.model_via sbcast, model_dest): Slurm fans
     the files out from the batch host to one path on every node (here the same directory, written by
     both slurmds), and each node's trainer and engine load that copy. (The srun way, one copy a node
-    named by $SLURMD_NODENAME: test_staging_and_every_task_run_once_per_node_inside_the_site_container.)"""
+    named by $SLURMD_NODENAME: test_staging_and_every_task_run_once_per_node_inside_the_site_container.)
+    Its Python environment is staged by default at its node count (site.stage.python_env_from_nodes,
+    issue #27 item 7): the job packs it beside the run directory and every task runs the staged copy.
+    The environment is a real virtual environment whose packages are this one's, added by a .pth file
+    (packing 4 GB would take minutes; what a copy of a venv does is tests/login/test_python_env.py's)."""
     from support import check_trl_user_run, write_trl_user_files
 
     cfg = write_trl_user_files(tmp_path)
+    env, started = tmp_path / "userenv", tmp_path / "started.txt"
+    subprocess.run([sys._base_executable, "-m", "venv", "--without-pip", str(env)], check=True)
+    site_packages = next(env.glob("lib/python*/site-packages"))
+    ours = next(Path(sys.prefix).glob("lib/python*/site-packages"))
+    (site_packages / "a_deps.pth").write_text(f"import site; site.addsitedir({str(ours)!r})\n")
+    (site_packages / "b_started.pth").write_text(
+        f"import os, sys; open({str(started)!r}, 'a').write(os.environ.get('SLURMD_NODENAME', '-') + ' ' + sys.prefix + '\\n')\n")
     r = hpcrl("submit", "--site", "testbed", cfg, "-N", "2", *TWO_TASKS, "-t", "15", "site.stage.model_via=sbcast",
-              "site.stage.model_dest=$HPCRL_RUN_DIR/node-local/model", cwd=tmp_path)
+              "site.stage.model_dest=$HPCRL_RUN_DIR/node-local/model", f"site.python={env}/bin/python",
+              "site.stage.python_env_from_nodes=2", "site.stage.dest=$HPCRL_RUN_DIR/node-local/env", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     job_id, run_dir = r.stdout.strip(), Path(r.stderr.rsplit("run directory ", 1)[1].strip())
     cancel_after(job_id)
     info = _wait(hpcrl, job_id, lambda i: i["state"] in FINAL, 900)
     assert info["state"] == "COMPLETED", info
+    spec = json.loads((run_dir / "job.json").read_text())
+    tarball = Path(spec["site"]["stage"]["python_env"])
+    assert spec["python_env_source"] == str(env) and tarball.parent == run_dir.parent / ".python-env"
+    assert tarball.is_file() and f"hpcrl: packing the Python environment {env} into {tarball}" in \
+        Path(info["log"]).read_text()
+    # Every Python the job started ran from the staged copy (the launch's 2 tasks a node, vLLM's
+    # processes, the stage and sweep steps), on both nodes.
+    starts = [line.split() for line in started.read_text().splitlines()]
+    assert {prefix for _, prefix in starts} == {str(run_dir / "node-local" / "env")}, starts
+    assert len({node for node, _ in starts}) == 2, starts
     # Two trainers: 4 prompts a generation over the 12, so 3 steps.
     check_trl_user_run(run_dir, tmp_path / "out", 3)
     log = Path(info["log"]).read_text()
@@ -378,7 +400,7 @@ def test_staging_and_every_task_run_once_per_node_inside_the_site_container(test
     assert [m["step"] for m in _metrics(run_dir)] == [1]
     # site.stage.model_dest with model_via srun: one task a node copies the model, and the testbed's
     # nodes, which share a disk, each name their own copy by $SLURMD_NODENAME; each node's trainer and
-    # engine load their node's. (sbcast: test_a_trl_users_config_on_two_nodes_with_its_model_staged_by_sbcast.)
+    # engine load their node's. (sbcast: test_a_trl_users_config_on_two_nodes_with_its_model_and_environment_staged.)
     copies = {n: run_dir / "node-local" / n / "model" for n in nodes}
     for node, copy in copies.items():
         assert f"hpcrl: {node}: model staged at {copy} (copied " in log, log[-3000:]

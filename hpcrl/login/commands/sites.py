@@ -34,8 +34,18 @@ def interpreter(site) -> str:
     if c.image:
         python = f"{site.stage.dest}/bin/python" if site.stage.python_env else site.python
         return f"{python} inside {c.image} ({c.runtime}, site.container)"
+    if site.stage.python_env == "auto":
+        return (f"{site.stage.dest}/bin/python, staged from a pack of {_python(site)}'s environment "
+                f"(stage.python_env = \"auto\")")
     if site.stage.python_env:
         return f"{site.stage.dest}/bin/python, staged from {site.stage.python_env} (stage.python_env)"
+    at_scale = (f"; at {site.stage.python_env_from_nodes} nodes or more, staged from a pack of its environment "
+                f"(stage.python_env_from_nodes)" if site.stage.python_env_from_nodes else "")
     if site.python == "auto":
-        return f"{sys.executable}, the interpreter hpcrl runs from now (python = \"auto\")"
-    return f"{site.python} as the job's shell finds it after its modules and setup lines (python = {site.python!r})"
+        return f"{sys.executable}, the interpreter hpcrl runs from now (python = \"auto\"){at_scale}"
+    return (f"{site.python} as the job's shell finds it after its modules and setup lines (python = {site.python!r})"
+            f"{at_scale}")
+
+
+def _python(site) -> str:
+    return sys.executable if site.python == "auto" else site.python
