@@ -40,26 +40,52 @@ PACKS_DIR = ".python-env"       # beside the run directory, shared by the user's
 def resolve(site: Site, nodes: int, python: str, run_dir: Path, notes: list[str]) -> tuple[Site, str]:
     """`site` with stage.python_env made the tarball the script stages, and the environment to pack
     into it ("" = nothing to pack: a tarball the user gave, or no staging)."""
-    stage = site.stage
-    if site.scheduler != "slurm":
-        return site, ""                 # only the batch script stages; `hpcrl run` imports in place
-    asked = stage.python_env == AUTO
-    by_count = not stage.python_env and 0 < stage.python_env_from_nodes <= nodes
-    if not (asked or by_count):
+    wanted, prefix, why_not = _decide(site, nodes, python)
+    if not wanted:
         return site, ""
-    prefix, why_not = environment_of(python)
-    if prefix is None and site.container.image and not os.path.isabs(python):
-        why_not = f"the tasks run {python} inside {site.container.image}, whose environment is the image's"
     if prefix is None:
-        if asked:
+        if site.stage.python_env == AUTO:
             raise UserError(f"site.stage.python_env: \"auto\" packs the job's Python environment, and {why_not}; "
                             f"set it to a packed environment (conda pack -o env.tar.gz), or \"\"")
-        notes.append(f"the Python environment is not staged to the nodes' local storage (site.stage."
-                     f"python_env_from_nodes = {stage.python_env_from_nodes}, this job has {nodes} nodes): "
+        notes.append(f"the Python environment is not staged to the nodes' local storage ({_by_count(site, nodes)}): "
                      f"{why_not}; every task imports from where it is")
         return site, ""
     tarball = run_dir.parent / PACKS_DIR / f"{prefix.name.lstrip('.') or 'env'}-{fingerprint(prefix)}.tar"
-    return replace(site, stage=replace(stage, python_env=str(tarball))), str(prefix)
+    return replace(site, stage=replace(site.stage, python_env=str(tarball))), str(prefix)
+
+
+def describe(site: Site, nodes: int, python: str) -> str:
+    """`hpcrl plan`'s line: whether the job stages its environment, from what, and why (not)."""
+    stage = site.stage
+    wanted, prefix, why_not = _decide(site, nodes, python)
+    if stage.python_env and stage.python_env != AUTO:
+        return f"python env: {stage.python_env} unpacked on each node's {stage.dest} (site.stage.python_env)"
+    if not wanted:
+        at = (f"; from {stage.python_env_from_nodes} nodes on, staged (site.stage.python_env_from_nodes)"
+              if stage.python_env_from_nodes and site.scheduler == "slurm" else "")
+        return f"python env: not staged: every task imports {python}'s packages where they are{at}"
+    why = "site.stage.python_env \"auto\"" if stage.python_env == AUTO else _by_count(site, nodes)
+    if prefix is None:
+        return f"python env: not staged ({why}): {why_not}"
+    return (f"python env: {prefix} staged to each node's {stage.dest} ({why}); packed by the first job into "
+            f"{PACKS_DIR} beside the run directory, reused until its packages change")
+
+
+def _decide(site: Site, nodes: int, python: str) -> tuple[bool, Path | None, str]:
+    """Whether the job is to stage the environment of `python` by itself; the environment; why not."""
+    stage = site.stage
+    if site.scheduler != "slurm":
+        return False, None, ""           # only the batch script stages; `hpcrl run` imports in place
+    if not (stage.python_env == AUTO or (not stage.python_env and 0 < stage.python_env_from_nodes <= nodes)):
+        return False, None, ""
+    prefix, why_not = environment_of(python)
+    if prefix is None and site.container.image and not os.path.isabs(python):
+        why_not = f"the tasks run {python} inside {site.container.image}, whose environment is the image's"
+    return True, prefix, why_not
+
+
+def _by_count(site: Site, nodes: int) -> str:
+    return f"site.stage.python_env_from_nodes = {site.stage.python_env_from_nodes}, this job has {nodes} nodes"
 
 
 def environment_of(python: str) -> tuple[Path | None, str]:

@@ -51,6 +51,19 @@ def test_frontier_stages_the_environment_it_runs_from_at_8_nodes_and_more(hpcrl,
     assert json.loads((run_dir2 / "job.json").read_text())["site"]["stage"]["python_env"] == str(tarball)
 
 
+def test_plan_says_whether_the_job_stages_its_environment(hpcrl, venv):
+    python = f"site.python={venv}/bin/python"
+    below = hpcrl("plan", "--site", "frontier", "-N", "2", python)
+    assert below.returncode == 0, below.stderr
+    assert (f"python env: not staged: every task imports {venv}/bin/python's packages where they are; from 8 "
+            f"nodes on, staged (site.stage.python_env_from_nodes)\n") in below.stdout, below.stdout
+    at = hpcrl("plan", "--site", "frontier", "-N", "8", python, "--json")
+    assert json.loads(at.stdout)["python_env"] == (
+        f"python env: {venv} staged to each node's /mnt/bb/$USER/hpcrl-env (site.stage.python_env_from_nodes = 8, "
+        f"this job has 8 nodes); packed by the first job into .python-env beside the run directory, reused until "
+        f"its packages change")
+
+
 def test_auto_refuses_an_interpreter_of_no_environment_and_the_count_only_warns(hpcrl, tmp_path):
     bare = tmp_path / "usr" / "bin" / "python3"        # no pyvenv.cfg, no conda-meta above it
     bare.parent.mkdir(parents=True)

@@ -14,7 +14,7 @@ from hpcrl.job.estimate import estimate
 from hpcrl.job.mesh_choice import sync_traffic
 from hpcrl.job.placement import format_cores
 from hpcrl.job.signal_lead import signal_lead
-from hpcrl.login import compose
+from hpcrl.login import compose, python_env
 from hpcrl.login.table import print_table
 
 
@@ -37,6 +37,7 @@ def main(args) -> int:
                           {"in_node": traffic.in_node_bytes, "cross_node": traffic.cross_node_bytes,
                            "model": traffic.model_bytes, "dtype": traffic.dtype},
                           "global_batch": global_batch(spec, plan),
+                          "python_env": python_env.describe(spec.site, plan.nodes, spec.python),
                           "stop_signal": None if stop is None else {"signal": spec.site.signal, **stop.to_dict()}},
                          indent=2))
         return 0
@@ -63,6 +64,7 @@ def main(args) -> int:
         print(traffic.describe())
     if stop is not None:
         print(stop.describe(spec.site.signal))
+    print(python_env.describe(spec.site, plan.nodes, spec.python))
     print(describe_global_batch(spec, plan))
     print(fit.trainer.verdict())
     print(fit.server.verdict())
