@@ -49,8 +49,8 @@ class JobSpec:
     # own lead, or for "NAME@auto" one derived from the checkpoint (hpcrl.job.signal_lead). 0: none.
     signal_lead_s: int = 0
     # site.stage.python_env "auto" (or python_env_from_nodes): the environment compose found for the
-    # job's interpreter, which the login node packs into the tarball stage.python_env names before the
-    # run directory is written (hpcrl.login.python_env). "" = a tarball the user gave, or no staging.
+    # job's interpreter, which the batch script packs into the tarball stage.python_env names unless an
+    # earlier job did (hpcrl.login.python_env). "" = a tarball the user gave, or no staging.
     python_env_source: str = ""
 
     @property
