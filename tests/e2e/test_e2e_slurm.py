@@ -503,15 +503,18 @@ def _steps_logged() -> int:
         return 0
 
 
-def _training_after() -> int | None:
-    """The steps done when rank 0's trainer began the step it is training now; None if it is not
-    training (hpcrl writes the phase to heartbeat.json)."""
+def _busy_after() -> int | None:
+    """The steps done when rank 0's trainer began the step it is scoring, training or pushing now;
+    None while it waits for its generation (hpcrl writes the phase to heartbeat.json)."""
     try:
         with open(os.path.join(RUN_DIR, "heartbeat.json")) as heartbeat:
             beat = json.load(heartbeat)
     except (OSError, ValueError):
         return None
-    return beat["step"] if beat.get("phase") == "training" else None
+    if beat.get("phase") in ("scoring", "training"):
+        return beat["step"]
+    # A push's heartbeat counts the step it pushes, logged once the push is done.
+    return beat["step"] - 1 if beat.get("phase") == "syncing" else None
 
 
 def calculator(expression: str) -> str:
@@ -523,13 +526,15 @@ def calculator(expression: str) -> str:
     # Where this call ran: the tool worker's node (its trainer's) and process.
     with open(LOG, "a") as log:
         log.write(f"{os.environ.get('SLURMD_NODENAME')} {os.environ.get('SLURM_PROCID')} {os.getpid()}\\n")
-    # A tool that takes its time, as real ones do: a call of rank 0's rollouts made while rank 0 trains
-    # lasts until that step is logged (at most 10 s), and a step is logged after its push. So the turn
-    # after the call is sampled with newer weights than the turn before it, by construction, not by
-    # timing (with plain sleeps, under CI's load, the generations ahead finished before any push). Rank
-    # 0 only: the other trainer may still wait for its generation while rank 0 trains, and its step
-    # could not end while its own rollouts waited here.
-    done = _training_after() if os.environ.get("SLURM_PROCID") == "0" else None
+    # A tool that takes its time, as real ones do: a call of rank 0's rollouts made while rank 0 is not
+    # waiting for a generation (it scores, trains or pushes a step; the rollout thread then works on a
+    # generation ahead) lasts until that step is logged (at most 10 s), and a step is logged after its
+    # push. So the turn after the call is sampled with newer weights than the turn before it, by
+    # construction, not by timing. (With plain sleeps, under CI's load, the generations ahead finished
+    # before any push; holding only the calls made while it trains, a CI run saw none in 4 steps, and
+    # this machine under 6 busy loops none in 9.) Rank 0 only: the other trainer may still wait for its
+    # generation while rank 0 trains, and its step could not end while its own rollouts waited here.
+    done = _busy_after() if os.environ.get("SLURM_PROCID") == "0" else None
     if done is not None:
         deadline = time.time() + 10
         while _steps_logged() <= done and time.time() < deadline:
@@ -581,7 +586,7 @@ def test_an_agent_on_two_nodes_runs_each_nodes_tools_against_its_own_engine_unti
     assert all(m["tools/call_frequency"] > 0 for m in metrics), [m["tools/call_frequency"] for m in metrics]
     # Two generations ahead, never more; in flight, syncs landed inside rollouts under way (between a
     # tool call and the turn after it), whose tokens then carry two versions: NODE_TOOLS holds the calls
-    # made while rank 0 trains until that step's push. (Generation 4 is asked as step 2's training starts.)
+    # made while rank 0 is not waiting for a generation until the next push.
     staleness = [m["sample/staleness_max"] for m in metrics]
     assert max(staleness) <= 2 and staleness[-1] >= 1, staleness
     in_flight = [m["sample/updated_in_flight_frac"] for m in metrics]

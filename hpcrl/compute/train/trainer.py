@@ -417,6 +417,9 @@ class Trainer:
         self._heartbeat("generating")
         requested, completions, staleness = self.ahead.next(self.step)
         self.ahead.fill(self.step + self.steps_per_generation, self.steps_per_generation, self.grpo.max_steps)
+        # No longer waiting for the engines: rewards, packing, the fixed log-probs (heartbeat.json
+        # tells the two apart, so a slow reward function is not taken for slow generation).
+        self._heartbeat("scoring")
         batch = requested.rollout_rows(self.grpo.num_generations)
         lag = self.weight_version - min((c.weight_version for c in completions), default=self.weight_version)
         advantages, reward_stats = self.scorer.score(batch, completions, self.step)
