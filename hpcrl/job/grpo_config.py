@@ -92,6 +92,10 @@ class GRPOConfig:
     ref_model_mixup_alpha: float = 0.6
     ref_model_sync_steps: int = 512
     disable_dropout: bool = False           # every dropout module of policy and reference gets p = 0
+    # The LM head of policy and reference computes in fp32 on the bf16 hidden states (TRL's option, as
+    # the ScaleRL recipe advises): fp32 logits. With a head tied to the input embeddings, the group
+    # they share (embeddings, final norm, head) computes in fp32, the embeddings' output cast back.
+    cast_lm_head_to_fp32: bool = False
     # Reweights each completion by pi_trainer / pi_sampler (the engine's numerics, and the lag of
     # inference.overlap_generation). It costs a forward pass a step (README: what it did on the demo).
     vllm_importance_sampling_correction: bool = True

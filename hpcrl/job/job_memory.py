@@ -104,7 +104,7 @@ def trainer_parts_for(spec: JobSpec, shape: ModelShape, shard: int) -> dict[str,
         seq_len=train_seq_len(spec), completion_len=r.grpo.max_completion_length,
         compute_dtype=compute_dtype(spec),
         checkpointing=bool(r.trainer.activation_checkpointing or r.grpo.gradient_checkpointing),
-        logprob_chunk_tokens=r.trainer.logprob_chunk_tokens,
+        logprob_chunk_tokens=r.trainer.logprob_chunk_tokens, fp32_head=r.grpo.cast_lm_head_to_fp32,
         overhead_bytes=TRAINER_OVERHEAD_GPU if on_gpu else TRAINER_OVERHEAD_CPU)
     storage = ModelStorage(
         shard=shard,

@@ -149,6 +149,7 @@ class TrainingStep(NamedTuple):
     compute_dtype: str = "bfloat16"
     checkpointing: bool = False        # activation checkpointing: each layer recomputed in its backward
     logprob_chunk_tokens: int = TrainerConfig.logprob_chunk_tokens
+    fp32_head: bool = False            # grpo.cast_lm_head_to_fp32: the head gathered, and its logits, in fp32
     # The framework's share (context, communication buffers, fragmentation); 0 to compare with
     # torch's own allocation counters, which see none of it.
     overhead_bytes: int = TRAINER_OVERHEAD_GPU
@@ -180,6 +181,8 @@ def trainer_parts(shape: ModelShape, step: TrainingStep, storage: ModelStorage =
     tokens = step.micro_batch * step.seq_len
     final_norm = (4 + c) * h                      # the final norm before the LM head, every position
     frozen = DTYPE_BYTES[storage.reference_dtype or step.compute_dtype]
+    # A frozen model's head is stored in what it computes in: with an fp32 head, fp32.
+    frozen_head = v * h * (4 - frozen) if step.fp32_head else 0
     per_layer = layer_activation_bytes(shape, c)
     layers = [per_layer + (lora.layer_activation_bytes(i, c) if lora else 0) for i in range(shape.num_layers)]
     if step.checkpointing:
@@ -187,27 +190,29 @@ def trainer_parts(shape: ModelShape, step: TrainingStep, storage: ModelStorage =
     else:
         activations = tokens * (sum(layers) + final_norm)
     chunk = min(step.logprob_chunk_tokens, step.micro_batch * step.completion_len)
+    head_bytes = 4 if step.fp32_head else c
+    root = shape.root_params * c + v * h * (head_bytes - c)     # the gathered root group
     shard = storage.shard
     if lora is None:
         per_param = zero3_device_bytes_per_param(c, offload_optimizer=storage.offload_optimizer,
                                                  offload_params=storage.offload_params)
         state = {"training_state": math.ceil(n * per_param / shard),
-                 "reference": math.ceil(n * frozen / shard) if storage.reference else 0}
+                 "reference": math.ceil((n * frozen + frozen_head) / shard) if storage.reference else 0}
         # one layer's fp32 gradients, and the LM head's gradient in the root group
-        gathered = GATHERED_LAYERS * shape.layer_params * c + shape.layer_params * 4 + shape.root_params * c + v * h * c
+        gathered = GATHERED_LAYERS * shape.layer_params * c + shape.layer_params * 4 + root + v * h * head_bytes
     else:
         adapters = max((lora.layer_params(i) for i in range(shape.num_layers)), default=0)
-        state = {"frozen_weights": math.ceil(n * frozen / shard),
+        state = {"frozen_weights": math.ceil((n * frozen + frozen_head) / shard),
                  "training_state": math.ceil(lora.params * ADAPTER_BYTES_PER_PARAM / shard),
                  "reference": 0}
         # one layer's adapter gradients in fp32; the frozen head has none
-        gathered = GATHERED_LAYERS * (shape.layer_params + adapters) * c + adapters * 4 + shape.root_params * c
+        gathered = GATHERED_LAYERS * (shape.layer_params + adapters) * c + adapters * 4 + root
     return {
         **state,
         "reward_models": math.ceil(storage.reward_model_params * frozen / shard),
         "gathered_layers": gathered,
         "activations": activations,
-        "logits": LOGITS_COPIES * step.micro_batch * (step.completion_len + 1) * v * c,
+        "logits": LOGITS_COPIES * step.micro_batch * (step.completion_len + 1) * v * head_bytes,
         "logprob_chunk": LOGPROB_FP32_COPIES * chunk * v * 4,
         "overhead": step.overhead_bytes,
     }

@@ -499,6 +499,14 @@ class Recipe:
         if self.grpo.max_tool_calling_iterations is not None and not self.agent.enabled:
             raise UserError("grpo.max_tool_calling_iterations: bounds an agent's tool calls; it needs agent.tools "
                             "or agent.environment_factory (leave it unset otherwise)")
+        if self.grpo.cast_lm_head_to_fp32:
+            if self.trainer.engine == "deepspeed":
+                raise UserError("grpo.cast_lm_head_to_fp32: with trainer.engine=fsdp2 only in this version (ZeRO-3 "
+                                "computes every parameter in one dtype)")
+            targets = self.model.lora_target_modules
+            if self.model.use_peft and isinstance(targets, (list, tuple)) and "lm_head" in targets:
+                raise UserError("grpo.cast_lm_head_to_fp32: not with an adapter on the LM head (lm_head in "
+                                "model.lora_target_modules), as TRL; leave lm_head out or the option off")
         if self.checkpoint.save_merged_model and not self.model.use_peft:
             raise UserError("checkpoint.save_merged_model: only with model.use_peft (without LoRA the model "
                             "directory is the whole model already)")

@@ -127,8 +127,6 @@ NOT_IMPLEMENTED = {
     "streaming": "streamed datasets are not supported: the prompts are read at start",
     "dataset_streaming": "streamed datasets are not supported: the prompts are read at start",
     "reward_weights": "reward_weights needs reward_funcs, one weight each",
-    "cast_lm_head_to_fp32": "not supported yet: hpcrl's LM head computes in the training dtype (its "
-                            "log-probabilities are taken in fp32 from those logits)",
     "log_completions": "set logging.log_completions to the number of completions to print",
     "report_to": 'hpcrl reports to "wandb" (offline) and "tensorboard"',
 }

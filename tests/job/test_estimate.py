@@ -141,6 +141,12 @@ def test_trainer_parts_by_hand(tmp_path):
     # Without checkpointing every layer keeps its activations: 48 x 223,392 B per token.
     bare = _spec("frontier", 1, f"model.path={path}", "grpo.beta=0.04", *BATCH)
     assert estimate(bare).trainer.parts["activations"] == tokens * (48 * per_layer + 6 * h)
+    # grpo.cast_lm_head_to_fp32: the head gathered in fp32, with its gradient, its logits in fp32,
+    # and the reference's head stored in fp32.
+    fp32 = estimate(_spec("frontier", 1, f"model.path={path}", "grpo.beta=0.04", "trainer.activation_checkpointing=true",
+                          "grpo.cast_lm_head_to_fp32=true", *BATCH)).trainer.parts
+    assert fp32 == expected | {"gathered_layers": 2 * layer * 2 + layer * 4 + root * 2 + v * h * 2 + v * h * 4,
+                               "logits": 2 * 8 * 1025 * v * 4, "reference": math.ceil((p * 2 + v * h * 2) / 7)}
 
 
 def test_trainer_parts_is_the_benchmarks_formula(tmp_path):

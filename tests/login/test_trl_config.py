@@ -104,20 +104,20 @@ def test_a_trl_config_translates(trl_yaml, tmp_path):
 
 
 def test_every_unimplemented_key_is_named_in_one_error(trl_yaml):
-    trl_yaml.write_text(trl_yaml.read_text() + "cast_lm_head_to_fp32: true\nuse_adaptive_entropy: true\n"
+    trl_yaml.write_text(trl_yaml.read_text() + "load_in_4bit: true\nuse_adaptive_entropy: true\n"
                         "push_to_hub: true\nlearnin_rate: 3\ngrpo:\n  betta: 1\n")
     with pytest.raises(UserError) as e:
         compose.build_recipe(str(trl_yaml))
     lines = str(e.value).splitlines()
     assert lines[0] == "5 fields are not accepted (nothing was written):"
     text = "\n".join(lines)
-    for name in ("cast_lm_head_to_fp32: not supported yet", "use_adaptive_entropy: not implemented",
+    for name in ("load_in_4bit: quantized training is not supported", "use_adaptive_entropy: not implemented",
                  "push_to_hub: compute nodes have no internet",
                  'learnin_rate: unknown field (did you mean "learning_rate"?)',
                  'grpo.betta: unknown field (did you mean "beta"?)'):
         assert name in text, text
     # No hint to a field of another meaning (save_steps used to suggest max_steps).
-    assert "did you mean" not in text.split("cast_lm_head_to_fp32")[1].splitlines()[0]
+    assert "did you mean" not in text.split("use_adaptive_entropy")[1].splitlines()[0]
 
 
 LORA_YAML = """\
@@ -208,9 +208,23 @@ def test_trls_async_max_staleness_is_the_inference_bound(trl_yaml):
 
 
 def test_a_key_at_trls_default_is_accepted(trl_yaml):
-    trl_yaml.write_text(trl_yaml.read_text() + "cast_lm_head_to_fp32: false\nuse_adaptive_entropy: false\n")
+    trl_yaml.write_text(trl_yaml.read_text() + "use_adaptive_entropy: false\n")
     t = compose.build_recipe(str(trl_yaml)).trl
-    assert t.inert["cast_lm_head_to_fp32"] == "TRL's default" and t.inert["use_adaptive_entropy"] == "TRL's default"
+    assert t.inert["use_adaptive_entropy"] == "TRL's default"
+
+
+def test_trls_cast_lm_head_to_fp32_moves_and_is_refused_where_it_cannot_run(trl_yaml):
+    """TRL's cast_lm_head_to_fp32 is grpo's (FSDP2 computes the head in fp32); ZeRO-3 computes every
+    parameter in one dtype, and TRL refuses it with an adapter on the head."""
+    trl_yaml.write_text(trl_yaml.read_text() + "cast_lm_head_to_fp32: true\n")
+    built = compose.build_recipe(str(trl_yaml))
+    assert built.recipe.grpo.cast_lm_head_to_fp32 is True
+    assert built.trl.moved["cast_lm_head_to_fp32"] == "grpo.cast_lm_head_to_fp32"
+    named = r"^cast_lm_head_to_fp32 \(grpo.cast_lm_head_to_fp32\): "
+    with pytest.raises(UserError, match=named + "with trainer.engine=fsdp2 only"):
+        compose.build_recipe(str(trl_yaml), ["trainer.engine=deepspeed"])
+    with pytest.raises(UserError, match=named + "not with an adapter on the LM head"):
+        compose.build_recipe(str(trl_yaml), ["model.use_peft=true", 'model.lora_target_modules=["q_proj","lm_head"]'])
 
 
 def test_the_demo_task_keeps_its_tuned_values_and_user_data_gets_trls():

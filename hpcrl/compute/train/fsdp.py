@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 from hpcrl.compute.train.engine import StoredTensors, TrainEngine
 from hpcrl.compute.train.loading import check_devices, load_group, read_group, stream_from_rank0
 from hpcrl.job import rundir
+from hpcrl.job.errors import UserError
 from hpcrl.job.recipe import GRPOConfig, Recipe
 
 if TYPE_CHECKING:
@@ -113,6 +114,7 @@ def apply_fsdp(
     reshard_after_forward: bool = True,
     activation_checkpointing: bool = False,
     offload: bool = False,
+    fp32_head: bool = False,
 ) -> nn.Module:
     """Shard ``model`` in place: each decoder layer, then the root. Returns the model.
 
@@ -120,6 +122,7 @@ def apply_fsdp(
     compute and gradient-reduction dtypes (None or the parameters' own dtype = no casting).
     ``offload``: FSDP2's ``CPUOffloadPolicy`` (sharded parameters, gradients and optimizer state
     live in host memory; each layer is copied to the device for its all-gather).
+    ``fp32_head``: the LM head computes in fp32 (grpo.cast_lm_head_to_fp32), see :func:`_fp32_head`.
     """
     if mesh.ndim not in (1, 2):
         raise ValueError(f"apply_fsdp: mesh must be 1-D (fsdp) or 2-D (replicate, shard), got {mesh.ndim}-D")
@@ -138,10 +141,68 @@ def apply_fsdp(
     kw: dict[str, Any] = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
     for layer in decoder_layers(model):
         fully_shard(layer, reshard_after_forward=reshard_after_forward, **kw)
+    root_kw = kw
+    if fp32_head:
+        fp32 = dict(kw, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32))
+        if _fp32_head(model, param_dtype):
+            root_kw = fp32
+        else:
+            fully_shard(model.get_output_embeddings(), reshard_after_forward=reshard_after_forward, **fp32)
     # The root keeps the embeddings / norm / head. Resharding it after forward matters for a
     # forward-only model (the reference): nothing would free it otherwise until the next forward.
-    fully_shard(model, reshard_after_forward=reshard_after_forward, **kw)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, **root_kw)
     return model
+
+
+def _fp32_head(model: nn.Module, param_dtype: Optional[torch.dtype]) -> bool:
+    """grpo.cast_lm_head_to_fp32, as TRL does it: the head's weight all-gathered in fp32 and its input
+    cast to fp32 (FSDP2 casts a group's inputs to its compute dtype), so the logits are fp32. Its own
+    group, unless it is tied to the input embeddings (returns True): then the root group computes in
+    fp32 (embeddings, final norm, head) and the embeddings' output is cast back to what the root
+    computed in before (``param_dtype``, else the embeddings' own), as TRL's hook does, so the
+    decoder layers see what they saw before."""
+    head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is None:
+        raise UserError("grpo.cast_lm_head_to_fp32: this model has no LM head (get_output_embeddings() is None)")
+    if hasattr(head, "base_layer"):
+        raise UserError("grpo.cast_lm_head_to_fp32: not with an adapter on the LM head (model.lora_target_modules "
+                        "matches lm_head), as TRL; leave lm_head out or the option off")
+    if not _tied_head(model):
+        return False
+    before = param_dtype or embeddings.weight.dtype
+
+    def cast_back(module, args, output):
+        return output.to(before)
+
+    embeddings.register_forward_hook(cast_back)
+    return True
+
+
+def _tied_head(model: nn.Module) -> bool:
+    head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
+    return head is not None and embeddings is not None and head.weight is embeddings.weight
+
+
+def _store_fp32_head_in_fp32(model: nn.Module) -> None:
+    """With grpo.cast_lm_head_to_fp32, the parameters that compute in fp32 (the head's; with a tied
+    head, the root group's: all but the decoder layers') are stored in fp32, as a frozen model's
+    others are stored in what they compute in: a reference then starts equal to the policy."""
+    head = model.get_output_embeddings()
+    if head is None:
+        return                              # apply_fsdp names the problem
+    if _tied_head(model):
+        in_layers = {id(p) for layer in decoder_layers(model) for p in layer.parameters()}
+        owners = list(model.modules())
+    else:
+        in_layers, owners = set(), [head]
+    fp32: dict[int, nn.Parameter] = {}      # one new parameter per old one: tied weights stay tied
+    for module in owners:
+        for name, param in list(module._parameters.items()):
+            if param is None or id(param) in in_layers or param.dtype == torch.float32:
+                continue
+            if id(param) not in fp32:
+                fp32[id(param)] = nn.Parameter(param.detach().float(), requires_grad=param.requires_grad)
+            module._parameters[name] = fp32[id(param)]
 
 
 def _comm_group(mesh: DeviceMesh) -> Optional[dist.ProcessGroup]:
@@ -170,6 +231,7 @@ class LoadOptions:
     # Changes the model before it is sharded, and the reader's source model the same way (LoRA).
     adapt: Optional[Callable[[nn.Module], nn.Module]] = None
     read_groups: Optional[list[list[int]]] = None
+    fp32_head: bool = False                     # the LM head computes in fp32 (grpo.cast_lm_head_to_fp32)
 
 
 def load_sharded_model(model_dir: str, mesh: DeviceMesh, device: torch.device,
@@ -199,9 +261,11 @@ def load_sharded_model(model_dir: str, mesh: DeviceMesh, device: torch.device,
                                         attn_implementation=o.attn_implementation)
         if o.adapt is not None:
             model = o.adapt(model)
+        if o.fp32_head:
+            _store_fp32_head_in_fp32(model)
     apply_fsdp(model, mesh, param_dtype=o.param_dtype, reduce_dtype=o.reduce_dtype,
                reshard_after_forward=o.reshard_after_forward,
-               activation_checkpointing=o.activation_checkpointing, offload=o.offload)
+               activation_checkpointing=o.activation_checkpointing, offload=o.offload, fp32_head=o.fp32_head)
     model.to_empty(device=torch.device("cpu") if o.offload else device)
     if o.offload and device.type != "cpu":
         # FSDP2 offloads parameters only; buffers (rotary inv_freq) belong on the compute device,
@@ -214,7 +278,11 @@ def load_sharded_model(model_dir: str, mesh: DeviceMesh, device: torch.device,
         load_group(group, o.load_timeout_s)    # made before rank 0 reads: its making is a rendezvous too
     source = None
     if dist.get_rank(group) == 0:
-        source = model_class.from_pretrained(model_dir, dtype=o.dtype, trust_remote_code=o.trust_remote_code,
+        # An fp32 head beside weights stored in another dtype: read in fp32 and cast tensor by tensor
+        # as they stream (the same rounding as reading in that dtype), so the head keeps the
+        # checkpoint's values: rank 0 holds the model in fp32 while it loads.
+        read_dtype = torch.float32 if o.fp32_head else o.dtype
+        source = model_class.from_pretrained(model_dir, dtype=read_dtype, trust_remote_code=o.trust_remote_code,
                                              attn_implementation=o.attn_implementation)
         if o.adapt is not None:
             source = o.adapt(source)
@@ -235,7 +303,7 @@ def load_policy_and_reference(model_dir: str, mesh: DeviceMesh, device: torch.de
                               ) -> tuple[nn.Module, Optional[nn.Module]]:
     """The trainable policy and (when ``recipe.grpo.beta > 0``) the frozen reference model.
 
-    Reads ``grpo.bf16``, ``grpo.beta``, ``grpo.gradient_checkpointing``,
+    Reads ``grpo.bf16``, ``grpo.beta``, ``grpo.gradient_checkpointing``, ``grpo.cast_lm_head_to_fp32``,
     ``trainer.activation_checkpointing``, ``trainer.reference_offload``, ``model.dtype``, ``model.use_peft``
     and the LoRA fields,
     ``model.trust_remote_code``, ``model.attn_implementation`` and ``launch.model_load_timeout_s`` of the recipe.
@@ -262,7 +330,7 @@ def load_policy_and_reference(model_dir: str, mesh: DeviceMesh, device: torch.de
         param_dtype=param_dtype, reduce_dtype=reduce_dtype,
         activation_checkpointing=bool(grpo.gradient_checkpointing or trainer.activation_checkpointing),
         trust_remote_code=trust, load_timeout_s=load_timeout_s, attn_implementation=attention, adapt=adapt,
-        read_groups=read_groups))
+        read_groups=read_groups, fp32_head=grpo.cast_lm_head_to_fp32))
     policy.train()
     check_devices(param_devices(policy), device, offload=False, what="policy")
     if grpo.beta <= 0:
@@ -275,7 +343,7 @@ def load_policy_and_reference(model_dir: str, mesh: DeviceMesh, device: torch.de
     reference = load_sharded_model(model_dir, mesh, device, LoadOptions(
         dtype=stored, param_dtype=param_dtype, offload=bool(trainer.reference_offload),
         trust_remote_code=trust, load_timeout_s=load_timeout_s, attn_implementation=attention,
-        read_groups=read_groups))
+        read_groups=read_groups, fp32_head=grpo.cast_lm_head_to_fp32))
     reference.eval()
     reference.requires_grad_(False)
     check_devices(param_devices(reference), device, offload=bool(trainer.reference_offload), what="reference")

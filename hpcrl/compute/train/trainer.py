@@ -299,8 +299,7 @@ class Trainer:
         t0 = time.perf_counter()
         generation = None if self.generation is None else self.generation.state_dict(self.generation_steps_done)
         extra = {"sampler": self.sampler.state_dict(),
-                 "tokens_seen": self.trainer_state.num_input_tokens_seen,
-                 "generation": generation,
+                 "tokens_seen": self.trainer_state.num_input_tokens_seen, "generation": generation,
                  **self.ahead.state_dict(),
                  # grpo.sync_ref_model moves the reference: this rank's shards of it.
                  "reference": self._reference_shards()}
@@ -417,9 +416,7 @@ class Trainer:
         self._heartbeat("generating")
         requested, completions, staleness = self.ahead.next(self.step)
         self.ahead.fill(self.step + self.steps_per_generation, self.steps_per_generation, self.grpo.max_steps)
-        # No longer waiting for the engines: rewards, packing, the fixed log-probs (heartbeat.json
-        # tells the two apart, so a slow reward function is not taken for slow generation).
-        self._heartbeat("scoring")
+        self._heartbeat("scoring")      # not waiting for the engines: a slow reward is not slow generation
         batch = requested.rollout_rows(self.grpo.num_generations)
         lag = self.weight_version - min((c.weight_version for c in completions), default=self.weight_version)
         advantages, reward_stats = self.scorer.score(batch, completions, self.step)
