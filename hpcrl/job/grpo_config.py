@@ -81,6 +81,15 @@ class GRPOConfig:
     vespo_k_neg: float = 3.0
     vespo_lambda_neg: float = 2.0
     entropy_coef: float = 0.0               # static entropy bonus: loss - entropy_coef * mean token entropy
+    # TRL's adaptive entropy control (Skywork-OR1), entropy_coef its start: after each optimizer step the
+    # coefficient moves by entropy_coef_delta, up while the step's mean token entropy (every trainer's
+    # loss tokens) is at or below entropy_target, down above it, within [entropy_coef_min, _max]; the
+    # bonus applies only while the last step's entropy was at or below the target.
+    use_adaptive_entropy: bool = False
+    entropy_coef_min: float = 0.0
+    entropy_coef_max: float = 1.0
+    entropy_coef_delta: float = 0.005
+    entropy_target: float = 0.2
     # A mixture of experts' load-balancing loss, added as TRL adds it: coef x the routers' aux loss;
     # None = the model config's own router_aux_loss_coef (0 for a dense model).
     router_aux_loss_coef: Optional[float] = None
@@ -220,6 +229,12 @@ class GRPOConfig:
             raise UserError(f"{where}.sync_ref_model: needs beta > 0 (with beta 0 there is no reference model)")
         if self.save_total_limit is not None and self.save_total_limit < 1:
             raise UserError(f"{where}.save_total_limit: must be at least 1 or null, got {self.save_total_limit}")
+        if self.use_adaptive_entropy and not 0 <= self.entropy_coef_min <= self.entropy_coef_max:
+            raise UserError(f"{where}.entropy_coef_min: the adaptive coefficient's bounds need 0 <= entropy_coef_min "
+                            f"<= entropy_coef_max, got {self.entropy_coef_min} and {self.entropy_coef_max}")
+        if self.use_adaptive_entropy and self.entropy_coef_delta <= 0:
+            raise UserError(f"{where}.entropy_coef_delta: the adaptive coefficient's step must be positive, "
+                            f"got {self.entropy_coef_delta}")
         if not 0 < self.top_entropy_quantile <= 1:
             raise UserError(f"{where}.top_entropy_quantile: must be in (0, 1], got {self.top_entropy_quantile}")
         if self.steps_per_generation is not None and self.generation_batch_size is not None:

@@ -32,6 +32,7 @@ COMPLETIONS_MAX_TERMINATED_LENGTH = "completions/max_terminated_length"
 NUM_TOKENS = "num_tokens"
 KL = "kl"
 ENTROPY = "entropy"
+ENTROPY_COEF = "entropy_coef"                  # the entropy bonus's coefficient after the step (TRL's)
 POLICY_LOSS = "policy_loss"
 CLIP_RATIO_LOW_MEAN = "clip_ratio/low_mean"
 CLIP_RATIO_HIGH_MEAN = "clip_ratio/high_mean"

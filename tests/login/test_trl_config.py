@@ -104,20 +104,20 @@ def test_a_trl_config_translates(trl_yaml, tmp_path):
 
 
 def test_every_unimplemented_key_is_named_in_one_error(trl_yaml):
-    trl_yaml.write_text(trl_yaml.read_text() + "load_in_4bit: true\nuse_adaptive_entropy: true\n"
+    trl_yaml.write_text(trl_yaml.read_text() + "load_in_4bit: true\nneftune_noise_alpha: 5\n"
                         "push_to_hub: true\nlearnin_rate: 3\ngrpo:\n  betta: 1\n")
     with pytest.raises(UserError) as e:
         compose.build_recipe(str(trl_yaml))
     lines = str(e.value).splitlines()
     assert lines[0] == "5 fields are not accepted (nothing was written):"
     text = "\n".join(lines)
-    for name in ("load_in_4bit: quantized training is not supported", "use_adaptive_entropy: not implemented",
+    for name in ("load_in_4bit: quantized training is not supported", "neftune_noise_alpha: not implemented",
                  "push_to_hub: compute nodes have no internet",
                  'learnin_rate: unknown field (did you mean "learning_rate"?)',
                  'grpo.betta: unknown field (did you mean "beta"?)'):
         assert name in text, text
     # No hint to a field of another meaning (save_steps used to suggest max_steps).
-    assert "did you mean" not in text.split("use_adaptive_entropy")[1].splitlines()[0]
+    assert "did you mean" not in text.split("neftune_noise_alpha")[1].splitlines()[0]
 
 
 LORA_YAML = """\
@@ -208,9 +208,23 @@ def test_trls_async_max_staleness_is_the_inference_bound(trl_yaml):
 
 
 def test_a_key_at_trls_default_is_accepted(trl_yaml):
-    trl_yaml.write_text(trl_yaml.read_text() + "use_adaptive_entropy: false\n")
+    trl_yaml.write_text(trl_yaml.read_text() + "neftune_noise_alpha: null\n")
     t = compose.build_recipe(str(trl_yaml)).trl
-    assert t.inert["use_adaptive_entropy"] == "TRL's default"
+    assert t.inert["neftune_noise_alpha"] == "TRL's default"
+
+
+def test_trls_adaptive_entropy_control_moves_with_its_bounds_checked(trl_yaml):
+    trl_yaml.write_text(trl_yaml.read_text() + "use_adaptive_entropy: true\nentropy_coef: 0.01\nentropy_target: 0.5\n"
+                        "entropy_coef_max: 0.05\n")
+    built = compose.build_recipe(str(trl_yaml))
+    g = built.recipe.grpo
+    assert (g.use_adaptive_entropy, g.entropy_coef, g.entropy_target, g.entropy_coef_max) == (True, 0.01, 0.5, 0.05)
+    assert (g.entropy_coef_min, g.entropy_coef_delta) == (0.0, 0.005)                       # TRL's defaults
+    assert built.trl.moved["use_adaptive_entropy"] == "grpo.use_adaptive_entropy"
+    with pytest.raises(UserError, match=r"^entropy_coef_min \(grpo.entropy_coef_min\): the adaptive coefficient's "):
+        compose.build_recipe(str(trl_yaml), ["entropy_coef_min=0.1"])
+    with pytest.raises(UserError, match=r"^entropy_coef_delta \(grpo.entropy_coef_delta\): .* must be positive"):
+        compose.build_recipe(str(trl_yaml), ["entropy_coef_delta=0"])
 
 
 def test_trls_cast_lm_head_to_fp32_moves_and_is_refused_where_it_cannot_run(trl_yaml):

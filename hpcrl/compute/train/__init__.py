@@ -10,6 +10,7 @@ batch.py             a generation's tensors: packing, and log-probabilities a mi
 logprobs.py          per-token log-probabilities and entropies, a chunk of tokens at a time
 advantages.py        group-relative advantages from the rewards, as TRL computes them
 loss.py              TRL's GRPO loss of one micro-batch (LossConfig) and its off-policy corrections
+entropy_control.py   the entropy bonus's coefficient step by step: fixed, or TRL's adaptive control
 rank_metrics.py      a rank's partial metrics and their reduction over all trainers
 rewards.py           reward functions: TRL's calling convention, loading, scoring, the demo's
 reward_model.py      a sequence-classification model as a reward function

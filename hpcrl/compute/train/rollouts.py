@@ -15,8 +15,9 @@ from typing import Protocol
 from hpcrl.compute.inference.types import Generator, PendingGeneration, Sampling
 from hpcrl.compute.train.data import PromptBatch
 from hpcrl.compute.train.rewards import RewardFunction
+from hpcrl.job import context
 
-__all__ = ["Rollouts", "SingleTurn", "make_rollouts"]
+__all__ = ["Rollouts", "SingleTurn", "make_rollouts", "context_len"]
 
 
 class Rollouts(Protocol):
@@ -93,3 +94,13 @@ def make_rollouts(recipe, generator: Generator, tokenizer, run_dir: Path | None,
                                       chat_template=chat.chat_template, in_flight=recipe.inference.in_flight)
     return AgentRollouts(generator, pool, chat, recipe.grpo, context_len, by_column=by_column,
                          first_turns=first_turns, in_flight=recipe.inference.in_flight)
+
+
+def context_len(recipe, policy, tokenizer) -> int:
+    """The engines' context (prompt + completion): inference.max_model_len, else the one vLLM
+    derives from the model (hpcrl.job.context's rule, which the login side checks recipes by),
+    read from the loaded model's config and tokenizer."""
+    if recipe.inference.max_model_len:
+        return recipe.inference.max_model_len
+    return context.from_configs(policy.config.to_dict(),
+                                {"model_max_length": getattr(tokenizer, "model_max_length", None)}).tokens

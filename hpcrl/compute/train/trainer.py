@@ -41,7 +41,6 @@ import torch.distributed as dist
 from hpcrl.compute.inference.types import Generator, Sampling
 from hpcrl.compute.launch import faults
 from hpcrl.compute.launch.stop import STOP
-from hpcrl.job import context
 from hpcrl.job import metric_keys as mk
 from hpcrl.job import rundir
 from hpcrl.job.recipe import LaunchConfig, Recipe
@@ -52,6 +51,7 @@ from hpcrl.compute.train.ahead import Ahead
 from hpcrl.compute.train.base_diff import BaseDiff
 from hpcrl.compute.train.batch import micro_batched_logps, pack_batch, policy_forward, router_aux_coef
 from hpcrl.compute.train.engine import TrainEngine
+from hpcrl.compute.train.entropy_control import EntropyControl
 from hpcrl.compute.train.fsdp import Fsdp2Engine
 from hpcrl.compute.train.evaluation import Evaluator, epoch_ended, eval_due
 from hpcrl.compute.train.generation import Generation, Requested, updated_in_flight
@@ -59,7 +59,7 @@ from hpcrl.compute.train.loss import (LossConfig, SamplerCorrection, effective_s
                                       high_entropy_mask, sampling_importance_ratio)
 from hpcrl.compute.train.rank_metrics import Metric, global_sum, merge_metrics, reduce_metrics
 from hpcrl.compute.train.rewards import RewardFunction, load_reward_functions, new_trainer_state
-from hpcrl.compute.train.rollouts import make_rollouts
+from hpcrl.compute.train.rollouts import context_len, make_rollouts
 from hpcrl.compute.train.scoring import Scorer
 
 
@@ -139,6 +139,7 @@ class Trainer:
         self.trainer_state = new_trainer_state(self.grpo, 1 / self.epochs_per_step, setup.trainer_rank == 0)
         self.scorer = Scorer(setup, self.recipe, self.rewards, self.trainer_state, self.epochs_per_step)
         self.loss_config = LossConfig.from_grpo(self.grpo, setup.num_trainers)
+        self.entropy = EntropyControl(self.grpo)        # the bonus's coefficient, adaptive or not
         self.router_aux_coef = router_aux_coef(setup.policy, grpo.router_aux_loss_coef)
         if self.grpo.disable_dropout:
             for model in (setup.policy, setup.reference):
@@ -270,6 +271,7 @@ class Trainer:
         self.step = int(extra["step"])
         self.sampler.load_state_dict(extra["sampler"])
         self.trainer_state.num_input_tokens_seen = int(extra.get("tokens_seen", 0))
+        self.entropy.load_state_dict(extra.get("entropy_control"))
         state = extra.get("generation")
         self.generation = Generation.from_state(state, self.setup.device)
         self.generation_steps_done = 0 if state is None else int(state["done"])
@@ -300,6 +302,7 @@ class Trainer:
         generation = None if self.generation is None else self.generation.state_dict(self.generation_steps_done)
         extra = {"sampler": self.sampler.state_dict(),
                  "tokens_seen": self.trainer_state.num_input_tokens_seen, "generation": generation,
+                 "entropy_control": self.entropy.state_dict(),
                  **self.ahead.state_dict(),
                  # grpo.sync_ref_model moves the reference: this rank's shards of it.
                  "reference": self._reference_shards()}
@@ -463,10 +466,11 @@ class Trainer:
         micro = cfg.per_device_train_batch_size
         metrics: dict[str, Metric] = {}
         loss_sum = 0.0
+        loss_config = replace(self.loss_config, entropy_coef=self.entropy.applied())
         for start in range(rows.start, min(rows.stop, batch["input_ids"].shape[0]), micro):
             sl = slice(start, start + micro)
             # Entropies only for the entropy bonus and mask: they cost a pass over the vocabulary.
-            want_entropy = cfg.entropy_coef != 0.0 or cfg.top_entropy_quantile < 1.0
+            want_entropy = self.entropy.enabled or cfg.top_entropy_quantile < 1.0
             out = policy_forward(model, batch, cfg.temperature, sl, self.logprob_chunk_tokens,
                                  entropy=want_entropy, router_aux=self.router_aux_coef != 0.0)
             logps, entropies = out.logps, out.entropies
@@ -484,18 +488,22 @@ class Trainer:
             # The engines always return the sampled tokens' log-probabilities (TRL's with vLLM).
             loss, m = grpo_loss(
                 logps, None if old_logps is None else old_logps[sl], None if ref_logps is None else ref_logps[sl],
-                advantages[sl], batch["loss_mask"][sl], self.loss_config,
+                advantages[sl], batch["loss_mask"][sl], loss_config,
                 num_items_in_batch=generation.loss_tokens, entropies=entropies, entropy_mask=entropy_mask,
                 sampler=SamplerCorrection(batch["sampling_logps"][sl], weights))
             if out.aux_loss is not None:
                 # TRL's: the policy loss is already scaled for accumulation, so the aux loss is too.
                 loss = loss + self.router_aux_coef * out.aux_loss / cfg.gradient_accumulation_steps
                 merge_metrics(metrics, {mk.AUX_LOSS: Metric(out.aux_loss.detach().float())})
+            if entropies is not None:
+                acting = batch["loss_mask"][sl] if entropy_mask is None else batch["loss_mask"][sl] * entropy_mask
+                self.entropy.observe(entropies, acting)
             self.engine.backward(loss)
             loss_sum += loss.item()
             merge_metrics(metrics, m)
         lr_used = self.engine.learning_rate()     # the schedule steps inside engine.step
         grad_norm = self.engine.step(cfg.max_grad_norm)
+        self.entropy.step_done(self.setup.group)
         if not math.isfinite(grad_norm):
             self.setup.log(f"step {self.step + 1}: non-finite gradient norm {grad_norm}; step skipped")
         if cfg.sync_ref_model and self.setup.reference is not None and (self.step + 1) % cfg.ref_model_sync_steps == 0:
@@ -505,6 +513,8 @@ class Trainer:
         effective_sample_size(out)
         loss_t = global_sum([loss_sum], self.setup.group)[0]
         out.update({mk.LOSS: loss_t, mk.GRAD_NORM: grad_norm, mk.LEARNING_RATE_USED: lr_used})
+        if self.entropy.enabled:
+            out[mk.ENTROPY_COEF] = self.entropy.coef        # TRL's: after the step's update
         return out
 
     def _step_metrics(self, gen: Generation, losses: dict, *, first: bool, train_s: float,
@@ -584,16 +594,6 @@ class Trainer:
         self.ahead.pushed_version(version)
         self.last_sync_stats = stats
         return time.perf_counter() - t0
-
-
-def context_len(recipe, policy, tokenizer) -> int:
-    """The engines' context (prompt + completion): inference.max_model_len, else the one vLLM
-    derives from the model (hpcrl.job.context's rule, which the login side checks recipes by),
-    read from the loaded model's config and tokenizer."""
-    if recipe.inference.max_model_len:
-        return recipe.inference.max_model_len
-    return context.from_configs(policy.config.to_dict(),
-                                {"model_max_length": getattr(tokenizer, "model_max_length", None)}).tokens
 
 
 def _pad_id(tokenizer) -> int:

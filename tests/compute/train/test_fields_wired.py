@@ -1,6 +1,7 @@
 """Recipe fields that were once accepted and ignored (issue 12) each change what runs:
 grpo.mask_truncated_completions, logging.log_completions, model.tokenizer, model.trust_remote_code
-and model.dtype. Each test fails if its field is read nowhere again.
+and model.dtype; and grpo.use_adaptive_entropy in the trainer (its rule is test_grpo_math's). Each
+test fails if its field is read nowhere again.
 
 The trainer's part runs the real `Trainer` (generation, scoring, the optimizer step) on 2 gloo ranks
 with a generator that returns fixed completions, all cut at the length limit."""
@@ -126,6 +127,46 @@ def _w_trainer(rank, world, model_dir, run_dir):
 
 def test_trainer_masks_truncated_logs_completions_and_stores_the_reference_in_model_dtype(model_dir, tmp_path):
     spawn(_w_trainer, tmp_path, model_dir, str(tmp_path / "run"), timeout=240)
+
+
+# ------------------------------------------------------------------ grpo.use_adaptive_entropy
+def _w_adaptive_entropy(rank, world, model_dir, run_dir):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hpcrl.compute.train import checkpoint as ckpt
+    from hpcrl.compute.train.fsdp import load_policy_and_reference
+    from hpcrl.compute.train.trainer import Trainer
+
+    ckpt.control_group(60)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    # Every step's entropy is below this target: the coefficient rises by the step each time.
+    grpo = GRPOConfig(learning_rate=1e-3, per_device_train_batch_size=4, num_generations=2, max_completion_length=4,
+                      max_steps=2, seed=0, vllm_importance_sampling_correction=False, gradient_checkpointing=False,
+                      use_adaptive_entropy=True, entropy_coef=0.01, entropy_coef_delta=0.004, entropy_target=100.0)
+    recipe = Recipe(grpo=grpo)
+    policy, reference = load_policy_and_reference(model_dir, mesh, torch.device("cpu"), recipe)
+    setup = cpu_trainer_setup(recipe, run_dir, model_dir, policy, reference, rank=rank, world=world)
+    trainer = Trainer(setup, _AllTruncated(policy.config.vocab_size))
+    generation = trainer._next_generation()
+    assert trainer.entropy.applied() == 0.0                 # no measurement yet: no bonus (TRL's start)
+    assert trainer._optimizer_step(generation)["entropy_coef"] == pytest.approx(0.014)
+    assert trainer.entropy.applied() == pytest.approx(0.014)
+    # The step's entropy over both trainers' tokens: the same number on each.
+    both = [None] * world
+    dist.all_gather_object(both, trainer.entropy.last_entropy)
+    assert 0 < both[0] == both[1] < 100
+    trainer.step = 1
+    trainer._optimizer_step(generation)
+    trainer.step = 2
+    trainer.save()
+    resumed = Trainer(setup, _AllTruncated(policy.config.vocab_size))
+    assert resumed.resume() and resumed.entropy.coef == pytest.approx(0.018)
+    assert resumed.entropy.last_entropy == trainer.entropy.last_entropy
+
+
+def test_adaptive_entropy_moves_the_coefficient_over_every_trainer_and_a_checkpoint_keeps_it(model_dir, tmp_path):
+    spawn(_w_adaptive_entropy, tmp_path, model_dir, str(tmp_path / "run"), timeout=240)
 
 
 # ------------------------------------------------------------------ logging.log_completions

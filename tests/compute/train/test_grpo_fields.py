@@ -151,6 +151,7 @@ def _w_trainer(rank, world, model_dir, run_dir):
     from hpcrl.compute.train import data as data_mod
     from hpcrl.compute.train.fsdp import load_policy_and_reference
     from hpcrl.compute.train.sources import load_dataset, load_tokenizer
+    from hpcrl.compute.train.entropy_control import EntropyControl
     from hpcrl.compute.train.loss import LossConfig
     from hpcrl.compute.train.trainer import Trainer
 
@@ -225,6 +226,7 @@ def _w_trainer(rank, world, model_dir, run_dir):
                                                    dataclasses.fields(GRPOConfig)}, "max_steps": t.grpo.max_steps,
                                                 **fields})
         t.loss_config = LossConfig.from_grpo(t.grpo, world)       # built once for a run: here for each setting
+        t.entropy = EntropyControl(t.grpo)
         return t._optimizer_step(generation)["loss"]
 
     plain = loss()

@@ -505,6 +505,74 @@ def test_loss_matches_trl(trainer, monkeypatch, loss_type, variant):
     _assert_metrics(trl_metrics, reduce_metrics(metrics), skip={"entropy_coef"})
 
 
+def test_adaptive_entropy_control_matches_trl(trainer, monkeypatch):
+    """grpo.use_adaptive_entropy: 4 optimizer steps of 2 micro-batches through TRL's _compute_loss and
+    through hpcrl.compute.train.entropy_control with grpo_loss: each micro-batch's loss and gradients,
+    and the coefficient after each step (TRL's entropy_coef metric). The entropies are scaled so that
+    the coefficient rises twice, then falls, and the last step applies none."""
+    from hpcrl.compute.train.entropy_control import EntropyControl
+
+    tr = trainer
+    grpo = GRPOConfig(use_adaptive_entropy=True, entropy_coef=0.01, entropy_coef_delta=0.004, entropy_target=1.5,
+                      entropy_coef_min=0.002, entropy_coef_max=0.02)
+    for name, value in {
+        "loss_type": "grpo", "beta": 0.0, "epsilon_low": 0.2, "epsilon_high": 0.2, "use_vllm": False,
+        "vllm_importance_sampling_correction": False, "current_gradient_accumulation_steps": 2,
+        "max_completion_length": MAX_COMPLETION, "off_policy_mask_threshold": None,
+        "importance_sampling_level": "token", "_entropy_bonus_enabled": True, "use_adaptive_entropy": True,
+        "entropy_coef": grpo.entropy_coef, "_last_world_entropy": float("inf"), "_entropy_window_stats": None,
+    }.items():  # fmt: skip
+        monkeypatch.setattr(tr, name, value)
+    for name in ("entropy_coef_delta", "entropy_target", "entropy_coef_min", "entropy_coef_max"):
+        monkeypatch.setattr(tr.args, name, getattr(grpo, name))
+    monkeypatch.setattr(tr.args, "delta", None)
+    monkeypatch.setattr(tr.args, "steps_per_generation", 2)
+    control = EntropyControl(grpo)
+    config = LossConfig(loss_type="grpo", max_completion_length=MAX_COMPLETION, gradient_accumulation_steps=2,
+                        steps_per_generation=2)
+    coefs, applied = [], []
+    tr._metrics["train"].clear()
+    for step, scale in enumerate((0.5, 0.5, 2.0, 0.5)):
+        step_config = dataclasses.replace(config, entropy_coef=control.applied())
+        applied.append(step_config.entropy_coef)
+        for micro in range(2):
+            x = _loss_inputs(seed=10 * step + micro)
+            x["entropies"] = x["entropies"] * scale
+            B, T = x["mask"].shape
+            trl_logps, trl_ent = x["logps"].clone().requires_grad_(), x["entropies"].clone().requires_grad_()
+            monkeypatch.setattr(tr, "_get_per_token_logps_and_entropies", lambda *a, **k: (trl_logps, trl_ent, None))
+            inputs = {
+                "prompt_ids": torch.zeros(B, 2, dtype=torch.long), "prompt_mask": torch.ones(B, 2, dtype=torch.long),
+                "completion_ids": torch.zeros(B, T, dtype=torch.long), "completion_mask": x["mask"],
+                "advantages": x["advantages"], "num_items_in_batch": x["num_items"],
+                "old_per_token_logps": x["old"],
+            }  # fmt: skip
+            with mock.patch.object(type(tr.accelerator), "sync_gradients", new_callable=mock.PropertyMock) as sync:
+                sync.return_value = micro == 1
+                trl_loss = tr._compute_loss(tr.model, inputs)
+            trl_loss.backward()
+
+            logps, ent = x["logps"].clone().requires_grad_(), x["entropies"].clone().requires_grad_()
+            loss, _ = grpo_loss(logps, x["old"], None, x["advantages"], x["mask"], step_config,
+                                num_items_in_batch=x["num_items"], entropies=ent)
+            control.observe(ent, x["mask"])
+            loss.backward()
+            torch.testing.assert_close(loss, trl_loss, atol=ATOL, rtol=0)
+            # A coefficient of 0 leaves the bonus out (TRL subtracts 0 x the entropy): no gradient either way.
+            ours = torch.zeros_like(ent) if ent.grad is None else ent.grad
+            torch.testing.assert_close(ours, trl_ent.grad, atol=ATOL, rtol=0)
+        control.step_done(reduce=lambda values, group: values)
+        coefs.append(control.coef)
+        assert control.coef == pytest.approx(tr.entropy_coef, abs=1e-12)
+        assert control.last_entropy == pytest.approx(tr._last_world_entropy, rel=1e-6)
+    assert tr._metrics["train"]["entropy_coef"] == pytest.approx(coefs)
+    assert applied == pytest.approx([0.0, 0.014, 0.018, 0.0])           # none before a measurement, none above
+    assert coefs == pytest.approx([0.014, 0.018, 0.014, 0.018])
+    fresh = EntropyControl(grpo)
+    fresh.load_state_dict(control.state_dict())                          # what a checkpoint keeps
+    assert (fresh.coef, fresh.applied()) == (control.coef, control.applied())
+
+
 @pytest.mark.parametrize("loss_type,beta", [("dapo", 0.04), ("grpo", 0.0), ("dr_grpo", 0.0)])
 def test_loss_and_gradients_through_the_model_match_trl(trainer, monkeypatch, loss_type, beta):
     """End to end: TRL's fused LM head vs our logits -> log-probs, gradients on the weights."""
