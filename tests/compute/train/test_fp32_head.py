@@ -4,31 +4,12 @@ the decoder layers compute exactly what they did without it."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from dist_harness import spawn
+from test_export import tiny_model_dir  # a Qwen2 model of 2 layers, saved in fp32 (the head's values are not bf16's)
 
 from hpcrl.job.errors import UserError
-
-
-def _model_dir(root: Path, tie: bool) -> Path:
-    """A Qwen2 model of 2 layers, saved in fp32 (the head's values then differ from their bf16 copies)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from hpcrl.compute.models.tiny import build_tokenizer
-
-    tokenizer = build_tokenizer()
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         tie_word_embeddings=tie, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(0)
-    out = root / ("tied" if tie else "untied")
-    Qwen2ForCausalLM(config).save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
 
 
 def _recipe(cast: bool):
@@ -94,7 +75,7 @@ def _check_fp32_head(mesh, model_dir: str, tie: bool) -> None:
 
 
 def test_the_lm_head_computes_in_fp32_and_the_layers_as_before_for_its_own_head_and_a_tied_one(tmp_path):
-    spawn(_w_fp32_head, tmp_path / "ranks", {tie: str(_model_dir(tmp_path, tie)) for tie in (False, True)})
+    spawn(_w_fp32_head, tmp_path / "ranks", {tie: str(tiny_model_dir(tmp_path, tie)) for tie in (False, True)})
 
 
 def test_an_adapter_on_the_head_is_refused_in_one_line():

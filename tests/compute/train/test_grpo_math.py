@@ -419,12 +419,21 @@ def _loss_inputs(seed: int):
     }
 
 
+def _trl_inputs(x: dict) -> dict:
+    """What TRL's _compute_loss takes of ``_loss_inputs``, its forward replaced by their log-probs."""
+    B, T = x["mask"].shape
+    return {
+        "prompt_ids": torch.zeros(B, 2, dtype=torch.long), "prompt_mask": torch.ones(B, 2, dtype=torch.long),
+        "completion_ids": torch.zeros(B, T, dtype=torch.long), "completion_mask": x["mask"],
+        "advantages": x["advantages"], "num_items_in_batch": x["num_items"],
+    }  # fmt: skip
+
+
 @pytest.mark.parametrize("loss_type,variant", list(_cases()))
 def test_loss_matches_trl(trainer, monkeypatch, loss_type, variant):
     tr = trainer
     v = dict(variant)
     x = _loss_inputs(seed=LOSS_TYPES.index(loss_type))
-    B, T = x["mask"].shape
     beta = v.get("beta", 0.0)
     eps_low, eps_high = 0.2, v.get("epsilon_high", 0.2)
     if loss_type == "cispo":
@@ -455,12 +464,7 @@ def test_loss_matches_trl(trainer, monkeypatch, loss_type, variant):
     trl_logps = x["logps"].clone().requires_grad_()
     trl_ent = x["entropies"].clone().requires_grad_()
     monkeypatch.setattr(tr, "_get_per_token_logps_and_entropies", lambda *a, **k: (trl_logps, trl_ent, None))
-    inputs = {
-        "prompt_ids": torch.zeros(B, 2, dtype=torch.long), "prompt_mask": torch.ones(B, 2, dtype=torch.long),
-        "completion_ids": torch.zeros(B, T, dtype=torch.long), "completion_mask": x["mask"],
-        "advantages": x["advantages"], "num_items_in_batch": x["num_items"],
-        "sampling_per_token_logps": x["sampling"],
-    }  # fmt: skip
+    inputs = _trl_inputs(x) | {"sampling_per_token_logps": x["sampling"]}
     if not on_policy:
         inputs["old_per_token_logps"] = x["old"]
     if beta:
@@ -538,15 +542,9 @@ def test_adaptive_entropy_control_matches_trl(trainer, monkeypatch):
         for micro in range(2):
             x = _loss_inputs(seed=10 * step + micro)
             x["entropies"] = x["entropies"] * scale
-            B, T = x["mask"].shape
             trl_logps, trl_ent = x["logps"].clone().requires_grad_(), x["entropies"].clone().requires_grad_()
             monkeypatch.setattr(tr, "_get_per_token_logps_and_entropies", lambda *a, **k: (trl_logps, trl_ent, None))
-            inputs = {
-                "prompt_ids": torch.zeros(B, 2, dtype=torch.long), "prompt_mask": torch.ones(B, 2, dtype=torch.long),
-                "completion_ids": torch.zeros(B, T, dtype=torch.long), "completion_mask": x["mask"],
-                "advantages": x["advantages"], "num_items_in_batch": x["num_items"],
-                "old_per_token_logps": x["old"],
-            }  # fmt: skip
+            inputs = _trl_inputs(x) | {"old_per_token_logps": x["old"]}
             with mock.patch.object(type(tr.accelerator), "sync_gradients", new_callable=mock.PropertyMock) as sync:
                 sync.return_value = micro == 1
                 trl_loss = tr._compute_loss(tr.model, inputs)
