@@ -51,8 +51,10 @@ def test_frontier_runs_every_python_step_in_the_apptainer_image(hpcrl):
     launch = next(l for l in script.replace("\\\n", " ").splitlines() if l.startswith("srun --kill-on-bad-exit"))
     assert launch.split("--gpu-bind=none", 1)[1].split() == \
         ['"${HPCRL_CONTAINER[@]}"', '"$HPCRL_PYTHON"', "-u", "-m", "hpcrl.compute.launch", '"$HPCRL_RUN_DIR"', "&"]
-    for step in ("bash -c 'mkdir -p \"$1\" && tar", '"$HPCRL_PYTHON" -m hpcrl.compute.launch.shm_sweep'):
-        assert f'hpcrl_each_node "${{HPCRL_CONTAINER[@]}}" {step}' in script, step
+    # The unpack's lock is the host's (flock), its tar the image's.
+    for step in ('flock "$HPCRL_ENV_DEST.lock" "${HPCRL_CONTAINER[@]}" bash -c \'mkdir -p "$1" && tar',
+                 '"${HPCRL_CONTAINER[@]}" "$HPCRL_PYTHON" -m hpcrl.compute.launch.shm_sweep'):
+        assert f'hpcrl_each_node {step}' in script, step
     # Host-side steps stay outside: sbcast and the directories they fill.
     assert 'hpcrl_each_node mkdir -p "${HPCRL_ENV_DEST%/*}"' in script
 
