@@ -15,6 +15,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Sequence
 
+import pytest
 import torch
 
 from hpcrl.compute.inference.types import Completion, Generated, Sampling
@@ -157,7 +158,8 @@ def write_trl_user_files(tmp_path: Path) -> Path:
     """What a TRL user brings, made here: a Hugging Face model with its tokenizer and chat template,
     a reward model, a conversational dataset with train and test splits (save_to_disk) and an
     answer column, a reward module beside the `trl grpo --config` YAML using TRL 1.x's extras, a
-    TRL helper reward, evaluation every 3 steps. Returns the YAML's path."""
+    TRL helper reward, evaluation every 3 steps, TRL's adaptive entropy control (its target above any
+    token entropy here: the coefficient rises each step, to its max). Returns the YAML's path."""
     import datasets
 
     from hpcrl.compute.models.tiny import make_tiny_model
@@ -191,6 +193,10 @@ eval_steps: 3
 num_generations_eval: 2
 use_vllm: true
 attn_implementation: eager
+use_adaptive_entropy: true
+entropy_target: 1000.0
+entropy_coef_delta: 0.01
+entropy_coef_max: 0.015
 inference: {engine: transformers, max_model_len: 64}
 """)
     return tmp_path / "cfg.yaml"
@@ -214,6 +220,8 @@ def check_trl_user_run(run_dir: Path, out: Path, steps: int) -> None:
     assert [m["my/global_step"] for m in metrics] == list(range(steps))
     assert "rewards/think_format_reward/mean" in metrics[-1] and "rewards/my-rm/mean" in metrics[-1]
     assert (run_dir / "rewards" / "my_rewards.py").is_file()
+    # Adaptive entropy control, after each step: 0 + 0.01 a step, at most 0.015 (the bonus acts from step 2).
+    assert [m["entropy_coef"] for m in metrics] == pytest.approx([min(0.01 * k, 0.015) for k in range(1, steps + 1)])
     # Evaluation on the test split every 3 steps and at the end: 5 prompts x 2 completions.
     evaluated = {m["step"]: m for m in metrics if "eval_reward" in m}
     assert sorted(evaluated) == sorted({*range(3, steps + 1, 3), steps})

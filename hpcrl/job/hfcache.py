@@ -19,6 +19,11 @@ from pathlib import Path
 DATA_FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 GLOB_CHARS = re.compile(r"[*?\[]")
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+# A hub repository's revisions: its default branch, a commit, and what a branch, tag or pull
+# request may be called ("v1.0", "refs/pr/3"; no "..": it names a file under the cache's refs/).
+MAIN = "main"
+COMMIT_HASH = re.compile(r"[0-9a-f]{40}")
+REVISION = re.compile(r"(?!.*\.\.)[\w][\w./-]*")
 # What makes a directory a model's weights, and a tokenizer's.
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
@@ -90,16 +95,20 @@ def hub_cache_dirs(env: Mapping[str, str]) -> tuple[Path, Path]:
     return Path(os.path.expanduser(hub)), Path(os.path.expanduser(data))
 
 
-def cached_snapshot(repo_id: str, repo_type: str, hub_cache: Path) -> Path | None:
-    """The snapshot directory of `repo_id` in a hub cache (refs/main's, else the newest), or None."""
+def cached_snapshot(repo_id: str, repo_type: str, hub_cache: Path, revision: str = MAIN) -> Path | None:
+    """The snapshot directory of `repo_id` at `revision` in a hub cache, or None: a branch or tag
+    (refs/<revision>, as huggingface_hub writes it) or a full commit hash (its snapshot's name); for
+    "main" without a refs/main (a cache filled by copying snapshots), the newest snapshot."""
     repo = hub_cache / f"{repo_type}s--{repo_id.replace('/', '--')}"
     snapshots = repo / "snapshots"
     try:
-        ref = (repo / "refs" / "main").read_text().strip()
+        ref = (repo / "refs" / revision).read_text().strip()
         if (snapshots / ref).is_dir():
             return snapshots / ref
     except OSError:
         pass
+    if revision != MAIN:
+        return snapshots / revision if COMMIT_HASH.fullmatch(revision) and (snapshots / revision).is_dir() else None
     try:
         found = [p for p in snapshots.iterdir() if p.is_dir()]
     except OSError:
@@ -113,7 +122,8 @@ def cached_prepared_dataset(repo_id: str, datasets_cache: Path) -> Path | None:
     return path if path.is_dir() else None
 
 
-def download_hint(repo_id: str, repo_type: str = "model") -> str:
+def download_hint(repo_id: str, repo_type: str = "model", revision: str = MAIN) -> str:
     flag = "" if repo_type == "model" else f" --repo-type {repo_type}"
+    flag += "" if revision == MAIN else f" --revision {revision}"
     return (f"compute nodes run offline (HF_HUB_OFFLINE=1): download it on a login node first with "
             f"`huggingface-cli download{flag} {repo_id}` (or `hf download{flag} {repo_id}`), or give a local path")

@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
+from hpcrl.job import hfcache
 from hpcrl.job.agent_config import IMPORT_PATH, AgentConfig
 from hpcrl.job.config import closest
 from hpcrl.job.demo import demo_name
@@ -27,6 +28,10 @@ class ModelConfig:
     # demo's time); "demo:<size>:agent" is the agent demo's (examples/agent.yaml): its chat template
     # renders tools, and it is warmed up to call a calculator now and then (~40 s for tiny).
     path: str = demo_name("tiny")
+    # A hub id's revision (TRL's model_revision): a branch, a tag or a full commit hash, found in the
+    # Hugging Face cache as huggingface_hub put it there (hf download ID --revision R). A local
+    # directory has none: the recipe's note says it is not used.
+    revision: str = hfcache.MAIN
     # The tokenizer's directory (for the trainer, both engines and the exported model); "" = the model's.
     tokenizer: str = ""
     # The dtype of the weights outside the optimizer (the fp32 master weights and AdamW state stay
@@ -56,6 +61,9 @@ class ModelConfig:
     use_rslora: bool = False
 
     def validate(self, where: str) -> None:
+        if not hfcache.REVISION.fullmatch(self.revision):
+            raise UserError(f"{where}.revision: {self.revision!r} is not a hub revision: a branch, a tag or a "
+                            f"commit hash (\"main\", \"v1.0\", \"refs/pr/3\")")
         if self.attn_implementation and not re.fullmatch(r"[\w./:-]+", self.attn_implementation):
             raise UserError(f"{where}.attn_implementation: {self.attn_implementation!r} is not an attention "
                             f"implementation's name (eager, sdpa, flash_attention_2, ...)")

@@ -100,6 +100,10 @@ class Stage:
     # imports from its shared file system cost more than staging does.
     python_env_from_nodes: int = 0
     dest: str = "/mnt/bb/$USER/hpcrl-env"
+    # The longest a node's unpack waits for another's into the same dest (two jobs of a user on a
+    # shared node, nodes that share a disk): a holder stuck on a hung file system ends the job in one
+    # line instead of holding it to its time limit.
+    unpack_wait_s: int = 900
     # The model, copied to each node's local storage before the run, where every node loads its own
     # copy: the shared file system is read once instead of by every node, and loading sends no
     # weight byte between nodes. "" = every node reads model.path where it is.
@@ -121,6 +125,8 @@ class Stage:
     def validate(self, where: str) -> None:
         if self.python_env_from_nodes < 0:
             raise UserError(f"{where}.python_env_from_nodes: must be >= 0 (0: never), got {self.python_env_from_nodes}")
+        if self.unpack_wait_s < 1:
+            raise UserError(f"{where}.unpack_wait_s: must be >= 1 (seconds), got {self.unpack_wait_s}")
         if self.kernel_cache not in ("", "auto"):
             _check_path(self.kernel_cache, f"{where}.kernel_cache", "a directory on the shared file system")
         _check_path(self.kernel_cache_dest, f"{where}.kernel_cache_dest", "a node-local directory")

@@ -19,7 +19,7 @@ from hpcrl.job import context
 from hpcrl.job.config import build, closest, deep_merge, problems_error, set_dotted, unknown_fields
 from hpcrl.job.demo import is_demo
 from hpcrl.job.errors import UserError
-from hpcrl.job.hfcache import is_glob
+from hpcrl.job.hfcache import MAIN, is_glob, is_hub_id
 from hpcrl.job.placement import Plan, make_plan
 from hpcrl.job.grpo_config import DEMO_GRPO
 from hpcrl.job.recipe import DATASET_BUILDERS, DataConfig, Recipe
@@ -313,6 +313,11 @@ def _compose(recipe: Recipe, recipe_path: str | None, site_name: str, run_dir: s
     site = job_env.resolve(site, run_path)       # "auto" paths beside the run directory
     site, python_env_source = python_env.resolve(site, recipe.resources.nodes, python, run_path, notes)
     model_source = model_to_stage(recipe, site) if recipe.mode == "train" else ""
+    path = recipe.model.path
+    if recipe.model.revision != MAIN and (Path(path).expanduser().is_dir() or not is_hub_id(path)):
+        # As transformers does with TRL's model_revision and a local model_name_or_path.
+        notes.append(f"model.revision {recipe.model.revision!r} is not used: model.path {path} is a directory, "
+                     f"not a hub id (revisions are a hub cache's)")
     if model_source:
         _check_text(model_source, "model.path")
     spec = JobSpec(SPEC_VERSION, __version__, time.time(), str(run_path), site, recipe, time_s, python,

@@ -41,7 +41,9 @@ def check_inputs(recipe: Recipe, site: Site) -> None:
     if recipe.agent.enabled:
         from hpcrl.login import agent_inputs
 
-        agent_inputs.check_chat_template(recipe, lambda name, where: _model_dir(name, where, env))
+        revision = {"model.path": recipe.model.revision}      # model.tokenizer's is its main
+        agent_inputs.check_chat_template(
+            recipe, lambda name, where: _model_dir(name, where, env, revision.get(where, hfcache.MAIN)))
         names = agent_inputs.environment_columns(recipe)
     _check_reward_models(recipe, env)
     data = recipe.data
@@ -62,10 +64,12 @@ def model_to_stage(recipe: Recipe, site: Site) -> str:
     if local.is_dir() or not hfcache.is_hub_id(path):
         return str(local.absolute())        # a path only the nodes can see is theirs to find
     hub_cache, _ = hfcache.hub_cache_dirs(os.environ)
-    snapshot = hfcache.cached_snapshot(path, "model", hub_cache)
+    revision = recipe.model.revision
+    snapshot = hfcache.cached_snapshot(path, "model", hub_cache, revision)
     if snapshot is None:
         raise UserError(f"model.path: site.stage.model_dest copies the model from this machine's Hugging Face "
-                        f"cache ({hub_cache}), which lacks {path!r}; {hfcache.download_hint(path)}")
+                        f"cache ({hub_cache}), which lacks {_at(path, revision)}; "
+                        f"{hfcache.download_hint(path, revision=revision)}")
     return str(snapshot)
 
 
@@ -77,7 +81,7 @@ def _check_model(recipe: Recipe, env) -> None:
             _tokenizer_dir(model.tokenizer, "model.tokenizer", env)
         _check_lora_targets(model, None)
         return
-    model_dir = _weights_dir(model.path, "model.path", env)
+    model_dir = _weights_dir(model.path, "model.path", env, model.revision)
     if model_dir is not None:
         _check_lora_targets(model, model_dir)
     if model.tokenizer:
@@ -95,10 +99,10 @@ def _check_reward_models(recipe: Recipe, env) -> None:
             _tokenizer_dir(reward.model, f"rewards[{i}].model", env, directory)
 
 
-def _weights_dir(name: str, where: str, env) -> Path | None:
+def _weights_dir(name: str, where: str, env, revision: str = hfcache.MAIN) -> Path | None:
     """The model directory `name` means, with a config.json and weights; None where this machine
     cannot look."""
-    model_dir = _model_dir(name, where, env)
+    model_dir = _model_dir(name, where, env, revision)
     if model_dir is not None:
         if not (model_dir / "config.json").is_file():
             raise UserError(f"{where}: {_shown(name, model_dir)} is not a Hugging Face model directory: it has "
@@ -112,9 +116,13 @@ def _shown(name: str, path: Path) -> str:
     return name if str(path) == name else f"{name} (cached at {path})"
 
 
-def _model_dir(name: str, where: str, env) -> Path | None:
-    """The directory `name` means: itself, or a hub id's cached snapshot; None where this machine
-    cannot look (a file system or cache only compute nodes have)."""
+def _at(name: str, revision: str) -> str:
+    return repr(name) if revision == hfcache.MAIN else f"{name!r} at revision {revision!r} (model.revision)"
+
+
+def _model_dir(name: str, where: str, env, revision: str = hfcache.MAIN) -> Path | None:
+    """The directory `name` means: itself, or a hub id's cached snapshot (at `revision`); None where
+    this machine cannot look (a file system or cache only compute nodes have)."""
     path = Path(name).expanduser()
     if path.is_dir():
         return path
@@ -127,10 +135,10 @@ def _model_dir(name: str, where: str, env) -> Path | None:
     hub_cache, _ = caches(env)
     if hub_cache is None:
         return None
-    snapshot = hfcache.cached_snapshot(name, "model", hub_cache)
+    snapshot = hfcache.cached_snapshot(name, "model", hub_cache, revision)
     if snapshot is None:
-        raise UserError(f"{where}: {name!r} is neither a local directory nor a model in the Hugging Face cache "
-                        f"({hub_cache}); {hfcache.download_hint(name)}")
+        raise UserError(f"{where}: {_at(name, revision)} is neither a local directory nor a model in the Hugging "
+                        f"Face cache ({hub_cache}); {hfcache.download_hint(name, revision=revision)}")
     return snapshot
 
 

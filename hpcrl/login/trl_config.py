@@ -28,6 +28,7 @@ from hpcrl.job.recipe import GRPOConfig, InferenceConfig, Recipe
 # TRL name -> the recipe field of the same meaning, where the name or section differs.
 RENAMED = {
     "model_name_or_path": "model.path",
+    "model_revision": "model.revision",
     "dtype": "model.dtype",
     "trust_remote_code": "model.trust_remote_code",
     "attn_implementation": "model.attn_implementation",

@@ -52,7 +52,7 @@ def test_frontier_runs_every_python_step_in_the_apptainer_image(hpcrl):
     assert launch.split("--gpu-bind=none", 1)[1].split() == \
         ['"${HPCRL_CONTAINER[@]}"', '"$HPCRL_PYTHON"', "-u", "-m", "hpcrl.compute.launch", '"$HPCRL_RUN_DIR"', "&"]
     # The unpack's lock is the host's (flock), its tar the image's.
-    for step in ('flock "$HPCRL_ENV_DEST.lock" "${HPCRL_CONTAINER[@]}" bash -c \'mkdir -p "$1" && tar',
+    for step in ('flock -w 900 -E 75 "$HPCRL_ENV_DEST.lock" "${HPCRL_CONTAINER[@]}" bash -c "$HPCRL_ENV_UNPACK"',
                  '"${HPCRL_CONTAINER[@]}" "$HPCRL_PYTHON" -m hpcrl.compute.launch.shm_sweep'):
         assert f'hpcrl_each_node {step}' in script, step
     # Host-side steps stay outside: sbcast and the directories they fill.

@@ -109,8 +109,9 @@ def test_sites_says_which_interpreter_the_tasks_run(hpcrl):
 def test_frontier_stages_python_env_with_sbcast(hpcrl):
     _, script = _render(hpcrl, "--site", "frontier", "-A", "abc", "site.stage.python_env=/lustre/orion/abc/env.tar.gz")
     assert "sbcast -pf \"$HPCRL_ENV_TAR\"" in script and "failed\"\n" in script      # its exit code is checked
-    # One unpack a node (issue #27, item 1), checked; the testbed runs it: test_e2e_slurm.py.
-    unpack = next(line for line in script.splitlines() if "tar -xf" in line)
+    # One unpack a node (issue #27, item 1), checked; the testbed runs it: test_e2e_slurm.py. What
+    # it does on a node: tests/login/test_env_unpack.py.
+    unpack = next(line for line in script.splitlines() if '"$HPCRL_ENV_UNPACK"' in line)
     assert unpack.startswith("hpcrl_each_node ") and unpack.endswith("\\"), unpack
     assert 'srun --nodes=1 --ntasks=1 --ntasks-per-node=1 "$@"' in script
     assert "HPCRL_ENV_TAR=/lustre/orion/abc/env.tar.gz" in script and "conda-unpack" in script

@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(args.output) if args.output else rundir.model_dir(args.run_dir, step, recipe.checkpoint.output_dir)
     try:
-        model_dir = resolve_model(recipe.model.path, args.run_dir, recipe.grpo.seed)
+        model_dir = resolve_model(recipe.model.path, args.run_dir, recipe.grpo.seed, recipe.model.revision)
         tokenizer = load_tokenizer(recipe.model, model_dir)
         if recipe.model.use_peft:
             export_lora_checkpoint(rundir.training_checkpoint(ckpt_dir, step), model_dir, out,

@@ -12,7 +12,7 @@ from hpcrl.job.demo import AGENT, RANDOM, SUMS, is_demo, parse_demo_model
 from hpcrl.job.recipe import DataConfig, ModelConfig
 
 
-def resolve_model(path: str, run_dir: str | Path, seed: int = 0) -> str:
+def resolve_model(path: str, run_dir: str | Path, seed: int = 0, revision: str = hfcache.MAIN) -> str:
     """A model directory for `path`; "demo:<size>[:random|:agent]" builds a tiny model once per run,
     warmed up on the demo task, random, or warmed up on calculator conversations with a tool (the
     build is atomic and locked, so every task of a node may call this at once and all get the same
@@ -28,7 +28,7 @@ def resolve_model(path: str, run_dir: str | Path, seed: int = 0) -> str:
                              f"choose demo:<size>, demo:<size>:{RANDOM} or demo:<size>:{AGENT}")
         out = Path(run_dir) / "-".join(filter(None, ("model", size, variant)))
         return str(make_tiny_model(out, size=size, seed=seed, warmup=warmups[variant]))
-    return local_or_cached(path, "model.path")
+    return local_or_cached(path, "model.path", revision)
 
 
 def job_model_dir(spec, run_dir: str | Path) -> str:
@@ -36,24 +36,25 @@ def job_model_dir(spec, run_dir: str | Path) -> str:
     resolved by :func:`resolve_model`."""
     staged = spec.node_model_dir()
     if staged is None:
-        return resolve_model(spec.recipe.model.path, run_dir, spec.recipe.grpo.seed)
+        return resolve_model(spec.recipe.model.path, run_dir, spec.recipe.grpo.seed, spec.recipe.model.revision)
     if not Path(staged, "config.json").is_file():
         raise FileNotFoundError(f"site.stage.model_dest: {staged} holds no staged model on this node")
     return staged
 
 
-def local_or_cached(path: str, where: str) -> str:
-    """A local directory as it is; a hub id as its snapshot in the Hugging Face cache (compute nodes
-    run offline: never downloaded here)."""
+def local_or_cached(path: str, where: str, revision: str = hfcache.MAIN) -> str:
+    """A local directory as it is; a hub id as its snapshot at `revision` in the Hugging Face cache
+    (compute nodes run offline: never downloaded here)."""
     if Path(path).is_dir():
         return path
     if hfcache.is_hub_id(path):
         hub_cache, _ = hfcache.hub_cache_dirs(os.environ)
-        snapshot = hfcache.cached_snapshot(path, "model", hub_cache)
+        snapshot = hfcache.cached_snapshot(path, "model", hub_cache, revision)
         if snapshot is not None:
             return str(snapshot)
-        raise FileNotFoundError(f"{where}: {path} is neither a local directory nor a model in the Hugging Face "
-                                f"cache ({hub_cache}); {hfcache.download_hint(path)}")
+        at = "" if revision == hfcache.MAIN else f" at revision {revision} (model.revision)"
+        raise FileNotFoundError(f"{where}: {path}{at} is neither a local directory nor a model in the Hugging Face "
+                                f"cache ({hub_cache}); {hfcache.download_hint(path, revision=revision)}")
     raise FileNotFoundError(f"{where}: {path} is not a directory (compute nodes load models from disk)")
 
 
