@@ -48,9 +48,10 @@ class LoraTargets(NamedTuple):
     dropout: float
     features: tuple[tuple[str, int, int], ...]          # (name, in_features, out_features) of DECODER_LINEARS
     layers: tuple[frozenset[str], ...]                   # per decoder layer: the names of its adapted linears
+    dora: bool = False
 
     @classmethod
-    def of(cls, shape: ModelShape, targets, r: int, dropout: float = 0.0) -> "LoraTargets":
+    def of(cls, shape: ModelShape, targets, r: int, dropout: float = 0.0, dora: bool = False) -> "LoraTargets":
         """From model.lora_target_modules (None: peft's default, q_proj and v_proj)."""
         if targets is None:
             targets = PEFT_DEFAULT_TARGETS
@@ -60,11 +61,22 @@ class LoraTargets(NamedTuple):
         return cls(r, dropout, features, tuple(
             frozenset(name for name in DECODER_LINEARS
                       if lora_target_matches(targets, decoder_linear_path(layer, name)))
-            for layer in range(shape.num_layers)))
+            for layer in range(shape.num_layers)), dora)
 
     def layer_params(self, layer: int) -> int:
+        """The adapters' parameters in one decoder layer (with DoRA, a magnitude per output row too)."""
         adapted = self.layers[layer]
-        return sum(self.r * (fin + fout) for name, fin, fout in self.features if name in adapted)
+        return sum(self.r * (fin + fout) + (fout if self.dora else 0) for name, fin, fout in self.features
+                   if name in adapted)
+
+    def dora_peak_bytes(self, compute_bytes: int) -> int:
+        """DoRA's forward of one adapted linear layer, freed before the next: peft's B A as a weight
+        (lora_B(lora_A(identity)): the in x in identity, the in x out product), then s B A and W + s B A,
+        whose row norms it divides by (detached: nothing of it is kept for the backward), in the
+        compute dtype; the largest adapted layer's. 0 without DoRA."""
+        adapted = set().union(*self.layers) if self.dora else set()
+        return compute_bytes * max((fin * fin + 3 * fin * fout for name, fin, fout in self.features
+                                    if name in adapted), default=0)
 
     @property
     def params(self) -> int:
@@ -77,11 +89,13 @@ class LoraTargets(NamedTuple):
         linear layer keeps no input (its weight needs no gradient): an input tensor stays only where
         an adapter's lora_A takes it as it is (lora_dropout 0). With dropout, each adapter keeps its dropped input
         (compute dtype) and the dropout's mask (1 B). Each adapter's lora_A output (r values) is kept
-        for lora_B. Measured on a Qwen2 layer (CPU, peft 0.21), this errs high by under 10 % of the
-        layer's count."""
+        for lora_B. With DoRA, each adapter also keeps two outputs (out_features each, compute dtype).
+        Measured on a Qwen2 layer (CPU, peft 0.21), this errs high by under 10 % of the layer's count."""
         c, adapted = compute_bytes, self.layers[layer]
         inputs = {_SHARED_INPUT[name]: fin for name, fin, _ in self.features}
         kept = {_SHARED_INPUT[name] for name in adapted} if self.dropout == 0 else set()
         dropped = sum(fin for name, fin, _ in self.features if name in adapted) * (c + 1) if self.dropout > 0 else 0
-        return (dropped + len(adapted) * self.r * c
+        # DoRA's output is (m / ||W + s B A|| - 1) x W + m / ||.|| x s B A x: both products are kept.
+        dora = 2 * c * sum(fout for name, _, fout in self.features if name in adapted) if self.dora else 0
+        return (dropped + len(adapted) * self.r * c + dora
                 - c * sum(size for group, size in inputs.items() if group not in kept))

@@ -40,7 +40,8 @@ layers.
 With LoRA (model.use_peft; hpcrl.compute.train.lora), per GPU:
   frozen weights   every base parameter in model.dtype ("auto": the compute dtype), as the reference
                    above is stored, / shard: no gradients, no optimizer state
-  training state   the adapters: r x (in_features + out_features) per adapted linear layer, 16 B each
+  training state   the adapters: r x (in_features + out_features) per adapted linear layer (DoRA: +
+                   out_features, its magnitude), 16 B each
                    (fp32 adapters, fp32 gradients, two fp32 Adam moments) / shard
   reference        none, whatever grpo.beta says: the reference is the policy with its adapters
                    switched off
@@ -50,7 +51,10 @@ With LoRA (model.use_peft; hpcrl.compute.train.lora), per GPU:
   activations      as above, less the inputs of the frozen linear layers (no weight gradient needs
                    them) unless an adapter takes them as they are (lora_dropout 0), + per adapted
                    linear layer and token its dropped input (compute dtype) and dropout mask (1 B)
-                   when lora_dropout > 0, and lora_A's output (r values) (hpcrl.job.lora.LoraTargets)
+                   when lora_dropout > 0, and lora_A's output (r values) (hpcrl.job.lora.LoraTargets);
+                   with DoRA (model.use_dora) + per adapted linear layer and token two outputs (out
+                   values), and once the forward's weight-sized temporaries of the largest adapted
+                   layer (in x in + 3 in x out values: peft's B A as a weight, W + s B A)
 The adapted layers are model.lora_target_modules as peft matches them (hpcrl.job.lora).
 
 Server, per GPU of one engine's tensor-parallel group (inference.tensor_parallel_size GPUs; a node
@@ -185,10 +189,11 @@ def trainer_parts(shape: ModelShape, step: TrainingStep, storage: ModelStorage =
     frozen_head = v * h * (4 - frozen) if step.fp32_head else 0
     per_layer = layer_activation_bytes(shape, c)
     layers = [per_layer + (lora.layer_activation_bytes(i, c) if lora else 0) for i in range(shape.num_layers)]
+    dora = lora.dora_peak_bytes(c) if lora else 0
     if step.checkpointing:
-        activations = tokens * (shape.num_layers * c * h + max(layers, default=0) + final_norm)
+        activations = tokens * (shape.num_layers * c * h + max(layers, default=0) + final_norm) + dora
     else:
-        activations = tokens * (sum(layers) + final_norm)
+        activations = tokens * (sum(layers) + final_norm) + dora
     chunk = min(step.logprob_chunk_tokens, step.micro_batch * step.completion_len)
     head_bytes = 4 if step.fp32_head else c
     root = shape.root_params * c + v * h * (head_bytes - c)     # the gathered root group

@@ -48,7 +48,9 @@ class ModelConfig:
     # LoRA, with the names and defaults of TRL's ModelConfig (hpcrl.compute.train.lora): adapters
     # B A on the target modules train in fp32 while the base weights stay frozen in the training
     # dtype; the reference model is the base (the adapters switched off), and the engines get the
-    # merged weights W + lora_alpha / lora_r * B A (lora_alpha / sqrt(lora_r) with use_rslora).
+    # merged weights W + lora_alpha / lora_r * B A (lora_alpha / sqrt(lora_r) with use_rslora); with
+    # use_dora (DoRA) each adapted weight's rows are also rescaled to a trained magnitude:
+    # m / ||W + s B A||_row * (W + s B A).
     use_peft: bool = False
     lora_r: int = 16
     lora_alpha: float = 32
@@ -59,6 +61,7 @@ class ModelConfig:
     lora_target_modules: Union[str, tuple[str, ...], None] = None
     lora_task_type: str = "CAUSAL_LM"
     use_rslora: bool = False
+    use_dora: bool = False
 
     def validate(self, where: str) -> None:
         if not hfcache.REVISION.fullmatch(self.revision):
@@ -68,6 +71,8 @@ class ModelConfig:
             raise UserError(f"{where}.attn_implementation: {self.attn_implementation!r} is not an attention "
                             f"implementation's name (eager, sdpa, flash_attention_2, ...)")
         if not self.use_peft:
+            if self.use_dora:
+                raise UserError(f"{where}.use_dora: DoRA is a kind of LoRA: set {where}.use_peft too")
             return
         if self.lora_r <= 0:
             raise UserError(f"{where}.lora_r: the adapters' rank must be a positive integer, got {self.lora_r}")

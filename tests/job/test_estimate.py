@@ -490,6 +490,20 @@ def test_lora_trainer_parts_by_hand(tmp_path):
     assert fp32.trainer.parts["frozen_weights"] == math.ceil(p * 4 / 7)
 
 
+def test_dora_adds_a_magnitude_per_row_two_outputs_per_token_and_one_weight_sized_forward(tmp_path):
+    """DoRA (model.use_dora) against plain LoRA, 14B on one Frontier node: each adapter's magnitude
+    (out_features values, 16 B each, sharded), two kept outputs per adapter and token, and once the
+    forward's temporaries of the largest adapted layer (q_proj: 5120 x 5120 in, 5120 out)."""
+    path = _model(tmp_path, "q14", QWEN_14B)
+    args = [f"model.path={path}", "trainer.activation_checkpointing=true", *BATCH, *LORA]
+    lora = estimate(_spec("frontier", 1, *args)).trainer.parts
+    dora = estimate(_spec("frontier", 1, *args, "model.use_dora=true")).trainer.parts
+    h, tokens, magnitudes = 5120, 8 * 2048, 5120 + 1024                     # q_proj's and v_proj's rows
+    assert dora["training_state"] - lora["training_state"] == pytest.approx(48 * magnitudes * 16 / 7, abs=1)
+    assert dora["gathered_layers"] - lora["gathered_layers"] == 2 * magnitudes * 2 + magnitudes * 4
+    assert dora["activations"] - lora["activations"] == tokens * 2 * 2 * magnitudes + 2 * (h * h + 3 * h * h)
+
+
 def test_lora_is_well_below_full_fine_tuning_and_has_no_reference_copy(tmp_path):
     path = _model(tmp_path, "q14", QWEN_14B)
     args = [f"model.path={path}", "trainer.activation_checkpointing=true", *BATCH]

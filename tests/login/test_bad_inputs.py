@@ -97,8 +97,8 @@ CASES = [
     # TRL configurations (`trl grpo --config` YAML)
     ("trl-not-implemented", "model_name_or_path: m\ndataset_name: d\nuse_peft: true\nlora_modules_to_save: [lm_head]\n",
      TESTBED, "lora_modules_to_save: hpcrl's LoRA trains adapters on the target modules only"),
-    ("trl-dora", "model_name_or_path: m\ndataset_name: d\nuse_peft: true\nuse_dora: true\n", TESTBED,
-     "use_dora: hpcrl's LoRA is plain LoRA"),
+    ("trl-dora-without-peft", None, [*TESTBED, "model.use_dora=true"],
+     "model.use_dora: DoRA is a kind of LoRA: set model.use_peft too"),
     ("trl-no-dataset", "model_name_or_path: m\nlearning_rate: 1.0e-5\n", TESTBED, "dataset_name: required"),
     ("trl-set-twice", "model_name_or_path: m\ndataset_name: d\nbeta: 0.1\ngrpo: {beta: 0.2}\n", TESTBED,
      "beta: sets grpo.beta, which the recipe also sets"),

@@ -142,9 +142,11 @@ def test_trls_lora_keys_land_on_the_model_section(trl_yaml):
         (True, 8, 16, 0.0, True, "CAUSAL_LM")
     assert m.lora_target_modules == ("q_proj", "v_proj")          # YAML's list, as the recipe holds it
     for key in ("use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "use_rslora",
-                "lora_task_type"):
+                "lora_task_type", "use_dora"):
         assert t.moved[key] == f"model.{key}"
-    assert t.inert["use_dora"] == "TRL's default"
+    assert m.use_dora is False
+    trl_yaml.write_text(LORA_YAML.replace("use_dora: false", "use_dora: true"))
+    assert compose.build_recipe(str(trl_yaml)).recipe.model.use_dora is True
     # One string stays one: "all-linear", or a regular expression over module paths.
     trl_yaml.write_text(LORA_YAML.replace("[q_proj, v_proj]", "all-linear"))
     assert compose.build_recipe(str(trl_yaml)).recipe.model.lora_target_modules == "all-linear"
@@ -177,18 +179,18 @@ def test_lora_keys_hpcrl_does_not_implement_are_named(trl_yaml):
     lines = str(e.value).splitlines()
     assert len(lines) == 1 and lines[0].startswith(
         "lora_modules_to_save: hpcrl's LoRA trains adapters on the target modules only"), lines
-    trl_yaml.write_text(LORA_YAML.replace("use_dora: false", "use_dora: true") + "lora_target_parameters: [w]\n")
+    trl_yaml.write_text(LORA_YAML + "lora_target_parameters: [w]\nlora_modules_to_save: [lm_head]\n")
     with pytest.raises(UserError) as e:
         compose.build_recipe(str(trl_yaml))
     text = str(e.value)
-    assert "use_dora: hpcrl's LoRA is plain LoRA" in text
+    assert "lora_modules_to_save: hpcrl's LoRA trains adapters" in text
     assert "lora_target_parameters: hpcrl's LoRA adapts modules" in text
     assert "use_peft" not in trl_config.NOT_IMPLEMENTED
     # As key=value over a configuration that switches LoRA on: named too, not taken as inert.
     trl_yaml.write_text(LORA_YAML)
     with pytest.raises(UserError) as e:
-        compose.build_recipe(str(trl_yaml), ["use_dora=true"])
-    assert str(e.value).startswith("use_dora: hpcrl's LoRA is plain LoRA")
+        compose.build_recipe(str(trl_yaml), ["lora_target_parameters=[w]"])
+    assert str(e.value).startswith("lora_target_parameters: hpcrl's LoRA adapts modules")
 
 
 def test_trls_tensor_parallel_size_is_one_engine_of_that_size_unless_the_recipe_says(trl_yaml):

@@ -27,8 +27,8 @@ FSDP2 ones: only the gather of one tensor differs, and this module never learns 
 
 A model with LoRA adapters (hpcrl.compute.train.lora) is sent as the model it stands for: each
 adapted linear layer is ONE entry, ``MergedWeight``, gathered as its base weight, lora_A and lora_B
-and merged there (W + scale * B A), one layer at a time inside the bucketing, so no merged copy of
-the whole model ever exists. The adapters themselves are never sent.
+and merged there (W + scale * B A; DoRA rescales its rows), one layer at a time inside the
+bucketing, so no merged copy of the whole model ever exists. The adapters themselves are never sent.
 """
 
 from __future__ import annotations
@@ -100,10 +100,14 @@ class MergedWeight:
     its shape and dtype (the base weight's) without gathering, like a parameter. :func:`full_tensor`
     gathers the three (every rank of the mesh, in this order) and merges them in fp32. The base is
     gathered as stored, not cast to the wire dtype first: the merged weight is then rounded once,
-    as the merged model's would be (on GPUs the frozen base is stored in the engine's dtype anyway)."""
+    as the merged model's would be (on GPUs the frozen base is stored in the engine's dtype anyway).
+    DoRA's ``magnitude`` (one value per output row), when there is one, is gathered last, and each
+    row of the sum is rescaled to it: ``magnitude / ||row||`` (peft's merge)."""
 
-    def __init__(self, base: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float) -> None:
+    def __init__(self, base: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float,
+                 magnitude: torch.Tensor | None = None) -> None:
         self.base, self.lora_a, self.lora_b, self.scale = base, lora_a, lora_b, float(scale)
+        self.magnitude = magnitude
         self.shape, self.dtype = base.shape, base.dtype
         self.requires_grad = True           # it changes whenever the adapters train
 
@@ -115,8 +119,13 @@ class MergedWeight:
         base = full_tensor(self.base, None, tracker, traffic)
         a = full_tensor(self.lora_a, torch.float32, tracker, traffic)
         b = full_tensor(self.lora_b, torch.float32, tracker, traffic)
-        merged = torch.addmm(base.float(), b, a, alpha=self.scale).to(wire)
+        merged = torch.addmm(base.float(), b, a, alpha=self.scale)
         del base, a, b
+        if self.magnitude is not None:
+            m = full_tensor(self.magnitude, torch.float32, tracker, traffic)
+            merged *= (m / torch.linalg.vector_norm(merged, dim=1)).unsqueeze(1)
+            del m
+        merged = merged.to(wire)
         return tracker.track(merged) if tracker is not None else merged
 
 
@@ -125,6 +134,12 @@ def lora_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     ``base_layer`` and the active adapter's matrices in ``lora_A``/``lora_B`` (the adapter "default")."""
     return {name: m for name, m in model.named_modules()
             if isinstance(getattr(m, "base_layer", None), torch.nn.Module) and "default" in getattr(m, "lora_A", {})}
+
+
+def _dora_magnitude(layer: torch.nn.Module) -> torch.Tensor | None:
+    """A DoRA layer's trained magnitude (peft keeps it as the "default" DoraLinearLayer's weight)."""
+    dora = getattr(layer, "lora_magnitude_vector", None)
+    return dora["default"].weight if dora is not None and "default" in dora else None
 
 
 def sync_named_params(model: torch.nn.Module, tie_word_embeddings: bool | None = None) -> list[tuple[str, torch.Tensor]]:
@@ -141,7 +156,8 @@ def sync_named_params(model: torch.nn.Module, tie_word_embeddings: bool | None =
         tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
     lora = lora_layers(model)
     merged = {f"{path}.base_layer.weight": MergedWeight(m.base_layer.weight, m.lora_A["default"].weight,
-                                                        m.lora_B["default"].weight, m.scaling["default"])
+                                                        m.lora_B["default"].weight, m.scaling["default"],
+                                                        _dora_magnitude(m))
               for path, m in lora.items()}
     adapters = tuple(f"{path}.lora_" for path in lora)
     out = []

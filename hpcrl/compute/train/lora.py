@@ -10,6 +10,8 @@ and AdamW state exist for them alone, and FSDP2 shards them with their layer.
 
 - The reference model is the policy with its adapters switched off (:class:`BaseModel`): no
   second copy of the weights.
+- DoRA (model.use_dora): peft's layers also train a magnitude per output row (fp32, initialised to
+  the base weight's row norms), and the merged weight is rescaled to it.
 - The engines get the merged weights W + scale * B A: hpcrl.compute.sync.gather sends each LoRA
   layer as one ``MergedWeight``, merged layer by layer inside the bucketed gather; after the first
   sync only the layers that carry adapters move (``changing_params``).
@@ -51,7 +53,8 @@ def lora_config(model: ModelConfig, base_model: str = "") -> Any:
     targets = model.lora_target_modules
     return LoraConfig(r=model.lora_r, lora_alpha=model.lora_alpha, lora_dropout=model.lora_dropout,
                       target_modules=list(targets) if isinstance(targets, tuple) else targets,
-                      use_rslora=model.use_rslora, task_type=model.lora_task_type, bias="none",
+                      use_rslora=model.use_rslora, use_dora=model.use_dora, task_type=model.lora_task_type,
+                      bias="none",
                       base_model_name_or_path=base_model or None)
 
 
@@ -78,7 +81,8 @@ def add_adapters(model: nn.Module, recipe_model: ModelConfig) -> nn.Module:
     for param in model.parameters():
         param.requires_grad_(False)
     for layer in layers.values():
-        for module in (layer.lora_A[ADAPTER], layer.lora_B[ADAPTER]):
+        dora = getattr(layer, "lora_magnitude_vector", {})
+        for module in (layer.lora_A[ADAPTER], layer.lora_B[ADAPTER], *([dora[ADAPTER]] if ADAPTER in dora else [])):
             # Adapters train in fp32 whatever the base is stored in (FSDP2's mixed precision casts
             # them to the compute dtype for the forward, and reduces their gradients in fp32).
             module.to(dtype=torch.float32)
@@ -125,15 +129,22 @@ class BaseModel(nn.Module):
 
 
 # ------------------------------------------------------------------------------------- written out
+_MAGNITUDE = f".lora_magnitude_vector.{ADAPTER}.weight"
+
+
 def peft_key(name: str) -> str:
     """A LoRA parameter's name -> its key in a peft adapter file (what PeftModel.save_pretrained
-    writes: the PeftModel's prefix, and no adapter name)."""
-    return "base_model.model." + name.replace(f".{ADAPTER}.", ".")
+    writes: the PeftModel's prefix, and no adapter name; DoRA's magnitude without its ".weight")."""
+    if name.endswith(_MAGNITUDE):
+        name = name[:-len(".weight")]
+    return "base_model.model." + name.replace(f".{ADAPTER}.", ".").removesuffix(f".{ADAPTER}")
 
 
 def adapter_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """``(name, parameter)`` of every adapter matrix, in ``named_parameters()`` order."""
-    return [(name, p) for name, p in model.named_parameters() if ".lora_A." in name or ".lora_B." in name]
+    """``(name, parameter)`` of every adapter tensor (lora_A, lora_B, DoRA's magnitude), in
+    ``named_parameters()`` order."""
+    return [(name, p) for name, p in model.named_parameters()
+            if ".lora_A." in name or ".lora_B." in name or name.endswith(_MAGNITUDE)]
 
 
 def gather_adapters(model: nn.Module, writer: bool) -> dict[str, torch.Tensor] | None:

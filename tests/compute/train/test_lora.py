@@ -18,11 +18,11 @@ from dist_harness import spawn
 TARGETS = ("q_proj", "v_proj")
 
 
-def lora_recipe(**grpo):
+def lora_recipe(dora: bool = False, **grpo):
     from hpcrl.job.recipe import CheckpointConfig, GRPOConfig, ModelConfig, Recipe
 
     return Recipe(model=ModelConfig(use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0,
-                                    lora_target_modules=TARGETS),
+                                    lora_target_modules=TARGETS, use_dora=dora),
                   grpo=GRPOConfig(beta=0.04, gradient_checkpointing=False, **grpo),
                   checkpoint=CheckpointConfig(save_merged_model=True))
 
@@ -40,7 +40,7 @@ def _train_adapters(policy, steps: int = 3) -> None:
         opt.zero_grad()
 
 
-def _w_lora(rank, world, model_dir, out_dir):
+def _w_lora(rank, world, model_dir, out_dir, dora):
     import torch
     from peft import PeftModel
     from torch.distributed.device_mesh import init_device_mesh
@@ -53,14 +53,17 @@ def _w_lora(rank, world, model_dir, out_dir):
     from hpcrl.compute.train.optim import build_optimizer
 
     torch.manual_seed(0)
-    recipe = lora_recipe()
+    recipe = lora_recipe(dora)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
     policy, reference = load_policy_and_reference(model_dir, mesh, torch.device("cpu"), recipe)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
     # Only the adapters train, in fp32, and only they have optimizer state.
     trainable = {n: p for n, p in policy.named_parameters() if p.requires_grad}
-    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable), sorted(trainable)[:4]
+    assert trainable and all(".lora_" in n for n in trainable), sorted(trainable)[:4]
+    # DoRA: a magnitude per output row of each adapted layer, beside A and B.
+    assert {n.split(".lora_")[1].split(".")[0] for n in trainable} == ({"A", "B", "magnitude_vector"} if dora
+                                                                         else {"A", "B"})
     assert {p.dtype for p in trainable.values()} == {torch.float32}
     adapted = sorted({n.rsplit(".", 1)[-1] for n in lora_layers(policy)})
     assert adapted == sorted(TARGETS), adapted
@@ -91,7 +94,12 @@ def _w_lora(rank, world, model_dir, out_dir):
     a, b = (layer.lora_A["default"].weight.full_tensor(), layer.lora_B["default"].weight.full_tensor())
     w = layer.base_layer.weight.full_tensor()
     scale = recipe.model.lora_alpha / recipe.model.lora_r
-    assert torch.allclose(merged["model.layers.0.self_attn.q_proj.weight"], w + scale * b @ a, atol=1e-6)
+    want_q = w + scale * b @ a
+    if dora:        # each row rescaled to the trained magnitude
+        m = layer.lora_magnitude_vector["default"].weight.full_tensor()
+        assert (m - w.norm(dim=1)).abs().max() > 1e-4, "the magnitude did not train"
+        want_q = (m / want_q.norm(dim=1)).unsqueeze(1) * want_q
+    assert torch.allclose(merged["model.layers.0.self_attn.q_proj.weight"], want_q, atol=1e-6)
     assert torch.equal(merged["model.layers.0.self_attn.k_proj.weight"], base.model.layers[0].self_attn.k_proj.weight)
     # After the first sync, only the attention blocks (where the adapters are) move.
     moving = [n for n, _ in changing_params(entries)]
@@ -117,6 +125,10 @@ def _w_lora(rank, world, model_dir, out_dir):
                                            str(out)).eval()
     with torch.no_grad():
         assert torch.allclose(peft_model(input_ids=ids).logits, trained, atol=1e-4), "peft loads other adapters"
+    # What the engines got is peft's own merge of the written adapters.
+    peft_merged = peft_model.merge_and_unload().state_dict()
+    for name, tensor in merged.items():
+        assert torch.allclose(tensor, peft_merged[name], atol=1e-5), name
     from safetensors.torch import load_file
 
     written = load_file(out / "merged" / "model.safetensors")
@@ -126,8 +138,49 @@ def _w_lora(rank, world, model_dir, out_dir):
     assert len(changed) == 2 * base.config.num_hidden_layers
 
 
-def test_lora_trains_adapters_only_and_merges_what_it_sends(tmp_path, model_dir):
-    spawn(_w_lora, tmp_path, model_dir, str(tmp_path), timeout=240)
+@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
+def test_lora_trains_adapters_only_and_merges_what_it_sends(tmp_path, model_dir, dora):
+    spawn(_w_lora, tmp_path, model_dir, str(tmp_path), dora, timeout=240)
+
+
+def _kept_bytes(dora: bool, tokens: int, fin: int = 64, fout: int = 96) -> int:
+    """Bytes a peft LoRA linear layer's forward keeps for the backward (bf16, the adapters trained,
+    the base frozen): the saved tensors still alive after it, less its input and parameters."""
+    import gc
+    import weakref
+
+    import torch
+    from peft import LoraConfig, inject_adapter_in_model
+
+    model = inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["0"],
+                                               use_dora=dora), torch.nn.Sequential(torch.nn.Linear(fin, fout, bias=False)))
+    model.to(torch.bfloat16)
+    for name, p in model.named_parameters():
+        p.requires_grad_(".lora_" in name)
+    x = torch.randn(tokens, fin, dtype=torch.bfloat16)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(weakref.ref(t)) or t, lambda t: t):
+        out = model(x)
+    gc.collect()
+    skip = {p.data_ptr() for p in model.parameters()} | {x.data_ptr()}
+    alive = {t.data_ptr(): t.numel() * t.element_size() for t in (r() for r in saved)
+             if t is not None and t.data_ptr() not in skip}
+    del out
+    return sum(alive.values())
+
+
+def test_doras_kept_tensors_per_token_are_what_the_estimate_counts():
+    """hpcrl.job.lora.LoraTargets' DoRA term, held to peft: per token, what a DoRA adapter keeps
+    beyond plain LoRA's (two outputs); what its forward makes of the weights is not kept."""
+    from hpcrl.job.lora import LoraTargets
+
+    def counted(dora: bool) -> int:
+        return LoraTargets(4, 0.0, (("q_proj", 64, 96),), (frozenset({"q_proj"}),), dora).layer_activation_bytes(0, 2)
+
+    per_token = counted(True) - counted(False)
+    extra = {t: _kept_bytes(True, t) - _kept_bytes(False, t) for t in (32, 128)}
+    assert (extra[128] - extra[32]) / 96 == per_token == 2 * 96 * 2
+    assert extra[32] - 32 * per_token < 2 * 96 * 2 + 1, extra        # a per-row constant, no weight-sized tensor
 
 
 def _w_hsdp(rank, world, model_dir):
