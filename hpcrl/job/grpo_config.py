@@ -3,6 +3,7 @@ built-in demo task's tuned values. The rest of the recipe is hpcrl.job.recipe.""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
 
@@ -50,6 +51,9 @@ class GRPOConfig:
     # Passed as is to the engine's sampling call (vLLM's SamplingParams, transformers' generate),
     # after and over the settings above, as TRL does.
     generation_kwargs: Optional[dict[str, Any]] = None
+    # TRL's: every completion matches this regular expression (vLLM's structured outputs, over a
+    # structured_outputs in generation_kwargs; the vLLM engine only). None = free text.
+    vllm_structured_outputs_regex: Optional[str] = None
     # Passed to the tokenizer's apply_chat_template when conversational prompts are rendered.
     chat_template_kwargs: Optional[dict[str, Any]] = None
     beta: float = 0.0
@@ -235,6 +239,12 @@ class GRPOConfig:
         if self.use_adaptive_entropy and self.entropy_coef_delta <= 0:
             raise UserError(f"{where}.entropy_coef_delta: the adaptive coefficient's step must be positive, "
                             f"got {self.entropy_coef_delta}")
+        if self.vllm_structured_outputs_regex is not None:
+            try:
+                re.compile(self.vllm_structured_outputs_regex)
+            except re.error as e:
+                raise UserError(f"{where}.vllm_structured_outputs_regex: {self.vllm_structured_outputs_regex!r} is not "
+                                f"a regular expression: {e}")
         if not 0 < self.top_entropy_quantile <= 1:
             raise UserError(f"{where}.top_entropy_quantile: must be in (0, 1], got {self.top_entropy_quantile}")
         if self.steps_per_generation is not None and self.generation_batch_size is not None:

@@ -520,6 +520,9 @@ class Recipe:
             if self.model.use_peft and isinstance(targets, (list, tuple)) and "lm_head" in targets:
                 raise UserError("grpo.cast_lm_head_to_fp32: not with an adapter on the LM head (lm_head in "
                                 "model.lora_target_modules), as TRL; leave lm_head out or the option off")
+        if self.grpo.vllm_structured_outputs_regex is not None and self.inference.engine == "transformers":
+            raise UserError("grpo.vllm_structured_outputs_regex: structured outputs need the vLLM engine "
+                            "(inference.engine: vllm or auto); the transformers engine samples free text")
         if self.checkpoint.save_merged_model and not self.model.use_peft:
             raise UserError("checkpoint.save_merged_model: only with model.use_peft (without LoRA the model "
                             "directory is the whole model already)")

@@ -348,3 +348,22 @@ def test_evaluation_schedule_as_transformers():
     assert math.isclose(out["eval_reward_std"], math.sqrt((5 - 4 * 0.75 ** 2) / 3))
     assert math.isclose(out["eval_rewards/a/std"], math.sqrt(1 / 3))
     assert math.isclose(out["eval_rewards/b/std"], math.sqrt(1 / 2))
+
+
+def test_trls_structured_outputs_regex_reaches_the_engines_and_is_checked(trl_yaml):
+    """vllm_structured_outputs_regex: grpo's, as the engines' sampling takes it (the vLLM engine's
+    own test: tests/compute/sync/test_vllm_sync.py); not a regular expression, or the transformers
+    engine, which cannot constrain its sampling: one line each."""
+    from hpcrl.compute.inference.types import Sampling
+
+    trl_yaml.write_text(trl_yaml.read_text().replace("engine: transformers", "engine: vllm")
+                        + "vllm_structured_outputs_regex: '[0-9]+'\n")
+    resolved = compose.build_recipe(str(trl_yaml))
+    assert resolved.trl.moved["vllm_structured_outputs_regex"] == "grpo.vllm_structured_outputs_regex"
+    assert Sampling.of(resolved.recipe.grpo, 2, 0).structured_outputs_regex == "[0-9]+"
+    with pytest.raises(UserError, match=r"^vllm_structured_outputs_regex \(grpo.vllm_structured_outputs_regex\): "
+                                        r"'\[0-9' is not a regular expression"):
+        compose.build_recipe(str(trl_yaml), ["vllm_structured_outputs_regex=[0-9"])
+    with pytest.raises(UserError, match=r"^vllm_structured_outputs_regex \(grpo.vllm_structured_outputs_regex\): "
+                                        r"structured outputs need the vLLM engine \(inference.engine: vllm or auto\)"):
+        compose.build_recipe(str(trl_yaml), ["inference.engine=transformers"])

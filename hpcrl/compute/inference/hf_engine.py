@@ -101,6 +101,9 @@ class TransformersEngine(InferenceEngine):
                       max_new_tokens=sampling.max_tokens, num_return_sequences=sampling.n,
                       pad_token_id=pad, eos_token_id=list(self.stop_tokens))
         kwargs.update(sampling.generation_kwargs or {})     # TRL's: over the settings above
+        if sampling.structured_outputs_regex is not None:
+            raise ValueError("grpo.vllm_structured_outputs_regex: structured outputs need the vLLM engine "
+                             "(inference.engine: vllm); the transformers engine samples free text")
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             out = self.model.generate(

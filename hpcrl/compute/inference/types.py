@@ -24,13 +24,16 @@ class Sampling:
     # The engine's own sampling arguments (vLLM's SamplingParams, transformers' generate), applied
     # last, over the ones above (grpo.generation_kwargs, as TRL passes it).
     generation_kwargs: Mapping[str, Any] | None = None
+    # grpo.vllm_structured_outputs_regex: what every completion must match (vLLM's structured outputs).
+    structured_outputs_regex: str | None = None
 
     @classmethod
     def of(cls, grpo, n: int, seed: int) -> "Sampling":
         """A recipe's grpo sampling fields, for ``n`` completions a prompt (training's and evaluation's)."""
         return cls(n=n, max_tokens=grpo.max_completion_length, temperature=grpo.temperature, top_p=grpo.top_p,
                    top_k=grpo.top_k, seed=seed, min_p=grpo.min_p, repetition_penalty=grpo.repetition_penalty,
-                   generation_kwargs=grpo.generation_kwargs)
+                   generation_kwargs=grpo.generation_kwargs,
+                   structured_outputs_regex=grpo.vllm_structured_outputs_regex)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import os
 import socket
 from dataclasses import replace
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from hpcrl.compute.inference.engine import InferenceEngine, SyncPeer
 from hpcrl.compute.inference.types import Completion, Sampling
@@ -141,11 +141,19 @@ def vllm_options(model_dir: str, inference: InferenceConfig, model: ModelConfig,
 
 
 def sampling_params(s: Sampling) -> dict:
-    """The keyword arguments of vLLM's SamplingParams for ``s``: TRL's, with its generation_kwargs last."""
+    """The keyword arguments of vLLM's SamplingParams for ``s``: TRL's, with its generation_kwargs last;
+    as TRL's colocated generation, the structured-output regex over generation_kwargs' own
+    structured_outputs, which may be a mapping of StructuredOutputsParams' fields."""
     params = dict(n=s.n, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
                   top_k=s.top_k if s.top_k > 0 else -1, min_p=0.0 if s.min_p is None else s.min_p,
                   repetition_penalty=s.repetition_penalty, logprobs=0, seed=s.seed)
     params.update(s.generation_kwargs or {})
+    structured = {"regex": s.structured_outputs_regex} if s.structured_outputs_regex is not None else \
+        params.get("structured_outputs")
+    if isinstance(structured, Mapping):
+        from vllm.sampling_params import StructuredOutputsParams
+
+        params["structured_outputs"] = StructuredOutputsParams(**structured)
     return params
 
 

@@ -784,3 +784,29 @@ def test_streamed_requests_join_the_running_batch_and_keep_their_seeds(side):
         for request, completions in engine.step():
             done[request] = (None, completions[0].token_ids)
     assert done[alone][1] == done[first[0]][1]
+
+
+def test_a_structured_outputs_regex_shapes_every_completion(side):
+    """grpo.vllm_structured_outputs_regex (TRL's), through the engine's own sampling: every completion
+    matches it, whatever the weights; generation_kwargs' structured_outputs, a mapping in a recipe,
+    reaches vLLM as its StructuredOutputsParams, and the regex wins over it, as in TRL."""
+    import re
+
+    from hpcrl.compute.inference.types import Sampling
+    from hpcrl.compute.inference.vllm_engine import VLLMEngine
+
+    if not side.tied:
+        pytest.skip("one engine is enough")
+    engine = object.__new__(VLLMEngine)         # the module's LLM, behind the engine's generate
+    engine.llm, engine.version = side.llm, 0
+    prompts = [[1, 5, 7, 9], [2, 6, 8]]
+    free = engine.generate(prompts, Sampling(n=4, max_tokens=6, seed=1))
+    assert not all(re.fullmatch(r"[0-9]{2}", c.text) for c in free), [c.text for c in free]
+    shaped = engine.generate(prompts, Sampling(n=4, max_tokens=6, seed=1, structured_outputs_regex=r"[0-9]{2}"))
+    assert len(shaped) == 8 and all(re.fullmatch(r"[0-9]{2}", c.text) for c in shaped), [c.text for c in shaped]
+    mapping = {"structured_outputs": {"regex": r"[a-c]+"}}
+    lettered = engine.generate(prompts, Sampling(n=2, max_tokens=4, seed=1, generation_kwargs=mapping))
+    assert all(re.fullmatch(r"[a-c]+", c.text) for c in lettered), [c.text for c in lettered]
+    both = engine.generate(prompts, Sampling(n=2, max_tokens=6, seed=1, generation_kwargs=mapping,
+                                             structured_outputs_regex=r"[0-9]{2}"))
+    assert all(re.fullmatch(r"[0-9]{2}", c.text) for c in both), [c.text for c in both]
