@@ -330,7 +330,8 @@ image=$1; shift
 for b in "${binds[@]}"; do
   [ -d "$b" ] || { echo "apptainer stand-in: bind source $b does not exist" >&2; exit 255; }
 done
-echo "$SLURMD_NODENAME $SLURM_PROCID $pwd ${binds[*]} :: $*" >> LOG
+args="$*"
+echo "$SLURMD_NODENAME $SLURM_PROCID $pwd ${binds[*]} :: ${args//$'\n'/ }" >> LOG       # a script's lines on one
 export APPTAINER_CONTAINER=$image
 cd "$pwd" && exec "$@"
 """
