@@ -148,7 +148,7 @@ def test_two_nodes_of_two_engines_synced_inside_each_node_through_a_killed_train
     name; `hpcrl submit --resume` then continues from the last checkpoint, every engine synced from
     it, and every step is in the metrics exactly once. (One job for both: each ran a 2-node job of
     its own, issue #29.)"""
-    steps = 12
+    steps = 8
     job_id, run_dir = _submit(hpcrl, "-N", "2", "inference.gpus=2", "inference.engine=transformers",
                               "grpo.vllm_importance_sampling_correction=true", f"grpo.max_steps={steps}",
                               "checkpoint.every=2", "-t", "15", env={"HPCRL_FAULT": "slow-steps:0"})
