@@ -54,6 +54,9 @@ class GRPOConfig:
     # TRL's: every completion matches this regular expression (vLLM's structured outputs, over a
     # structured_outputs in generation_kwargs; the vLLM engine only). None = free text.
     vllm_structured_outputs_regex: Optional[str] = None
+    # TRL's (transformers'): the trainers' fp32 matmuls in TF32 (True) or full fp32 (False) on NVIDIA
+    # GPUs of Ampere or newer; None = torch's default. Refused where no GPU has TF32, as TRL does.
+    tf32: Optional[bool] = None
     # Passed to the tokenizer's apply_chat_template when conversational prompts are rendered.
     chat_template_kwargs: Optional[dict[str, Any]] = None
     beta: float = 0.0

@@ -103,6 +103,10 @@ def _validate_resources(site: Site, recipe: Recipe, need_account: bool = True) -
             _check_text(opt, field_name)
             if not opt.startswith("-") or (field_name.endswith("sbatch_options") and re.search(r"\s", opt)):
                 raise UserError(f"{field_name}: {opt!r} is not an option like \"--exclusive\" or \"--mem=0\"")
+    if recipe.grpo.tf32 and not (site.gpu_vendor == "nvidia" and site.device == "cuda"):
+        # transformers raises the same on a GPU without TF32 (ROCm's included) and on a CPU.
+        raise UserError(f"grpo.tf32: TF32 needs NVIDIA GPUs (Ampere or newer), and site {site.name}'s trainers run "
+                        f"on {site.gpu_vendor if site.device == 'cuda' else 'CPUs'}: leave it unset")
     time_s = parse_walltime(res.time)
     if site.scheduler == "none":
         return time_s

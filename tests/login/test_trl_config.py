@@ -367,3 +367,19 @@ def test_trls_structured_outputs_regex_reaches_the_engines_and_is_checked(trl_ya
     with pytest.raises(UserError, match=r"^vllm_structured_outputs_regex \(grpo.vllm_structured_outputs_regex\): "
                                         r"structured outputs need the vLLM engine \(inference.engine: vllm or auto\)"):
         compose.build_recipe(str(trl_yaml), ["inference.engine=transformers"])
+
+
+def test_trls_tf32_is_taken_where_the_gpus_have_it_and_refused_elsewhere(trl_yaml, hpcrl):
+    """tf32: grpo's (the trainers set it: tests/compute/train/test_gpu.py); as transformers, True is an
+    error where no NVIDIA GPU runs the trainers (Frontier's AMD GPUs, this machine's CPUs)."""
+    trl_yaml.write_text(trl_yaml.read_text() + "tf32: true\n")
+    resolved = compose.build_recipe(str(trl_yaml))
+    assert resolved.recipe.grpo.tf32 is True and resolved.trl.moved["tf32"] == "grpo.tf32"
+    r = hpcrl("render", "--site", "cuda", "-N", "2", "grpo.tf32=true")
+    assert r.returncode == 0, r.stderr
+    for site, on in (("frontier", "amd"), ("local", "CPUs")):
+        r = hpcrl("render", "--site", site, "-A", "abc123", "grpo.tf32=true")
+        assert r.returncode == 2 and r.stderr == (f"hpcrl: error: grpo.tf32: TF32 needs NVIDIA GPUs (Ampere or newer), "
+                                                  f"and site {site}'s trainers run on {on}: leave it unset\n"), r.stderr
+    r = hpcrl("render", "--site", "frontier", "-A", "abc123", "grpo.tf32=false")
+    assert r.returncode == 0, r.stderr

@@ -15,6 +15,7 @@ from hpcrl.compute.train import checkpoint as ckpt
 from hpcrl.compute.train.trainer import Trainer, TrainerSetup
 from hpcrl.job import metric_keys as mk
 from hpcrl.job import rundir
+from hpcrl.job.errors import UserError
 from hpcrl.job.rundir import FINISHED_MARKER
 
 __all__ = ["run_trainer"]
@@ -36,6 +37,7 @@ def run_trainer(ctx: LaunchContext) -> int:
     device = torch.device("cuda", 0) if ctx.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        set_tf32(recipe.grpo.tf32, device)
     rank0 = ctx.task.trainer_rank == 0
     model_dir = job_model_dir(ctx.spec, ctx.run_dir)
     ckpt.control_group(ctx.launch.collective_timeout_s)      # a collective: every trainer, up front
@@ -150,3 +152,17 @@ def _server_health(run_dir) -> dict:
         except (OSError, ValueError, KeyError):
             continue
     return dict(sorted(out.items(), key=lambda kv: rundir.server_key_order(kv[0])))
+
+
+def set_tf32(enable: bool | None, device) -> None:
+    """grpo.tf32 as transformers' TrainingArguments sets it (torch's fp32 precision, "tf32" or
+    "ieee"), on an NVIDIA GPU of Ampere or newer; where there is none, True is the recipe's mistake
+    (the login node refuses it on sites without NVIDIA GPUs) and False changes nothing."""
+    if enable is None:
+        return
+    if torch.version.cuda is None or torch.cuda.get_device_capability(device)[0] < 8:
+        if enable:
+            raise UserError(f"grpo.tf32: {torch.cuda.get_device_name(device)} has no TF32 (NVIDIA Ampere or "
+                            f"newer): leave it unset")
+        return
+    torch.backends.fp32_precision = "tf32" if enable else "ieee"

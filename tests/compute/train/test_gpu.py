@@ -408,6 +408,34 @@ def _w_bf16_numerics(rank, world, device, model_dir, out):
     Path(out).write_text(json.dumps(result))
 
 
+def test_tf32_is_set_as_the_recipe_asks(gpu_device):
+    """grpo.tf32 (TRL's) on the device, as the trainer role sets it (hpcrl.compute.train.role.set_tf32):
+    TF32 matmuls where the GPU has them, full fp32 for False, torch's default left for None; a GPU
+    without TF32 refuses True in one line. (On the CPU self-check there is no TF32 to set.)"""
+    import torch
+
+    from hpcrl.compute.train.role import set_tf32
+    from hpcrl.job.errors import UserError
+
+    if gpu_device != "cuda":
+        pytest.skip("TF32 is a GPU's: the CPU self-check has none")
+    device = torch.device("cuda", 0)
+    before = torch.backends.fp32_precision
+    try:
+        set_tf32(None, device)
+        assert torch.backends.fp32_precision == before
+        if torch.cuda.get_device_capability(device)[0] < 8:
+            with pytest.raises(UserError, match="grpo.tf32: .* has no TF32"):
+                set_tf32(True, device)
+            return
+        set_tf32(True, device)
+        assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+        set_tf32(False, device)
+        assert torch.backends.cuda.matmul.fp32_precision == "ieee"
+    finally:
+        torch.backends.fp32_precision = before
+
+
 def test_bf16_logprobs_match_fp32(tmp_path, gpu_device, demo_model):
     out = tmp_path / "numerics.json"
     spawn(_w_bf16_numerics, tmp_path, demo_model, str(out), world=1, timeout=300, device=gpu_device)
