@@ -30,7 +30,7 @@ class ModelConfig:
     path: str = demo_name("tiny")
     # A hub id's revision (TRL's model_revision): a branch, a tag or a full commit hash, found in the
     # Hugging Face cache as huggingface_hub put it there (hf download ID --revision R). A local
-    # directory has none: the recipe's note says it is not used.
+    # directory has none: submit warns that it is not used.
     revision: str = hfcache.MAIN
     # The tokenizer's directory (for the trainer, both engines and the exported model); "" = the model's.
     tokenizer: str = ""
