@@ -69,7 +69,8 @@ def frozen_dtype(spec: JobSpec) -> str:
 def lora_targets(spec: JobSpec, shape: ModelShape) -> LoraTargets | None:
     """The recipe's LoRA adapters on the model (None without model.use_peft)."""
     m = spec.recipe.model
-    return LoraTargets.of(shape, m.lora_target_modules, m.lora_r, m.lora_dropout, m.use_dora) if m.use_peft else None
+    return LoraTargets.of(shape, m.lora_target_modules, m.lora_r, m.lora_dropout, m.use_dora,
+                          m.lora_modules_to_save or ()) if m.use_peft else None
 
 
 def engine_len(spec: JobSpec) -> int:

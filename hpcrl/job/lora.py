@@ -49,10 +49,13 @@ class LoraTargets(NamedTuple):
     features: tuple[tuple[str, int, int], ...]          # (name, in_features, out_features) of DECODER_LINEARS
     layers: tuple[frozenset[str], ...]                   # per decoder layer: the names of its adapted linears
     dora: bool = False
+    saved_params: int = 0           # model.lora_modules_to_save: the trained copies' parameters
 
     @classmethod
-    def of(cls, shape: ModelShape, targets, r: int, dropout: float = 0.0, dora: bool = False) -> "LoraTargets":
-        """From model.lora_target_modules (None: peft's default, q_proj and v_proj)."""
+    def of(cls, shape: ModelShape, targets, r: int, dropout: float = 0.0, dora: bool = False,
+           modules_to_save: tuple[str, ...] = ()) -> "LoraTargets":
+        """From model.lora_target_modules (None: peft's default, q_proj and v_proj) and
+        model.lora_modules_to_save (lm_head, embed_tokens: vocabulary x hidden each)."""
         if targets is None:
             targets = PEFT_DEFAULT_TARGETS
         elif targets == ALL_LINEAR:
@@ -61,7 +64,8 @@ class LoraTargets(NamedTuple):
         return cls(r, dropout, features, tuple(
             frozenset(name for name in DECODER_LINEARS
                       if lora_target_matches(targets, decoder_linear_path(layer, name)))
-            for layer in range(shape.num_layers)), dora)
+            for layer in range(shape.num_layers)), dora,
+            len(set(modules_to_save) & {"lm_head", "embed_tokens"}) * shape.vocab_size * shape.hidden_size)
 
     def layer_params(self, layer: int) -> int:
         """The adapters' parameters in one decoder layer (with DoRA, a magnitude per output row too)."""

@@ -41,13 +41,14 @@ With LoRA (model.use_peft; hpcrl.compute.train.lora), per GPU:
   frozen weights   every base parameter in model.dtype ("auto": the compute dtype), as the reference
                    above is stored, / shard: no gradients, no optimizer state
   training state   the adapters: r x (in_features + out_features) per adapted linear layer (DoRA: +
-                   out_features, its magnitude), 16 B each
+                   out_features, its magnitude), and the trained copies of model.lora_modules_to_save
+                   (lm_head, embed_tokens: vocabulary x hidden each), 16 B each
                    (fp32 adapters, fp32 gradients, two fp32 Adam moments) / shard
   reference        none, whatever grpo.beta says: the reference is the policy with its adapters
                    switched off
   gathered layers  two decoder layers with their adapters in the compute dtype + one layer's adapter
                    gradients in fp32, + the root group in the compute dtype (the frozen head has no
-                   gradient)
+                   gradient; a trained copy of a module to save is there too, with its fp32 gradient)
   activations      as above, less the inputs of the frozen linear layers (no weight gradient needs
                    them) unless an adapter takes them as they are (lora_dropout 0), + per adapted
                    linear layer and token its dropped input (compute dtype) and dropout mask (1 B)
@@ -208,10 +209,12 @@ def trainer_parts(shape: ModelShape, step: TrainingStep, storage: ModelStorage =
     else:
         adapters = max((lora.layer_params(i) for i in range(shape.num_layers)), default=0)
         state = {"frozen_weights": math.ceil((n * frozen + frozen_head) / shard),
-                 "training_state": math.ceil(lora.params * ADAPTER_BYTES_PER_PARAM / shard),
+                 "training_state": math.ceil((lora.params + lora.saved_params) * ADAPTER_BYTES_PER_PARAM / shard),
                  "reference": 0}
-        # one layer's adapter gradients in fp32; the frozen head has none
-        gathered = GATHERED_LAYERS * (shape.layer_params + adapters) * c + adapters * 4 + root
+        # one layer's adapter gradients in fp32; the frozen head has none, a trained copy of it
+        # (model.lora_modules_to_save) is gathered with the root and keeps its fp32 gradient
+        gathered = (GATHERED_LAYERS * (shape.layer_params + adapters) * c + adapters * 4 + root
+                    + lora.saved_params * (c + 4))
     return {
         **state,
         "reward_models": math.ceil(storage.reward_model_params * frozen / shard),

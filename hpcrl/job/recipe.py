@@ -19,6 +19,10 @@ from hpcrl.job.errors import UserError
 from hpcrl.job.grpo_config import GRPOConfig
 
 
+# model.lora_modules_to_save: the modules a copy of which may train beside the adapters.
+LORA_MODULES_TO_SAVE = ("lm_head", "embed_tokens")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     # A local Hugging Face directory, or a model made locally with no download (hpcrl.compute.models.tiny):
@@ -62,6 +66,11 @@ class ModelConfig:
     lora_task_type: str = "CAUSAL_LM"
     use_rslora: bool = False
     use_dora: bool = False
+    # Whole modules trained beside the adapters (TRL's lora_modules_to_save: peft keeps the original
+    # frozen for the reference and trains a copy, fp32 with optimizer state, which the engines get
+    # and the adapter directory holds): "lm_head" and "embed_tokens" (new tokens' rows, a head of
+    # one's own), not where the head is tied to the embeddings. None = the adapters only.
+    lora_modules_to_save: Optional[tuple[str, ...]] = None
 
     def validate(self, where: str) -> None:
         if not hfcache.REVISION.fullmatch(self.revision):
@@ -71,9 +80,14 @@ class ModelConfig:
             raise UserError(f"{where}.attn_implementation: {self.attn_implementation!r} is not an attention "
                             f"implementation's name (eager, sdpa, flash_attention_2, ...)")
         if not self.use_peft:
-            if self.use_dora:
-                raise UserError(f"{where}.use_dora: DoRA is a kind of LoRA: set {where}.use_peft too")
+            for name, on in (("use_dora", self.use_dora), ("lora_modules_to_save", self.lora_modules_to_save)):
+                if on:
+                    raise UserError(f"{where}.{name}: a LoRA setting: set {where}.use_peft too")
             return
+        unknown = [m for m in self.lora_modules_to_save or () if m not in LORA_MODULES_TO_SAVE]
+        if unknown:
+            raise UserError(f"{where}.lora_modules_to_save: {unknown[0]!r}: {' and '.join(LORA_MODULES_TO_SAVE)} "
+                            f"only in this version")
         if self.lora_r <= 0:
             raise UserError(f"{where}.lora_r: the adapters' rank must be a positive integer, got {self.lora_r}")
         if self.lora_alpha <= 0:
@@ -520,6 +534,9 @@ class Recipe:
             if self.model.use_peft and isinstance(targets, (list, tuple)) and "lm_head" in targets:
                 raise UserError("grpo.cast_lm_head_to_fp32: not with an adapter on the LM head (lm_head in "
                                 "model.lora_target_modules), as TRL; leave lm_head out or the option off")
+            if self.model.use_peft and "lm_head" in (self.model.lora_modules_to_save or ()):
+                raise UserError("grpo.cast_lm_head_to_fp32: not with a trained copy of the LM head (lm_head in "
+                                "model.lora_modules_to_save); leave one of the two out")
         if self.grpo.vllm_structured_outputs_regex is not None and self.inference.engine == "transformers":
             raise UserError("grpo.vllm_structured_outputs_regex: structured outputs need the vLLM engine "
                             "(inference.engine: vllm or auto); the transformers engine samples free text")

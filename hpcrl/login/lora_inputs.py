@@ -1,7 +1,8 @@
 """model.lora_target_modules checked on the login node against the modules the model has, as peft
 matches them: the demo models' modules are known, a model directory's are read from its weights'
-names (an index, or the safetensors headers), never by loading them. hpcrl.login.inputs calls
-`check_targets` for recipes with LoRA only.
+names (an index, or the safetensors headers), never by loading them; model.lora_modules_to_save
+against a head tied to the embeddings. hpcrl.login.inputs calls `check_targets` and
+`check_modules_to_save` for recipes with LoRA only.
 """
 
 from __future__ import annotations
@@ -138,3 +139,22 @@ def check_targets(model: ModelConfig, modules: ModulePaths | None) -> None:
         raise UserError(f"model.lora_target_modules: {', '.join(f'{t!r}' for t in missing)} "
                         f"{'matches' if len(missing) == 1 else 'match'} no module of {model.path}{hint}; "
                         f"its linear layers: {', '.join(names)}")
+
+
+def check_modules_to_save(model: ModelConfig, model_dir: Path | None) -> None:
+    """model.lora_modules_to_save where the head is tied to the embeddings (a demo model's, or a
+    config.json that says so), refused as the job would refuse it (hpcrl.compute.train.lora)."""
+    if not model.lora_modules_to_save:
+        return
+    if model_dir is None:
+        tied = True                         # the demo models tie their head
+    else:
+        try:
+            tied = json.loads((Path(model_dir) / "config.json").read_text()).get("tie_word_embeddings") is True
+        except (OSError, ValueError):
+            return
+    if tied:
+        raise UserError(f"model.lora_modules_to_save: {', '.join(sorted(model.lora_modules_to_save))}: the head is "
+                        f"tied to the input embeddings in this model, and a trained copy would untie them in the "
+                        f"engines")
+

@@ -504,6 +504,20 @@ def test_dora_adds_a_magnitude_per_row_two_outputs_per_token_and_one_weight_size
     assert dora["activations"] - lora["activations"] == tokens * 2 * 2 * magnitudes + 2 * (h * h + 3 * h * h)
 
 
+def test_a_trained_copy_of_the_head_counts_as_training_state_and_in_the_gathered_root(tmp_path):
+    """model.lora_modules_to_save [lm_head] against plain LoRA, 14B on one Frontier node: the copy's
+    vocabulary x hidden parameters at 16 B each, sharded, and gathered with the root in bf16 with an
+    fp32 gradient (the original head is frozen weights already)."""
+    path = _model(tmp_path, "q14", QWEN_14B)
+    args = [f"model.path={path}", "trainer.activation_checkpointing=true", *BATCH, *LORA]
+    lora = estimate(_spec("frontier", 1, *args)).trainer.parts
+    saved = estimate(_spec("frontier", 1, *args, "model.lora_modules_to_save=[lm_head]")).trainer.parts
+    head = 152064 * 5120
+    assert saved["training_state"] - lora["training_state"] == pytest.approx(head * 16 / 7, abs=1)
+    assert saved["gathered_layers"] - lora["gathered_layers"] == head * (2 + 4)
+    assert saved["frozen_weights"] == lora["frozen_weights"] and saved["activations"] == lora["activations"]
+
+
 def test_lora_is_well_below_full_fine_tuning_and_has_no_reference_copy(tmp_path):
     path = _model(tmp_path, "q14", QWEN_14B)
     args = [f"model.path={path}", "trainer.activation_checkpointing=true", *BATCH]

@@ -173,18 +173,16 @@ def test_lora_keys_are_inert_without_use_peft(trl_yaml):
 
 
 def test_lora_keys_hpcrl_does_not_implement_are_named(trl_yaml):
-    trl_yaml.write_text(LORA_YAML + "lora_modules_to_save: [lm_head]\n")
+    trl_yaml.write_text(LORA_YAML + "lora_target_parameters: [w]\n")
     with pytest.raises(UserError) as e:
         compose.build_recipe(str(trl_yaml))
     lines = str(e.value).splitlines()
-    assert len(lines) == 1 and lines[0].startswith(
-        "lora_modules_to_save: hpcrl's LoRA trains adapters on the target modules only"), lines
-    trl_yaml.write_text(LORA_YAML + "lora_target_parameters: [w]\nlora_modules_to_save: [lm_head]\n")
-    with pytest.raises(UserError) as e:
-        compose.build_recipe(str(trl_yaml))
-    text = str(e.value)
-    assert "lora_modules_to_save: hpcrl's LoRA trains adapters" in text
-    assert "lora_target_parameters: hpcrl's LoRA adapts modules" in text
+    assert len(lines) == 1 and lines[0].startswith("lora_target_parameters: hpcrl's LoRA adapts modules"), lines
+    # lora_modules_to_save is taken: model.lora_modules_to_save.
+    trl_yaml.write_text(LORA_YAML + "lora_modules_to_save: [lm_head, embed_tokens]\n")
+    resolved = compose.build_recipe(str(trl_yaml))
+    assert resolved.recipe.model.lora_modules_to_save == ("lm_head", "embed_tokens")
+    assert resolved.trl.moved["lora_modules_to_save"] == "model.lora_modules_to_save"
     assert "use_peft" not in trl_config.NOT_IMPLEMENTED
     # As key=value over a configuration that switches LoRA on: named too, not taken as inert.
     trl_yaml.write_text(LORA_YAML)

@@ -149,7 +149,8 @@ def sync_named_params(model: torch.nn.Module, tie_word_embeddings: bool | None =
     ``tie_word_embeddings`` defaults to ``model.config.tie_word_embeddings`` when there is one.
     ``named_parameters()`` already drops a second name for the same tensor object. A LoRA layer's
     weight is a ``MergedWeight`` under the base layer's name, in the base weight's place; its
-    adapters are not sent, and its other parameters (a bias) keep the base layer's names.
+    adapters are not sent, and its other parameters (a bias) keep the base layer's names. A module
+    peft trains a copy of (model.lora_modules_to_save) is sent as its copy, under its own name.
     """
     if tie_word_embeddings is None:
         config = getattr(model, "config", None)
@@ -162,11 +163,12 @@ def sync_named_params(model: torch.nn.Module, tie_word_embeddings: bool | None =
     adapters = tuple(f"{path}.lora_" for path in lora)
     out = []
     for name, param in model.named_parameters():
-        if name.startswith(adapters):
+        if name.startswith(adapters) or ".original_module." in name:
             continue
         param = merged.get(name, param)
         param = partitioned(param) or param
-        name = hf_name(name.replace(".base_layer.", "."))
+        # A module of model.lora_modules_to_save: its trained copy, under the module's own name.
+        name = hf_name(name.replace(".base_layer.", ".").replace(".modules_to_save.default.", "."))
         if tie_word_embeddings and name == "lm_head.weight":
             continue
         out.append((name, param))

@@ -12,6 +12,9 @@ and AdamW state exist for them alone, and FSDP2 shards them with their layer.
   second copy of the weights.
 - DoRA (model.use_dora): peft's layers also train a magnitude per output row (fp32, initialised to
   the base weight's row norms), and the merged weight is rescaled to it.
+- model.lora_modules_to_save: peft wraps each such module, keeping the original (frozen, what the
+  reference computes with) and training a copy in fp32; the engines get the copy under the
+  module's name (hpcrl.compute.sync.gather), and the adapter directory holds it as peft writes it.
 - The engines get the merged weights W + scale * B A: hpcrl.compute.sync.gather sends each LoRA
   layer as one ``MergedWeight``, merged layer by layer inside the bucketed gather; after the first
   sync only the layers that carry adapters move (``changing_params``).
@@ -37,7 +40,8 @@ from hpcrl.job.errors import UserError
 from hpcrl.job.recipe import ModelConfig
 
 __all__ = ["ADAPTER", "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "MERGED_DIR", "lora_config", "add_adapters",
-           "lora_layers", "adapters_disabled", "BaseModel", "adapter_tensors", "peft_key", "gather_adapters",
+           "lora_layers", "modules_to_save", "SAVED_COPY", "adapters_disabled", "BaseModel", "adapter_tensors",
+           "peft_key", "gather_adapters",
            "write_adapter_dir"]
 
 ADAPTER = "default"                 # peft's name for the one adapter
@@ -54,7 +58,7 @@ def lora_config(model: ModelConfig, base_model: str = "") -> Any:
     return LoraConfig(r=model.lora_r, lora_alpha=model.lora_alpha, lora_dropout=model.lora_dropout,
                       target_modules=list(targets) if isinstance(targets, tuple) else targets,
                       use_rslora=model.use_rslora, use_dora=model.use_dora, task_type=model.lora_task_type,
-                      bias="none",
+                      bias="none", modules_to_save=list(model.lora_modules_to_save or ()) or None,
                       base_model_name_or_path=base_model or None)
 
 
@@ -78,8 +82,19 @@ def add_adapters(model: nn.Module, recipe_model: ModelConfig) -> nn.Module:
         # in the engines, which load one tensor for both.
         raise UserError("model.lora_target_modules: lm_head is tied to the input embeddings in this model; "
                         "leave it out (\"all-linear\" does)")
+    saved = modules_to_save(model)
+    if saved and getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        raise UserError(f"model.lora_modules_to_save: {', '.join(recipe_model.lora_modules_to_save)}: the head is "
+                        f"tied to the input embeddings in this model, and a trained copy would untie them in the "
+                        f"engines")
+    missing = set(recipe_model.lora_modules_to_save or ()) - {path.rsplit(".", 1)[-1] for path in saved}
+    if missing:
+        raise UserError(f"model.lora_modules_to_save: {', '.join(sorted(missing))}: no such module in this model")
     for param in model.parameters():
         param.requires_grad_(False)
+    for wrapper in saved.values():
+        # The trained copy, fp32 as the adapters (the original stays frozen, for the reference).
+        wrapper.modules_to_save[ADAPTER].to(dtype=torch.float32).requires_grad_(True)
     for layer in layers.values():
         dora = getattr(layer, "lora_magnitude_vector", {})
         for module in (layer.lora_A[ADAPTER], layer.lora_B[ADAPTER], *([dora[ADAPTER]] if ADAPTER in dora else [])):
@@ -88,6 +103,14 @@ def add_adapters(model: nn.Module, recipe_model: ModelConfig) -> nn.Module:
             module.to(dtype=torch.float32)
             module.weight.requires_grad_(True)
     return model
+
+
+def modules_to_save(model: nn.Module) -> dict[str, nn.Module]:
+    """peft's wrappers of model.lora_modules_to_save by module path: the original module, frozen, and
+    the trained copy in ``modules_to_save["default"]``."""
+    return {name: m for name, m in model.named_modules()
+            if isinstance(getattr(m, "original_module", None), nn.Module)
+            and ADAPTER in getattr(m, "modules_to_save", {})}
 
 
 def _tuner_layers(model: nn.Module) -> list[nn.Module]:
@@ -130,27 +153,31 @@ class BaseModel(nn.Module):
 
 # ------------------------------------------------------------------------------------- written out
 _MAGNITUDE = f".lora_magnitude_vector.{ADAPTER}.weight"
+SAVED_COPY = f".modules_to_save.{ADAPTER}."        # a trained copy's parameters (model.lora_modules_to_save)
 
 
 def peft_key(name: str) -> str:
     """A LoRA parameter's name -> its key in a peft adapter file (what PeftModel.save_pretrained
-    writes: the PeftModel's prefix, and no adapter name; DoRA's magnitude without its ".weight")."""
+    writes: the PeftModel's prefix, and no adapter name; DoRA's magnitude without its ".weight"; a
+    trained copy of a whole module under the module's own name)."""
+    name = name.replace(SAVED_COPY, ".")
     if name.endswith(_MAGNITUDE):
         name = name[:-len(".weight")]
     return "base_model.model." + name.replace(f".{ADAPTER}.", ".").removesuffix(f".{ADAPTER}")
 
 
 def adapter_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """``(name, parameter)`` of every adapter tensor (lora_A, lora_B, DoRA's magnitude), in
-    ``named_parameters()`` order."""
+    """``(name, parameter)`` of every adapter tensor (lora_A, lora_B, DoRA's magnitude, a trained copy
+    of a module to save), in ``named_parameters()`` order."""
     return [(name, p) for name, p in model.named_parameters()
-            if ".lora_A." in name or ".lora_B." in name or name.endswith(_MAGNITUDE)]
+            if ".lora_A." in name or ".lora_B." in name or name.endswith(_MAGNITUDE) or SAVED_COPY in name]
 
 
 def gather_adapters(model: nn.Module, writer: bool) -> dict[str, torch.Tensor] | None:
     """Every adapter matrix whole, by parameter name, on ``writer`` (None elsewhere). Every trainer
     calls it: each is gathered (a collective, in one order). Adapters are small (r x (in + out) per
-    layer), so the writer holds all of them."""
+    layer), so the writer holds all of them in host memory; so it does a module to save's copy
+    (lm_head: vocabulary x hidden in fp32)."""
     from hpcrl.compute.sync.gather import full_tensor
 
     tensors = {}
@@ -172,6 +199,6 @@ def write_adapter_dir(directory: Path, tensors: dict[str, torch.Tensor], *, reci
     save_file({peft_key(name): t for name, t in tensors.items()}, str(directory / ADAPTER_WEIGHTS),
               metadata={"format": "pt"})
     config = lora_config(recipe_model, base_model)
-    config.target_modules = sorted({name.split(".lora_")[0].rsplit(".", 1)[-1] for name in tensors})
+    config.target_modules = sorted({name.split(".lora_")[0].rsplit(".", 1)[-1] for name in tensors if ".lora_" in name})
     tokenizer.save_pretrained(directory)
     config.save_pretrained(str(directory))      # last: it makes the directory a model directory

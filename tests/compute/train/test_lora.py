@@ -18,11 +18,12 @@ from dist_harness import spawn
 TARGETS = ("q_proj", "v_proj")
 
 
-def lora_recipe(dora: bool = False, **grpo):
+def lora_recipe(dora: bool = False, modules_to_save: tuple[str, ...] | None = None, **grpo):
     from hpcrl.job.recipe import CheckpointConfig, GRPOConfig, ModelConfig, Recipe
 
     return Recipe(model=ModelConfig(use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0,
-                                    lora_target_modules=TARGETS, use_dora=dora),
+                                    lora_target_modules=TARGETS, use_dora=dora,
+                                    lora_modules_to_save=modules_to_save),
                   grpo=GRPOConfig(beta=0.04, gradient_checkpointing=False, **grpo),
                   checkpoint=CheckpointConfig(save_merged_model=True))
 
@@ -40,7 +41,7 @@ def _train_adapters(policy, steps: int = 3) -> None:
         opt.zero_grad()
 
 
-def _w_lora(rank, world, model_dir, out_dir, dora):
+def _w_lora(rank, world, model_dir, out_dir, variant):
     import torch
     from peft import PeftModel
     from torch.distributed.device_mesh import init_device_mesh
@@ -53,17 +54,20 @@ def _w_lora(rank, world, model_dir, out_dir, dora):
     from hpcrl.compute.train.optim import build_optimizer
 
     torch.manual_seed(0)
-    recipe = lora_recipe(dora)
+    dora, saved = variant == "dora", variant == "lm_head"
+    recipe = lora_recipe(dora, ("lm_head",) if saved else None)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
     policy, reference = load_policy_and_reference(model_dir, mesh, torch.device("cpu"), recipe)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
     # Only the adapters train, in fp32, and only they have optimizer state.
     trainable = {n: p for n, p in policy.named_parameters() if p.requires_grad}
-    assert trainable and all(".lora_" in n for n in trainable), sorted(trainable)[:4]
-    # DoRA: a magnitude per output row of each adapted layer, beside A and B.
-    assert {n.split(".lora_")[1].split(".")[0] for n in trainable} == ({"A", "B", "magnitude_vector"} if dora
-                                                                         else {"A", "B"})
+    # DoRA: a magnitude per output row of each adapted layer, beside A and B; lora_modules_to_save: a
+    # trained copy of the head (the original stays, frozen, for the reference).
+    copies = [n for n in trainable if ".modules_to_save.default." in n]
+    assert copies == (["lm_head.modules_to_save.default.weight"] if saved else []), copies
+    assert {n.split(".lora_")[1].split(".")[0] for n in trainable if n not in copies} == (
+        {"A", "B", "magnitude_vector"} if dora else {"A", "B"})
     assert {p.dtype for p in trainable.values()} == {torch.float32}
     adapted = sorted({n.rsplit(".", 1)[-1] for n in lora_layers(policy)})
     assert adapted == sorted(TARGETS), adapted
@@ -101,12 +105,16 @@ def _w_lora(rank, world, model_dir, out_dir, dora):
         want_q = (m / want_q.norm(dim=1)).unsqueeze(1) * want_q
     assert torch.allclose(merged["model.layers.0.self_attn.q_proj.weight"], want_q, atol=1e-6)
     assert torch.equal(merged["model.layers.0.self_attn.k_proj.weight"], base.model.layers[0].self_attn.k_proj.weight)
-    # After the first sync, only the attention blocks (where the adapters are) move.
+    if saved:       # the head the engines get is the trained copy
+        head = merged["lm_head.weight"]
+        assert torch.equal(head, policy.lm_head.modules_to_save["default"].weight.full_tensor())
+        assert not torch.allclose(head, base.lm_head.weight, atol=1e-4), "the head's copy did not train"
+    # After the first sync, only the attention blocks (where the adapters are) move, and the head.
     moving = [n for n, _ in changing_params(entries)]
-    assert moving and all(".self_attn." in n for n in moving), moving
+    assert moving and all(".self_attn." in n for n in moving if n != "lm_head.weight"), moving
     # Qwen2's attention: q, k, v and o weights, q, k and v biases (k and o move with q and v: vLLM
     # fuses q, k and v, and the rule takes the whole block).
-    assert len(moving) == 7 * base.config.num_hidden_layers
+    assert len(moving) == 7 * base.config.num_hidden_layers + saved
     # A merged model with the same weights gives the trainer's logits.
     merged_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     merged_model.load_state_dict(merged, strict=False)
@@ -134,13 +142,54 @@ def _w_lora(rank, world, model_dir, out_dir, dora):
     written = load_file(out / "merged" / "model.safetensors")
     source = load_file(Path(model_dir) / "model.safetensors")
     changed = sorted(n for n in source if not torch.equal(written[n].float(), source[n].float()))
-    assert changed and all(n.endswith(("q_proj.weight", "v_proj.weight")) for n in changed), changed
-    assert len(changed) == 2 * base.config.num_hidden_layers
+    assert changed and all(n.endswith(("q_proj.weight", "v_proj.weight")) for n in changed if n != "lm_head.weight")
+    assert len(changed) == 2 * base.config.num_hidden_layers + saved, changed
 
 
-@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
-def test_lora_trains_adapters_only_and_merges_what_it_sends(tmp_path, model_dir, dora):
-    spawn(_w_lora, tmp_path, model_dir, str(tmp_path), dora, timeout=240)
+@pytest.mark.parametrize("variant", ["lora", "dora", "lm_head"])
+def test_lora_trains_adapters_only_and_merges_what_it_sends(tmp_path, model_dir, variant):
+    """lora: plain; dora: model.use_dora; lm_head: model.lora_modules_to_save [lm_head], on a model of
+    the same weights whose head is untied from its embeddings (a tied one is refused)."""
+    if variant == "lm_head":
+        model_dir = _untied_copy(model_dir, tmp_path / "untied")
+    spawn(_w_lora, tmp_path, model_dir, str(tmp_path), variant, timeout=240)
+
+
+def test_a_copy_of_a_tied_head_is_refused_and_of_an_untied_one_trained(model_dir, tmp_path):
+    """model.lora_modules_to_save in the job: the demo model ties its head to the embeddings, and a
+    trained copy of either would untie them in the engines; untied, the copy alone trains beside the
+    adapters."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hpcrl.compute.train.lora import add_adapters
+    from hpcrl.job.errors import UserError
+    from hpcrl.job.recipe import ModelConfig
+
+    def adapt(path, saved):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        return add_adapters(model, ModelConfig(use_peft=True, lora_target_modules=TARGETS, lora_modules_to_save=saved))
+
+    with pytest.raises(UserError, match=r"^model.lora_modules_to_save: embed_tokens: the head is tied to the input "
+                                        r"embeddings in this model"):
+        adapt(model_dir, ("embed_tokens",))
+    untied = _untied_copy(model_dir, tmp_path / "untied")
+    model = adapt(untied, ("embed_tokens",))
+    assert [n for n, p in model.named_parameters() if p.requires_grad and ".lora_" not in n] == \
+        ["model.embed_tokens.modules_to_save.default.weight"]
+
+
+def _untied_copy(model_dir, out):
+    """``model_dir``'s model with a head of its own (the embeddings' values, untied)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.get_input_embeddings().weight.detach().clone())
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(out)
+    return str(out)
 
 
 def _kept_bytes(dora: bool, tokens: int, fin: int = 64, fout: int = 96) -> int:
