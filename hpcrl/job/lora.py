@@ -42,6 +42,17 @@ def decoder_linear_path(layer: int, name: str) -> str:
 _SHARED_INPUT = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "o_proj": 1, "gate_proj": 2, "up_proj": 2, "down_proj": 3}
 
 
+# model.lora_modules_to_save: the modules a copy of which may train beside the adapters.
+LORA_MODULES_TO_SAVE = ("lm_head", "embed_tokens")
+
+
+def tied_copy_error(names) -> str:
+    """model.lora_modules_to_save on a model whose head is its embedding matrix: what the login node
+    (hpcrl.login.lora_inputs) and the job (hpcrl.compute.train.lora) both say."""
+    return (f"model.lora_modules_to_save: {', '.join(names)}: the head is tied to the input embeddings in this "
+            f"model, and a trained copy would untie them in the engines")
+
+
 class LoraTargets(NamedTuple):
     """The linear layers LoRA adapts in each decoder layer, with the adapters' rank and dropout."""
     r: int
@@ -65,7 +76,7 @@ class LoraTargets(NamedTuple):
             frozenset(name for name in DECODER_LINEARS
                       if lora_target_matches(targets, decoder_linear_path(layer, name)))
             for layer in range(shape.num_layers)), dora,
-            len(set(modules_to_save) & {"lm_head", "embed_tokens"}) * shape.vocab_size * shape.hidden_size)
+            len(set(modules_to_save) & set(LORA_MODULES_TO_SAVE)) * shape.vocab_size * shape.hidden_size)
 
     def layer_params(self, layer: int) -> int:
         """The adapters' parameters in one decoder layer (with DoRA, a magnitude per output row too)."""

@@ -17,10 +17,7 @@ from hpcrl.job.config import closest
 from hpcrl.job.demo import demo_name
 from hpcrl.job.errors import UserError
 from hpcrl.job.grpo_config import GRPOConfig
-
-
-# model.lora_modules_to_save: the modules a copy of which may train beside the adapters.
-LORA_MODULES_TO_SAVE = ("lm_head", "embed_tokens")
+from hpcrl.job.lora import LORA_MODULES_TO_SAVE
 
 
 @dataclass(frozen=True)

@@ -162,14 +162,13 @@ def _tokenizer_dir(name: str, where: str, env, directory: Path | None = None) ->
 def _check_lora_targets(model: ModelConfig, model_dir: Path | None) -> None:
     """model.lora_target_modules against the modules of the model (its directory; None: a demo model),
     and model.lora_modules_to_save against its tied head."""
-    if not model.use_peft or (model.lora_target_modules is None and not model.lora_modules_to_save):
+    if not model.use_peft:
         return
     from hpcrl.login import lora_inputs
 
     lora_inputs.check_modules_to_save(model, model_dir)
     if model.lora_target_modules is None:
         return
-
     modules = lora_inputs.demo_module_paths(model.path) if model_dir is None else \
         lora_inputs.checkpoint_module_paths(model_dir)
     lora_inputs.check_targets(model, modules)

@@ -14,7 +14,7 @@ from pathlib import Path
 from hpcrl.job.config import closest
 from hpcrl.job.demo import parse_demo_model
 from hpcrl.job.errors import UserError
-from hpcrl.job.lora import ALL_LINEAR, DECODER_LINEARS, decoder_linear_path, lora_target_matches
+from hpcrl.job.lora import ALL_LINEAR, DECODER_LINEARS, decoder_linear_path, lora_target_matches, tied_copy_error
 from hpcrl.job.model_shape import read_safetensors_header
 from hpcrl.job.recipe import ModelConfig
 
@@ -154,7 +154,4 @@ def check_modules_to_save(model: ModelConfig, model_dir: Path | None) -> None:
         except (OSError, ValueError):
             return
     if tied:
-        raise UserError(f"model.lora_modules_to_save: {', '.join(sorted(model.lora_modules_to_save))}: the head is "
-                        f"tied to the input embeddings in this model, and a trained copy would untie them in the "
-                        f"engines")
-
+        raise UserError(tied_copy_error(model.lora_modules_to_save))

@@ -37,6 +37,7 @@ from torch import nn
 
 from hpcrl.compute.sync.gather import lora_layers
 from hpcrl.job.errors import UserError
+from hpcrl.job.lora import tied_copy_error
 from hpcrl.job.recipe import ModelConfig
 
 __all__ = ["ADAPTER", "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "MERGED_DIR", "lora_config", "add_adapters",
@@ -84,9 +85,7 @@ def add_adapters(model: nn.Module, recipe_model: ModelConfig) -> nn.Module:
                         "leave it out (\"all-linear\" does)")
     saved = modules_to_save(model)
     if saved and getattr(getattr(model, "config", None), "tie_word_embeddings", False):
-        raise UserError(f"model.lora_modules_to_save: {', '.join(recipe_model.lora_modules_to_save)}: the head is "
-                        f"tied to the input embeddings in this model, and a trained copy would untie them in the "
-                        f"engines")
+        raise UserError(tied_copy_error(recipe_model.lora_modules_to_save))
     missing = set(recipe_model.lora_modules_to_save or ()) - {path.rsplit(".", 1)[-1] for path in saved}
     if missing:
         raise UserError(f"model.lora_modules_to_save: {', '.join(sorted(missing))}: no such module in this model")
