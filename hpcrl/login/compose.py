@@ -287,6 +287,8 @@ def _compose(recipe: Recipe, recipe_path: str | None, site_name: str, run_dir: s
     python = sys.executable if site.python == "auto" else site.python
     lead_s = _signal_lead_s(site, recipe, time_s, plan)
     reward_modules = _reward_modules(recipe, recipe_path, check_installed=python == sys.executable)
+    if python == sys.executable and not site.container.image:
+        _check_vllm_installed(site, recipe)
     if check_inputs and not for_plan and recipe.mode == "train":
         from hpcrl.login.inputs import check_inputs     # model, tokenizer and data, as the job will find them
 
@@ -532,6 +534,25 @@ def _reward_modules(recipe, recipe_path: str | None, check_installed: bool) -> t
     if agent_inputs is not None:
         agent_inputs.check_sources(recipe, own, installed=check_installed)
     return tuple(with_imported(local, lambda top: _own_module(top, dirs)))
+
+
+def _check_vllm_installed(site: Site, recipe: Recipe) -> None:
+    """Where the tasks run this interpreter, an engine they would not find is refused here rather than
+    when the job starts: inference.engine vllm, and auto where only vLLM serves (a GPU site, whose auto
+    never falls back to the transformers engine; structured outputs)."""
+    engine, regex = recipe.inference.engine, recipe.grpo.vllm_structured_outputs_regex is not None
+    if engine == "transformers" or (engine == "auto" and site.device != "cuda" and not regex) or _importable("vllm"):
+        return
+    if engine == "vllm":
+        raise UserError(f"inference.engine: vllm: no vllm in {sys.executable}, which the tasks run; install the "
+                        f"site's vLLM build into it, or set inference.engine=transformers")
+    if regex:
+        raise UserError(f"grpo.vllm_structured_outputs_regex: structured outputs need the vLLM engine, and "
+                        f"{sys.executable}, which the tasks run, has no vllm (inference.engine: auto would use "
+                        f"the transformers engine, which samples free text)")
+    raise UserError(f"inference.engine: auto found no vllm in {sys.executable} (which the tasks run) on a GPU "
+                    f"site; install the site's vLLM build into it, or set inference.engine=transformers to "
+                    f"generate with the transformers engine on purpose")
 
 
 def _importable(top: str) -> bool:

@@ -277,3 +277,34 @@ def test_bad_input_files(hpcrl, tmp_path, case_id, files, args, expect):
     assert len(lines) == 1 and lines[0].startswith("hpcrl: error: ") and expect.format(inputs=made) in lines[0], r.stderr
     assert "Traceback" not in r.stderr + r.stdout and r.stdout == ""
     assert list(hpcrl.work.iterdir()) == [], "something was written"
+
+
+_HIDE_VLLM = '''import sys
+class _NoVllm:
+    """This interpreter without vLLM, as a site's environment may be."""
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "vllm":
+            raise ModuleNotFoundError(f"No module named {name!r}")
+sys.meta_path.insert(0, _NoVllm())
+'''
+
+
+@pytest.mark.parametrize("args,expect", [
+    ([*TESTBED, "inference.engine=vllm"], "inference.engine: vllm: no vllm in "),
+    ([*TESTBED, r"grpo.vllm_structured_outputs_regex=\d+"],
+     "grpo.vllm_structured_outputs_regex: structured outputs need the vLLM engine"),
+    (["--site", "cuda", "-A", "abc123"], "inference.engine: auto found no vllm in "),
+], ids=["engine-vllm", "structured-outputs", "gpu-site-auto"])
+def test_an_engine_the_tasks_would_not_find_is_refused_on_the_login_node(hpcrl, tmp_path, args, expect):
+    """Where the tasks run the login node's interpreter, vLLM missing from it is known before the job
+    queues: inference.engine vllm; and auto where nothing else serves (structured outputs, a GPU site,
+    whose auto never falls back to the transformers engine). The CPU's auto keeps its fallback."""
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text(_HIDE_VLLM)
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(hide), os.environ.get("PYTHONPATH", "")]))}
+    r = hpcrl("submit", *args, env=env)
+    assert r.returncode == 2 and r.stderr.startswith("hpcrl: error: " + expect), (r.returncode, r.stderr)
+    assert len(r.stderr.strip().splitlines()) == 1 and list(hpcrl.work.iterdir()) == [], r.stderr
+    plain = hpcrl("plan", "--site", "testbed", env=env)          # the CPU's auto: the transformers engine
+    assert plain.returncode == 0, plain.stderr

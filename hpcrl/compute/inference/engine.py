@@ -198,15 +198,21 @@ def engine_class(name: str) -> type[InferenceEngine]:
     return getattr(importlib.import_module(module), cls)
 
 
-def chosen_engine(requested: str, device: str) -> type[InferenceEngine]:
+def chosen_engine(requested: str, device: str, vllm_for: str = "") -> type[InferenceEngine]:
     """The engine ``inference.engine: requested`` names on a site of ``device``, refused with what
-    to do where it cannot run here."""
+    to do where it cannot run here. ``vllm_for``: the recipe field that only vLLM serves (auto then
+    falls back to nothing else)."""
     if requested != "auto":
         cls = engine_class(requested)
         why = cls.missing()
         if why:
             raise RuntimeError(f"inference.engine: {requested} {why}")
         return cls
+    if vllm_for:
+        if engine_class("vllm").missing():
+            raise RuntimeError(f"{vllm_for} needs the vLLM engine, and vllm is not installed in this environment "
+                               f"(inference.engine: auto would use the transformers engine)")
+        return engine_class("vllm")
     for name in AUTO.get(device, AUTO_ELSEWHERE):
         cls = engine_class(name)
         if cls.missing() is None:

@@ -55,7 +55,9 @@ def engine_errors_log(ctx: LaunchContext) -> Path:
 def make_engine(ctx: LaunchContext, model_dir: str, errors_log: Path | None = None) -> InferenceEngine:
     """The engine inference.engine names, on this server's device(s). An engine that fails to start
     raises its real cause: the reason its processes logged in ``errors_log``, where it has one."""
-    engine_cls = chosen_engine(ctx.spec.recipe.inference.engine, ctx.device)
+    recipe = ctx.spec.recipe
+    engine_cls = chosen_engine(recipe.inference.engine, ctx.device, vllm_for="grpo.vllm_structured_outputs_regex"
+                               if recipe.grpo.vllm_structured_outputs_regex is not None else "")
     try:
         return engine_cls.for_server(ctx, model_dir, errors_log)
     except Exception as e:

@@ -41,7 +41,7 @@ from hpcrl.job.lora import tied_copy_error
 from hpcrl.job.recipe import ModelConfig
 
 __all__ = ["ADAPTER", "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "MERGED_DIR", "lora_config", "add_adapters",
-           "lora_layers", "modules_to_save", "SAVED_COPY", "adapters_disabled", "BaseModel", "adapter_tensors",
+           "lora_layers", "saved_module_paths", "modules_to_save", "SAVED_COPY", "adapters_disabled", "BaseModel", "adapter_tensors",
            "peft_key", "gather_adapters",
            "write_adapter_dir"]
 
@@ -51,16 +51,35 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 MERGED_DIR = "merged"               # checkpoint.save_merged_model: <model dir>/merged
 
 
-def lora_config(model: ModelConfig, base_model: str = "") -> Any:
-    """peft's ``LoraConfig`` for a recipe's model section (TRL's get_peft_config, the same fields)."""
+def lora_config(model: ModelConfig, base_model: str = "", saved_modules: list[str] | None = None) -> Any:
+    """peft's ``LoraConfig`` for a recipe's model section (TRL's get_peft_config, the same fields);
+    ``saved_modules``: model.lora_modules_to_save as this model's own module paths."""
     from peft import LoraConfig
 
     targets = model.lora_target_modules
     return LoraConfig(r=model.lora_r, lora_alpha=model.lora_alpha, lora_dropout=model.lora_dropout,
                       target_modules=list(targets) if isinstance(targets, tuple) else targets,
                       use_rslora=model.use_rslora, use_dora=model.use_dora, task_type=model.lora_task_type,
-                      bias="none", modules_to_save=list(model.lora_modules_to_save or ()) or None,
+                      bias="none", modules_to_save=saved_modules or None,
                       base_model_name_or_path=base_model or None)
+
+
+def saved_module_paths(model: nn.Module, names: tuple[str, ...]) -> list[str]:
+    """model.lora_modules_to_save's names -> the module paths of this model. ``lm_head`` is the output
+    embeddings and ``embed_tokens`` the input embeddings whatever an architecture calls them (gpt_neox:
+    ``gpt_neox.embed_in``), as transformers finds them; the whole path, as peft matches a name against
+    every module path's end and a bare ``embed_tokens`` would also match a vision tower's."""
+    getters = {"lm_head": "get_output_embeddings", "embed_tokens": "get_input_embeddings"}
+    paths = {id(m): name for name, m in model.named_modules()}
+    found, missing = [], []
+    for name in names:
+        getter = getattr(model, getters[name], None)
+        module = getter() if getter is not None else None
+        (found.append(paths[id(module)]) if module is not None and id(module) in paths else missing.append(name))
+    if missing:
+        raise UserError(f"model.lora_modules_to_save: {', '.join(missing)}: this model has no such module "
+                        f"(lm_head: its output embeddings; embed_tokens: its input embeddings)")
+    return found
 
 
 def add_adapters(model: nn.Module, recipe_model: ModelConfig) -> nn.Module:
@@ -69,8 +88,9 @@ def add_adapters(model: nn.Module, recipe_model: ModelConfig) -> nn.Module:
     recipe's mistake: one line naming model.lora_target_modules."""
     from peft import inject_adapter_in_model
 
+    saved_paths = saved_module_paths(model, recipe_model.lora_modules_to_save or ())
     try:
-        model = inject_adapter_in_model(lora_config(recipe_model), model)
+        model = inject_adapter_in_model(lora_config(recipe_model, saved_modules=saved_paths), model)
     except ValueError as e:
         if "not found in the base model" in str(e) or "target_modules" in str(e):
             raise UserError(f"model.lora_target_modules: {str(e).splitlines()[0]}") from None
@@ -86,9 +106,6 @@ def add_adapters(model: nn.Module, recipe_model: ModelConfig) -> nn.Module:
     saved = modules_to_save(model)
     if saved and getattr(getattr(model, "config", None), "tie_word_embeddings", False):
         raise UserError(tied_copy_error(recipe_model.lora_modules_to_save))
-    missing = set(recipe_model.lora_modules_to_save or ()) - {path.rsplit(".", 1)[-1] for path in saved}
-    if missing:
-        raise UserError(f"model.lora_modules_to_save: {', '.join(sorted(missing))}: no such module in this model")
     for param in model.parameters():
         param.requires_grad_(False)
     for wrapper in saved.values():
@@ -197,7 +214,8 @@ def write_adapter_dir(directory: Path, tensors: dict[str, torch.Tensor], *, reci
 
     save_file({peft_key(name): t for name, t in tensors.items()}, str(directory / ADAPTER_WEIGHTS),
               metadata={"format": "pt"})
-    config = lora_config(recipe_model, base_model)
+    config = lora_config(recipe_model, base_model, saved_modules=sorted(
+        {name.split(SAVED_COPY)[0] for name in tensors if SAVED_COPY in name}))
     config.target_modules = sorted({name.split(".lora_")[0].rsplit(".", 1)[-1] for name in tensors if ".lora_" in name})
     tokenizer.save_pretrained(directory)
     config.save_pretrained(str(directory))      # last: it makes the directory a model directory

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -363,3 +364,8 @@ def test_auto_on_a_gpu_site_without_vllm_is_refused_not_a_silent_transformers_en
     chosen = Recipe(model=ModelConfig(path="/m"), inference=InferenceConfig(engine="transformers"))
     assert server.make_engine(SimpleNamespace(**{**vars(gpu), "spec": SimpleNamespace(recipe=chosen)}), "/m") \
         == "transformers engine"
+    # Structured outputs only vLLM serves: auto does not fall back on the CPU either.
+    regex = replace(recipe, grpo=replace(recipe.grpo, vllm_structured_outputs_regex=r"\d+"))
+    with pytest.raises(RuntimeError, match=r"^grpo.vllm_structured_outputs_regex needs the vLLM engine, and vllm "
+                                           r"is not installed in this environment"):
+        server.make_engine(_ctx(regex), "/m")

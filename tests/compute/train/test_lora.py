@@ -179,6 +179,45 @@ def test_a_copy_of_a_tied_head_is_refused_and_of_an_untied_one_trained(model_dir
         ["model.embed_tokens.modules_to_save.default.weight"]
 
 
+
+def test_copies_of_a_head_and_embeddings_of_other_names_train_and_load_back_in_peft(model_dir, tmp_path):
+    """model.lora_modules_to_save [lm_head, embed_tokens] on gpt_neox, whose input embeddings are
+    ``gpt_neox.embed_in``: the two names are the model's output and input embeddings whatever their
+    paths, the adapter directory names the paths, and peft's own load trains the same copies."""
+    import json
+
+    import torch
+    from peft import PeftModel
+    from transformers import AutoTokenizer, GPTNeoXConfig, GPTNeoXForCausalLM
+
+    from hpcrl.compute.train.lora import adapter_tensors, add_adapters, write_adapter_dir
+    from hpcrl.job.recipe import ModelConfig
+
+    torch.manual_seed(0)
+    config = GPTNeoXConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                           intermediate_size=64, tie_word_embeddings=False)
+    GPTNeoXForCausalLM(config).save_pretrained(tmp_path / "base")
+    recipe_model = ModelConfig(use_peft=True, lora_target_modules=("query_key_value",),
+                               lora_modules_to_save=("lm_head", "embed_tokens"))
+    model = add_adapters(GPTNeoXForCausalLM.from_pretrained(tmp_path / "base"), recipe_model)
+    copies = sorted(n for n, p in model.named_parameters() if p.requires_grad and ".lora_" not in n)
+    assert copies == ["gpt_neox.embed_in.modules_to_save.default.weight", "lm_head.modules_to_save.default.weight"]
+    _train_adapters(model)
+    (tmp_path / "adapter").mkdir()
+    write_adapter_dir(tmp_path / "adapter", {n: p.detach().clone() for n, p in adapter_tensors(model)},
+                      recipe_model=recipe_model, base_model=str(tmp_path / "base"),
+                      tokenizer=AutoTokenizer.from_pretrained(model_dir))
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["modules_to_save"] == \
+        ["gpt_neox.embed_in", "lm_head"]
+    loaded = PeftModel.from_pretrained(GPTNeoXForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "adapter")
+    ids = torch.randint(0, 128, (2, 8))
+    model.eval()
+    with torch.no_grad():
+        assert torch.allclose(loaded(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-5)
+        embeddings = loaded.get_base_model().gpt_neox.embed_in
+        assert not torch.equal(embeddings.original_module.weight, embeddings.modules_to_save["default"].weight)
+
+
 def _untied_copy(model_dir, out):
     """``model_dir``'s model with a head of its own (the embeddings' values, untied)."""
     import torch
