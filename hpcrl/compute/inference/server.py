@@ -56,8 +56,9 @@ def make_engine(ctx: LaunchContext, model_dir: str, errors_log: Path | None = No
     """The engine inference.engine names, on this server's device(s). An engine that fails to start
     raises its real cause: the reason its processes logged in ``errors_log``, where it has one."""
     recipe = ctx.spec.recipe
-    engine_cls = chosen_engine(recipe.inference.engine, ctx.device, vllm_for="grpo.vllm_structured_outputs_regex"
-                               if recipe.grpo.vllm_structured_outputs_regex is not None else "")
+    requested = recipe.inference.engine
+    structured = requested == "auto" and recipe.grpo.vllm_structured_outputs_regex is not None
+    engine_cls = chosen_engine(requested, ctx.device, vllm_for="grpo.vllm_structured_outputs_regex" if structured else "")
     try:
         return engine_cls.for_server(ctx, model_dir, errors_log)
     except Exception as e:
