@@ -99,6 +99,7 @@ class Stage:
     # At this many nodes or more, an empty python_env is "auto" (0 = never): the site's scale where
     # imports from its shared file system cost more than staging does.
     python_env_from_nodes: int = 0
+    # Where each node unpacks python_env: a directory of it a tarball, named after the tarball.
     dest: str = "/mnt/bb/$USER/hpcrl-env"
     # The longest a node's unpack waits for another's into the same dest (two jobs of a user on a
     # shared node, nodes that share a disk): a holder stuck on a hung file system ends the job in one

@@ -54,12 +54,28 @@ def resolve(site: Site, nodes: int, python: str, run_dir: Path, notes: list[str]
     return replace(site, stage=replace(site.stage, python_env=str(tarball))), str(prefix)
 
 
+def staged_name(tarball: str) -> str:
+    """The directory of site.stage.dest a tarball is unpacked into, as the script names it: its file
+    name up to its last ".tar" (or ".tgz"), so that environments of other packages sit side by side."""
+    name = Path(tarball).name
+    name = (name[:name.rfind(".tar")] if ".tar" in name else name).removesuffix(".tgz")
+    return "env" if name in ("", ".", "..") else name
+
+
+def staged_python(site: Site) -> str:
+    """The interpreter the tasks of a job that stages its environment start."""
+    stage = site.stage
+    name = staged_name(stage.python_env) if stage.python_env not in ("", AUTO) else "<the pack's name>"
+    return f"{stage.dest}/{name}/bin/python"
+
+
 def describe(site: Site, nodes: int, python: str) -> str:
     """`hpcrl plan`'s line: whether the job stages its environment, from what, and why (not)."""
     stage = site.stage
     wanted, prefix, why_not = _decide(site, nodes, python)
     if stage.python_env and stage.python_env != AUTO:
-        return f"python env: {stage.python_env} unpacked on each node's {stage.dest} (site.stage.python_env)"
+        return (f"python env: {stage.python_env} unpacked on each node's {stage.dest}/{staged_name(stage.python_env)} "
+                f"(site.stage.python_env)")
     if not wanted:
         at = (f"; from {stage.python_env_from_nodes} nodes on, staged (site.stage.python_env_from_nodes)"
               if stage.python_env_from_nodes and site.scheduler == "slurm" else "")

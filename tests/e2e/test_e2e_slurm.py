@@ -290,7 +290,8 @@ def test_a_trl_users_config_on_two_nodes_with_its_model_and_environment_staged(t
     # Every Python the job started ran from the staged copy (the launch's 2 tasks a node, vLLM's
     # processes, the stage and sweep steps), on both nodes.
     starts = [line.split() for line in started.read_text().splitlines()]
-    assert {prefix for _, prefix in starts} == {str(run_dir / "node-local" / "env")}, starts
+    assert {prefix for _, prefix in starts} == {str(run_dir / "node-local" / "env" / tarball.name.removesuffix(".tar"))}, \
+        starts
     assert len({node for node, _ in starts}) == 2, starts
     # Two trainers: 4 prompts a generation over the 12, so 3 steps.
     check_trl_user_run(run_dir, tmp_path / "out", 3)
@@ -383,7 +384,7 @@ def test_staging_and_every_task_run_once_per_node_inside_the_site_container(test
     # Unpacked once, by either node; the other said it found the copy in place.
     assert len(unpacked.read_text().splitlines()) == 1
     reused = re.findall(r"hpcrl: (\S+): the Python environment is already staged at (\S+)\n", log)
-    assert len(reused) == 1 and reused[0][1] == str(run_dir / "node-local" / "env"), log[-3000:]
+    assert len(reused) == 1 and reused[0][1] == str(run_dir / "node-local" / "env" / "env"), log[-3000:]
     nodes = sorted({unpacked.read_text().split()[0], reused[0][0]}, key=lambda n: int(n[1:]))
     assert len(nodes) == 2, nodes
     assert not list((run_dir / "node-local").glob("*.tar")), "the job's copies of the tarball stay"

@@ -44,7 +44,7 @@ def test_frontier_stages_the_environment_it_runs_from_at_8_nodes_and_more(hpcrl,
     assert tarball.parent == run_dir.parent / ".python-env" and tarball.name.startswith("myenv-")
     assert not tarball.exists(), "the login node packed it: the job's batch step does"
     assert f"HPCRL_ENV_TAR={tarball}\n" in script and f"HPCRL_ENV_SOURCE={venv}\n" in script
-    assert f'tar -cf "$HPCRL_ENV_PART" -C {venv} .' in script and 'HPCRL_PYTHON="$HPCRL_ENV_DEST/bin/python"' in script
+    assert f'tar -cf "$HPCRL_ENV_PART" -C {venv} .' in script and 'HPCRL_PYTHON="$HPCRL_ENV_DIR/bin/python"' in script
     subprocess.run(["bash", "-n", str(run_dir / "job.sbatch")], check=True)
     # The next job of the same environment names the same tarball (and finds it packed).
     run_dir2, _, _ = _render(hpcrl, *FRONTIER, "-N", "64", f"site.python={python}")

@@ -103,7 +103,7 @@ def test_sites_says_which_interpreter_the_tasks_run(hpcrl):
     staged.mkdir(parents=True)
     (staged / "frontier.toml").write_text('[stage]\npython_env = "/lustre/orion/abc/env.tar.gz"\n')
     r = hpcrl("sites", "frontier", env={"XDG_CONFIG_HOME": str(hpcrl.work.parent / "xdg3")})
-    assert "tasks run: /mnt/bb/$USER/hpcrl-env/bin/python, staged from /lustre/orion/abc/env.tar.gz" in r.stderr
+    assert "tasks run: /mnt/bb/$USER/hpcrl-env/env/bin/python, staged from /lustre/orion/abc/env.tar.gz" in r.stderr
 
 
 def test_frontier_stages_python_env_with_sbcast(hpcrl):

@@ -7,7 +7,7 @@ import sys
 
 from hpcrl.job.config import to_dict
 from hpcrl.job.errors import UserError
-from hpcrl.login import profiles
+from hpcrl.login import profiles, python_env
 from hpcrl.login.table import print_table
 
 
@@ -32,13 +32,13 @@ def interpreter(site) -> str:
     """Which Python the job's tasks start, in words: the commonest way a first job fails."""
     c = site.container
     if c.image:
-        python = f"{site.stage.dest}/bin/python" if site.stage.python_env else site.python
+        python = python_env.staged_python(site) if site.stage.python_env else site.python
         return f"{python} inside {c.image} ({c.runtime}, site.container)"
     if site.stage.python_env == "auto":
-        return (f"{site.stage.dest}/bin/python, staged from a pack of {_python(site)}'s environment "
+        return (f"{python_env.staged_python(site)}, staged from a pack of {_python(site)}'s environment "
                 f"(stage.python_env = \"auto\")")
     if site.stage.python_env:
-        return f"{site.stage.dest}/bin/python, staged from {site.stage.python_env} (stage.python_env)"
+        return f"{python_env.staged_python(site)}, staged from {site.stage.python_env} (stage.python_env)"
     at_scale = (f"; at {site.stage.python_env_from_nodes} nodes or more, staged from a pack of its environment "
                 f"(stage.python_env_from_nodes)" if site.stage.python_env_from_nodes else "")
     if site.python == "auto":
