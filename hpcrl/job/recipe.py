@@ -277,6 +277,14 @@ def _default_rewards() -> tuple[RewardSpec, ...]:
     return (RewardSpec("hpcrl.compute.train.rewards:demo_correct", 1.0), RewardSpec("hpcrl.compute.train.rewards:demo_format", 0.5))
 
 
+def auto_engines(device: str) -> tuple[str, ...]:
+    """What `inference.engine: auto` tries on a site of `device`, best first. On a GPU site only vLLM:
+    the transformers engine generates without paging or batching across requests and takes every
+    sync's whole model over a socket, a slow job nobody chose. Elsewhere the transformers engine is
+    the fallback. (The login node refuses a missing vLLM by it; the job chooses by it.)"""
+    return ("vllm",) if device == "cuda" else ("vllm", "transformers")
+
+
 @dataclass(frozen=True)
 class InferenceConfig:
     engine: Literal["auto", "vllm", "transformers"] = "auto"

@@ -22,7 +22,7 @@ from hpcrl.job.errors import UserError
 from hpcrl.job.hfcache import MAIN, is_glob, is_hub_id
 from hpcrl.job.placement import Plan, make_plan
 from hpcrl.job.grpo_config import DEMO_GRPO
-from hpcrl.job.recipe import DATASET_BUILDERS, DataConfig, Recipe
+from hpcrl.job.recipe import DATASET_BUILDERS, DataConfig, Recipe, auto_engines
 from hpcrl.job.recipe import TRL_REWARDS_MATH_VERIFY, expand_shorthands, reward_import_path
 from hpcrl.job.site import Site
 from hpcrl.job.slurm_time import parse_walltime
@@ -541,7 +541,8 @@ def _check_vllm_installed(site: Site, recipe: Recipe) -> None:
     when the job starts: inference.engine vllm, and auto where only vLLM serves (a GPU site, whose auto
     never falls back to the transformers engine; structured outputs)."""
     engine, regex = recipe.inference.engine, recipe.grpo.vllm_structured_outputs_regex is not None
-    if engine == "transformers" or (engine == "auto" and site.device != "cuda" and not regex) or _importable("vllm"):
+    only_vllm = engine == "vllm" or (engine == "auto" and (regex or auto_engines(site.device) == ("vllm",)))
+    if not only_vllm or _importable("vllm"):
         return
     if engine == "vllm":
         raise UserError(f"inference.engine: vllm: no vllm in {sys.executable}, which the tasks run; install the "

@@ -290,8 +290,8 @@ def test_a_trl_users_config_on_two_nodes_with_its_model_and_environment_staged(t
     # Every Python the job started ran from the staged copy (the launch's 2 tasks a node, vLLM's
     # processes, the stage and sweep steps), on both nodes.
     starts = [line.split() for line in started.read_text().splitlines()]
-    assert {prefix for _, prefix in starts} == {str(run_dir / "node-local" / "env" / tarball.name.removesuffix(".tar"))}, \
-        starts
+    staged = run_dir / "node-local" / "env" / tarball.name.removesuffix(".tar")
+    assert {prefix for _, prefix in starts} == {str(staged)}, starts
     assert len({node for node, _ in starts}) == 2, starts
     # Two trainers: 4 prompts a generation over the 12, so 3 steps.
     check_trl_user_run(run_dir, tmp_path / "out", 3)

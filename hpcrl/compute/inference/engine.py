@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, ClassVar, Sequence
 
 from hpcrl.compute.inference.types import Completion, Sampling
+from hpcrl.job.recipe import auto_engines
 
 __all__ = ["ENGINES", "InferenceEngine", "SyncPeer", "engine_class", "chosen_engine"]
 
@@ -29,11 +30,6 @@ ENGINES: dict[str, str] = {
     "transformers": "hpcrl.compute.inference.hf_engine:TransformersEngine",
 }
 
-# What `inference.engine: auto` tries, best first, by site device. On a GPU site only vLLM: the
-# transformers engine generates without paging or batching across requests and takes every sync's
-# whole model over a socket, a slow job nobody chose. Elsewhere the transformers engine is the fallback.
-AUTO: dict[str, tuple[str, ...]] = {"cuda": ("vllm",)}
-AUTO_ELSEWHERE = ("vllm", "transformers")
 AUTO_FOUND_NONE = {"cuda": "inference.engine: auto found no vLLM in this environment on a GPU site; install "
                            "the site's vLLM build (on Frontier OLCF's ROCm vLLM container) or set "
                            "inference.engine=transformers to generate with the transformers engine on purpose"}
@@ -209,11 +205,12 @@ def chosen_engine(requested: str, device: str, vllm_for: str = "") -> type[Infer
             raise RuntimeError(f"inference.engine: {requested} {why}")
         return cls
     if vllm_for:
-        if engine_class("vllm").missing():
+        cls = engine_class("vllm")
+        if cls.missing():
             raise RuntimeError(f"{vllm_for} needs the vLLM engine, and vllm is not installed in this environment "
                                f"(inference.engine: auto would use the transformers engine)")
-        return engine_class("vllm")
-    for name in AUTO.get(device, AUTO_ELSEWHERE):
+        return cls
+    for name in auto_engines(device):
         cls = engine_class(name)
         if cls.missing() is None:
             return cls

@@ -58,7 +58,8 @@ def make_engine(ctx: LaunchContext, model_dir: str, errors_log: Path | None = No
     recipe = ctx.spec.recipe
     requested = recipe.inference.engine
     structured = requested == "auto" and recipe.grpo.vllm_structured_outputs_regex is not None
-    engine_cls = chosen_engine(requested, ctx.device, vllm_for="grpo.vllm_structured_outputs_regex" if structured else "")
+    engine_cls = chosen_engine(requested, ctx.device,
+                               vllm_for="grpo.vllm_structured_outputs_regex" if structured else "")
     try:
         return engine_cls.for_server(ctx, model_dir, errors_log)
     except Exception as e:

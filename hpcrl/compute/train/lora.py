@@ -41,9 +41,8 @@ from hpcrl.job.lora import tied_copy_error
 from hpcrl.job.recipe import ModelConfig
 
 __all__ = ["ADAPTER", "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "MERGED_DIR", "lora_config", "add_adapters",
-           "lora_layers", "saved_module_paths", "modules_to_save", "SAVED_COPY", "adapters_disabled", "BaseModel", "adapter_tensors",
-           "peft_key", "gather_adapters",
-           "write_adapter_dir"]
+           "lora_layers", "saved_module_paths", "modules_to_save", "SAVED_COPY", "adapters_disabled", "BaseModel",
+           "adapter_tensors", "peft_key", "gather_adapters", "write_adapter_dir"]
 
 ADAPTER = "default"                 # peft's name for the one adapter
 ADAPTER_CONFIG = "adapter_config.json"
@@ -75,7 +74,10 @@ def saved_module_paths(model: nn.Module, names: tuple[str, ...]) -> list[str]:
     for name in names:
         getter = getattr(model, getters[name], None)
         module = getter() if getter is not None else None
-        (found.append(paths[id(module)]) if module is not None and id(module) in paths else missing.append(name))
+        if module is not None and id(module) in paths:
+            found.append(paths[id(module)])
+        else:
+            missing.append(name)
     if missing:
         raise UserError(f"model.lora_modules_to_save: {', '.join(missing)}: this model has no such module "
                         f"(lm_head: its output embeddings; embed_tokens: its input embeddings)")
