@@ -108,6 +108,9 @@ class GRPOConfig:
     ref_model_mixup_alpha: float = 0.6
     ref_model_sync_steps: int = 512
     disable_dropout: bool = False           # every dropout module of policy and reference gets p = 0
+    # NEFTune (transformers' hook, as TRL gets it): uniform noise of +-alpha / sqrt(L x d) on the
+    # policy's input embeddings in its training forwards; None = off.
+    neftune_noise_alpha: Optional[float] = None
     # The LM head of policy and reference computes in fp32 on the bf16 hidden states (TRL's option, as
     # the ScaleRL recipe advises): fp32 logits. With a head tied to the input embeddings, the group
     # they share (embeddings, final norm, head) computes in fp32, the embeddings' output cast back.
@@ -175,6 +178,8 @@ class GRPOConfig:
         if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0:
             raise UserError(f"{where}.max_tool_calling_iterations: must be >= 0, or null for no bound, "
                             f"got {self.max_tool_calling_iterations}")
+        if self.neftune_noise_alpha is not None and not self.neftune_noise_alpha >= 0:
+            raise UserError(f"{where}.neftune_noise_alpha: must be >= 0 or null, got {self.neftune_noise_alpha}")
         if self.router_aux_loss_coef is not None and self.router_aux_loss_coef < 0:
             raise UserError(f"{where}.router_aux_loss_coef: must be >= 0 or null, got {self.router_aux_loss_coef}")
         if self.epsilon_high is not None and self.epsilon_high < 0:

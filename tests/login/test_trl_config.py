@@ -104,20 +104,20 @@ def test_a_trl_config_translates(trl_yaml, tmp_path):
 
 
 def test_every_unimplemented_key_is_named_in_one_error(trl_yaml):
-    trl_yaml.write_text(trl_yaml.read_text() + "load_in_4bit: true\nneftune_noise_alpha: 5\n"
+    trl_yaml.write_text(trl_yaml.read_text() + "load_in_4bit: true\nfp16: true\n"
                         "push_to_hub: true\nlearnin_rate: 3\ngrpo:\n  betta: 1\n")
     with pytest.raises(UserError) as e:
         compose.build_recipe(str(trl_yaml))
     lines = str(e.value).splitlines()
     assert lines[0] == "5 fields are not accepted (nothing was written):"
     text = "\n".join(lines)
-    for name in ("load_in_4bit: quantized training is not supported", "neftune_noise_alpha: not implemented",
+    for name in ("load_in_4bit: quantized training is not supported", "fp16: fp16 training is not supported",
                  "push_to_hub: compute nodes have no internet",
                  'learnin_rate: unknown field (did you mean "learning_rate"?)',
                  'grpo.betta: unknown field (did you mean "beta"?)'):
         assert name in text, text
     # No hint to a field of another meaning (save_steps used to suggest max_steps).
-    assert "did you mean" not in text.split("neftune_noise_alpha")[1].splitlines()[0]
+    assert "did you mean" not in text.split("fp16:")[1].splitlines()[0]
 
 
 LORA_YAML = """\
@@ -208,9 +208,9 @@ def test_trls_async_max_staleness_is_the_inference_bound(trl_yaml):
 
 
 def test_a_key_at_trls_default_is_accepted(trl_yaml):
-    trl_yaml.write_text(trl_yaml.read_text() + "neftune_noise_alpha: null\n")
+    trl_yaml.write_text(trl_yaml.read_text() + "fp16: false\n")
     t = compose.build_recipe(str(trl_yaml)).trl
-    assert t.inert["neftune_noise_alpha"] == "TRL's default"
+    assert t.inert["fp16"] == "TRL's default"
 
 
 def test_trls_adaptive_entropy_control_moves_with_its_bounds_checked(trl_yaml):

@@ -15,6 +15,7 @@ rank_metrics.py      a rank's partial metrics and their reduction over all train
 rewards.py           reward functions: TRL's calling convention, loading, scoring, the demo's
 reward_model.py      a sequence-classification model as a reward function
 evaluation.py        eval_strategy="steps": the eval split generated, scored and averaged
+model_options.py     the options that change the policy module itself: dropout off, NEFTune's noise
 optim.py             AdamW, the learning-rate schedule and clipping, with TRL's meanings
 data.py              prompt datasets, the demo task, the resumable prompt sampler
 sources.py           where the model and the prompts come from (a directory, the hub cache, the demo)

@@ -49,7 +49,6 @@ __all__ = [
     "load_sharded_model",
     "load_policy_and_reference",
     "frozen_dtype",
-    "disable_dropout",
     "local_param_bytes",
     "global_param_bytes",
     "param_devices",
@@ -348,13 +347,6 @@ def load_policy_and_reference(model_dir: str, mesh: DeviceMesh, device: torch.de
     reference.requires_grad_(False)
     check_devices(param_devices(reference), device, offload=bool(trainer.reference_offload), what="reference")
     return policy, reference
-
-
-def disable_dropout(model: nn.Module) -> None:
-    """grpo.disable_dropout: every dropout module's p set to 0 (TRL's disable_dropout_in_model)."""
-    for module in model.modules():
-        if isinstance(module, nn.Dropout):
-            module.p = 0
 
 
 # ----------------------------------------------------------------------------------------------

@@ -46,7 +46,7 @@ from hpcrl.job import rundir
 from hpcrl.job.recipe import LaunchConfig, Recipe
 from hpcrl.compute.train import checkpoint as ckpt
 from hpcrl.compute.train import data as data_mod
-from hpcrl.compute.train import fsdp as fsdp_mod
+from hpcrl.compute.train import model_options
 from hpcrl.compute.train.ahead import Ahead
 from hpcrl.compute.train.base_diff import BaseDiff
 from hpcrl.compute.train.batch import micro_batched_logps, pack_batch, policy_forward, router_aux_coef
@@ -141,10 +141,7 @@ class Trainer:
         self.loss_config = LossConfig.from_grpo(self.grpo, setup.num_trainers)
         self.entropy = EntropyControl(self.grpo)        # the bonus's coefficient, adaptive or not
         self.router_aux_coef = router_aux_coef(setup.policy, grpo.router_aux_loss_coef)
-        if self.grpo.disable_dropout:
-            for model in (setup.policy, setup.reference):
-                if model is not None:
-                    fsdp_mod.disable_dropout(model)
+        model_options.apply(setup.policy, setup.reference, self.grpo)     # dropout, NEFTune
         self.engine = setup.engine or Fsdp2Engine(setup.policy)
         self.engine.configure(self.grpo)
         self.sampler = data_mod.PromptSampler(setup.dataset, self.prompts_per_rank * setup.num_trainers,

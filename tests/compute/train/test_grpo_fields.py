@@ -2,8 +2,9 @@
 what it changes: the loss (importance_sampling_level, delta, off_policy_mask_threshold,
 use_bias_correction_kl, sapo_*, vespo_*, entropy_coef), the advantages (multi_objective_aggregation),
 sampling (min_p, repetition_penalty, generation_kwargs), prompt rendering (chat_template_kwargs), the
-optimizer and schedule (optim, lr_scheduler_kwargs), dropout (disable_dropout) and the reference model
-(sync_ref_model, ref_model_mixup_alpha, ref_model_sync_steps). Each test fails if its field is ignored.
+optimizer and schedule (optim, lr_scheduler_kwargs), dropout (disable_dropout), NEFTune (neftune_noise_alpha)
+and the reference model (sync_ref_model, ref_model_mixup_alpha, ref_model_sync_steps). Each test fails if its
+field is ignored.
 
 The trainer's part runs the real `Trainer` on 2 gloo ranks (tests/dist_harness.py) with a generator
 that returns fixed completions, as tests/compute/train/test_fields_wired.py does."""
@@ -34,7 +35,7 @@ NEW_FIELDS = {
     "generation_kwargs": {"stop": ["\n"]}, "chat_template_kwargs": {"enable_thinking": False},
     "lr_scheduler_type": "cosine", "lr_scheduler_kwargs": {"num_cycles": 1.0}, "optim": "adamw_torch",
     "disable_dropout": True, "beta": 0.04, "sync_ref_model": True, "ref_model_mixup_alpha": 0.9,
-    "ref_model_sync_steps": 64,
+    "ref_model_sync_steps": 64, "neftune_noise_alpha": 5.0,
 }
 
 
@@ -59,6 +60,7 @@ def test_a_trl_config_sets_each_field_under_its_own_name():
     ({"beta": 0.1, "sync_ref_model": True, "ref_model_mixup_alpha": 0}, "grpo.ref_model_mixup_alpha: must be in (0, 1]"),
     ({"beta": 0.1, "sync_ref_model": True, "ref_model_sync_steps": 0}, "grpo.ref_model_sync_steps: must be at least 1"),
     ({"sync_ref_model": True}, "grpo.sync_ref_model: needs beta > 0"),
+    ({"neftune_noise_alpha": -1.0}, "grpo.neftune_noise_alpha: must be >= 0 or null"),
 ])
 def test_bad_values_are_refused_in_one_line(fields, message):
     with pytest.raises(UserError) as e:
@@ -178,6 +180,34 @@ def _w_trainer(rank, world, model_dir, run_dir):
     assert policy.test_dropout.p == reference.test_dropout.p == 0.3
     trainer(disable_dropout=True)
     assert policy.test_dropout.p == reference.test_dropout.p == 0
+
+    # neftune_noise_alpha: transformers' NEFTune hook on the policy's input embeddings, in training
+    # forwards only, within +-alpha / sqrt(L x d); never on the reference; a trainer without it
+    # removes the hook (a second one replaces it).
+    ids = torch.tensor([[25, 13, 25, 31, 26, 13]])
+    seen = []
+
+    def forward(model):
+        capture = model.get_input_embeddings().register_forward_hook(lambda m, a, out: seen.append(out.detach()))
+        try:
+            with torch.no_grad():
+                return model(input_ids=ids).logits
+        finally:
+            capture.remove()
+
+    clean, ref_clean = forward(policy), forward(reference)
+    trainer(neftune_noise_alpha=5.0)
+    trainer(neftune_noise_alpha=5.0)
+    noisy = forward(policy)
+    noise = (seen[-1] - seen[0]).abs()
+    assert 0 < noise.max() <= 5.0 / math.sqrt(ids.shape[1] * seen[0].shape[-1]) + 1e-6
+    assert noise.mean() > 0.3 * 5.0 / math.sqrt(ids.shape[1] * seen[0].shape[-1])    # uniform: its mean is half the bound
+    assert not torch.equal(noisy, clean) and torch.equal(forward(reference), ref_clean)
+    policy.eval()
+    assert torch.equal(forward(policy), clean)
+    policy.train()
+    trainer()
+    assert torch.equal(forward(policy), clean)
 
     # min_p, repetition_penalty, generation_kwargs: in the Sampling the trainer asks for.
     t, gen = trainer(min_p=0.05, repetition_penalty=1.2, generation_kwargs={"stop": ["\n"]})
