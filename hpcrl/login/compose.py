@@ -7,6 +7,7 @@ its GPUs is refused with the fix.
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
 import time
@@ -582,8 +583,15 @@ def _own_module(top: str, dirs: list[str]) -> str | None:
     found = importlib.machinery.PathFinder.find_spec(top, dirs)
     if found is None or found.origin in (None, "namespace") or top in sys.stdlib_module_names:
         return None
-    import importlib.metadata       # only here: reading every installed distribution takes a while
-
-    if top in importlib.metadata.packages_distributions():
+    if top in _installed_top_levels():
         return None
     return str(Path(found.origin).parent) if found.submodule_search_locations else found.origin
+
+
+@functools.cache
+def _installed_top_levels() -> frozenset[str]:
+    """The module names installed distributions provide: read once a process (every distribution's
+    metadata: half a second, which a recipe of several reward modules paid for each)."""
+    import importlib.metadata
+
+    return frozenset(importlib.metadata.packages_distributions())

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -47,6 +48,7 @@ def _string(node: ast.AST) -> str | None:
     return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
 
 
+@functools.cache        # the repository's files, read once for the file's tests
 def _reads() -> dict[str, list[tuple[str, int]]]:
     """Field-like name -> where hpcrl reads it (file relative to the repository, line)."""
     reads: dict[str, list[tuple[str, int]]] = defaultdict(list)
@@ -78,6 +80,7 @@ def _reads() -> dict[str, list[tuple[str, int]]]:
     return reads
 
 
+@functools.cache
 def _validate_lines() -> dict[str, tuple[str, range]]:
     """Class name -> (its file, the lines of its validate())."""
     out = {}

@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,7 @@ NOT_YET: dict[str, set[str]] = {
 }
 
 
+@functools.cache        # parsed once for the file's tests (each parse of the package takes a second)
 def _trees() -> dict[str, tuple[Path, ast.Module, str]]:
     out = {}
     for name, path in scan().modules.items():
@@ -128,6 +130,7 @@ def _functions(tree: ast.Module):
     yield from walk(tree.body, "")
 
 
+@functools.cache
 def _offenders() -> dict[str, dict[str, str]]:
     """rule -> {key: what}, the key naming the offender as NOT_YET does."""
     found: dict[str, dict[str, str]] = {"parameters": {}, "lines": {}, "private imports": {}}

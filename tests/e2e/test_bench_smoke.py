@@ -63,10 +63,10 @@ BENCHES = [  # script, arguments besides --smoke, the keys of its last line, sec
     bench("bench_load.py", [], {"load_s_staged_over_broadcast_at_1", "cross_node_load_bytes_broadcast_at_1",
                                 "cross_node_load_bytes_staged"}, 360, pytest.mark.slow, needs_testbed, testbed=True),
     # One process for both of its paths: the step against TRL, then asynchronous generation
-    # (inference.max_staleness) with the synchronous and the k = 4 systems (and k = 4 in flight) and a long tail of
+    # (inference.max_staleness) with the synchronous and the k = 4 in-flight systems and a long tail of
     # completions (1 in 2 to the 8 tokens, the others end at 4).
-    bench("bench_step.py", [], {"step_throughput_vs_trl", "async_steps_per_s_ratio_k4_over_k0", "engine_idle_k4",
-                                "async_steps_per_s_ratio_k4_inflight_over_k0", "engine_idle_k4_inflight",
+    bench("bench_step.py", [], {"step_throughput_vs_trl", "async_steps_per_s_ratio_k4_inflight_over_k0",
+                                "engine_idle_k4_inflight",
                                 "long_tail_len_over_max"}, 600, pytest.mark.slow, needs_mpi, *needs_vllm),
     bench("bench_agent.py", [], {"agent_rollouts_per_s_ratio_vs_lockstep", "agent_ratio_at_1_turns"}, 240,
           pytest.mark.slow, *needs_vllm),

@@ -190,6 +190,13 @@ def test_two_nodes_of_two_engines_synced_inside_each_node_through_a_killed_train
     assert all(ranks[int(s)]["node"] == ranks[t]["node"] for s, t in plan["senders"].items())
 
 
+def _steps_done(run_dir: Path) -> int:
+    """The last step in metrics.jsonl, from its complete lines (rank 0 may be writing the next)."""
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().split("\n")[:-1] if path.exists() else []
+    return json.loads(lines[-1])["step"] if lines else 0
+
+
 def _ranks(run_dir: Path) -> list[dict]:
     return json.loads((run_dir / "ranks.json").read_text())
 
@@ -207,8 +214,21 @@ def _latest_checkpoint_step(run_dir: Path) -> int | None:
 
 def _kill_when(hpcrl, job_id, run_dir, step, role, node) -> tuple[float, int]:
     """Once the job has done `step` steps and checkpointed, SIGKILL the task of `role` on `node`
-    (every fake node is this machine). Returns when it was killed and the checkpoint's step."""
-    _wait(hpcrl, job_id, lambda i: (i.get("step") or 0) >= step and _latest_checkpoint_step(run_dir), 600)
+    (every fake node is this machine). Returns when it was killed and the checkpoint's step.
+
+    It watches the run directory itself, every 0.2 s: `hpcrl status` (a Python start, squeue and
+    sacct) took so long on a loaded machine that a job of 3-second steps had finished its last step
+    when the kill came (a rehearsal of 12-03)."""
+    start = checked = time.time()
+    deadline = start + 600
+    while not (_steps_done(run_dir) >= step and _latest_checkpoint_step(run_dir)):
+        if time.time() > deadline:
+            raise AssertionError(f"job {job_id}: no step {step} and checkpoint within 600 s: {_status(hpcrl, job_id)}")
+        if time.time() > checked + 10:          # a job that ended early fails here, not at the deadline
+            checked = time.time()
+            info = _status(hpcrl, job_id)
+            assert info["state"] not in FINAL, f"job {job_id} ended before step {step}: {info}"
+        time.sleep(0.2)
     ckpt_step = _latest_checkpoint_step(run_dir)
     victim = next(r for r in _ranks(run_dir) if r["role"] == role and r["node"] == node)
     os.kill(victim["pid"], signal.SIGKILL)
