@@ -216,9 +216,9 @@ def _kill_when(hpcrl, job_id, run_dir, step, role, node) -> tuple[float, int]:
     """Once the job has done `step` steps and checkpointed, SIGKILL the task of `role` on `node`
     (every fake node is this machine). Returns when it was killed and the checkpoint's step.
 
-    It watches the run directory itself, every 0.2 s: `hpcrl status` (a Python start, squeue and
-    sacct) took so long on a loaded machine that a job of 3-second steps had finished its last step
-    when the kill came (a rehearsal of 12-03)."""
+    It watches the run directory itself, every 0.2 s, and squeue now and then: `hpcrl status` (a
+    Python start, squeue and sacct) took so long on a loaded machine that a job of 2-second steps had
+    finished its last one when the kill came (two runs of 12-03)."""
     start = checked = time.time()
     deadline = start + 600
     while not (_steps_done(run_dir) >= step and _latest_checkpoint_step(run_dir)):
@@ -226,8 +226,10 @@ def _kill_when(hpcrl, job_id, run_dir, step, role, node) -> tuple[float, int]:
             raise AssertionError(f"job {job_id}: no step {step} and checkpoint within 600 s: {_status(hpcrl, job_id)}")
         if time.time() > checked + 10:          # a job that ended early fails here, not at the deadline
             checked = time.time()
-            info = _status(hpcrl, job_id)
-            assert info["state"] not in FINAL, f"job {job_id} ended before step {step}: {info}"
+            queued = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True,
+                                    timeout=30).stdout.strip()
+            assert queued in ("PENDING", "CONFIGURING", "RUNNING"), \
+                f"job {job_id} ended before step {step}: {_status(hpcrl, job_id)}"
         time.sleep(0.2)
     ckpt_step = _latest_checkpoint_step(run_dir)
     victim = next(r for r in _ranks(run_dir) if r["role"] == role and r["node"] == node)
