@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from hpcrl.job import rundir
+from hpcrl.login.status import latest_metrics
 from conftest import REPO, _testbed_up, run_hpcrl
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -190,13 +191,6 @@ def test_two_nodes_of_two_engines_synced_inside_each_node_through_a_killed_train
     assert all(ranks[int(s)]["node"] == ranks[t]["node"] for s, t in plan["senders"].items())
 
 
-def _steps_done(run_dir: Path) -> int:
-    """The last step in metrics.jsonl, from its complete lines (rank 0 may be writing the next)."""
-    path = run_dir / "metrics.jsonl"
-    lines = path.read_text().split("\n")[:-1] if path.exists() else []
-    return json.loads(lines[-1])["step"] if lines else 0
-
-
 def _ranks(run_dir: Path) -> list[dict]:
     return json.loads((run_dir / "ranks.json").read_text())
 
@@ -219,9 +213,9 @@ def _kill_when(hpcrl, job_id, run_dir, step, role, node) -> tuple[float, int]:
     It watches the run directory itself, every 0.2 s, and squeue now and then: `hpcrl status` (a
     Python start, squeue and sacct) took so long on a loaded machine that a job of 2-second steps had
     finished its last one when the kill came (two runs of 12-03)."""
-    start = checked = time.time()
-    deadline = start + 600
-    while not (_steps_done(run_dir) >= step and _latest_checkpoint_step(run_dir)):
+    checked = time.time()
+    deadline = checked + 600
+    while not (latest_metrics(run_dir).get("step", 0) >= step and _latest_checkpoint_step(run_dir)):
         if time.time() > deadline:
             raise AssertionError(f"job {job_id}: no step {step} and checkpoint within 600 s: {_status(hpcrl, job_id)}")
         if time.time() > checked + 10:          # a job that ended early fails here, not at the deadline

@@ -9,8 +9,9 @@ from torch import nn
 
 from hpcrl.job.grpo_config import GRPOConfig
 
-# The handle of the NEFTune hook, kept on the embeddings module so that applying the options again
-# (another Trainer of the same policy) replaces it instead of adding a second one.
+# The handle of the NEFTune hook, kept on the model so that applying the options again (another
+# Trainer of the same policy) replaces it instead of adding a second one, and so that a run without
+# NEFTune never asks the model for its embeddings (a remote-code model may not say).
 _NEFTUNE_HANDLE = "_hpcrl_neftune_handle"
 
 
@@ -40,14 +41,14 @@ def set_neftune(model: nn.Module, alpha: Optional[float]) -> None:
     reference does not: a model of its own, or with LoRA the policy switched to eval mode for the
     reference's forward (hpcrl.compute.train.lora.BaseModel). The engines generate without it, as
     vLLM does under TRL. ``alpha`` None removes the hook."""
+    handle = getattr(model, _NEFTUNE_HANDLE, None)
+    if handle is not None:
+        handle.remove()
+        delattr(model, _NEFTUNE_HANDLE)
+    if alpha is None:
+        return
     from transformers.integrations.neftune import neftune_post_forward_hook
 
     embeddings = model.get_input_embeddings()
-    handle = getattr(embeddings, _NEFTUNE_HANDLE, None)
-    if handle is not None:
-        handle.remove()
-        delattr(embeddings, _NEFTUNE_HANDLE)
-    if alpha is None:
-        return
     embeddings.neftune_noise_alpha = alpha
-    setattr(embeddings, _NEFTUNE_HANDLE, embeddings.register_forward_hook(neftune_post_forward_hook))
+    setattr(model, _NEFTUNE_HANDLE, embeddings.register_forward_hook(neftune_post_forward_hook))
