@@ -10,13 +10,20 @@ from typing import Any, Literal, Optional, Union
 from hpcrl.job.config import closest
 from hpcrl.job.errors import UserError
 
-__all__ = ["LOSS_TYPES", "OPTIMS", "SCHEDULER_KWARGS", "SCHEDULER_REQUIRED", "SCHEDULERS_ON_METRICS", "GRPOConfig",
+__all__ = ["LOSS_TYPES", "OPTIMS", "LOW_BIT_OPTIMS", "BNB_8BIT_ADAMW", "SCHEDULER_KWARGS", "SCHEDULER_REQUIRED", "SCHEDULERS_ON_METRICS", "GRPOConfig",
            "DEMO_GRPO"]
 
 # As hpcrl.compute.train.loss.LOSS_TYPES (TRL 1.16); kept here because the login side never imports torch.
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
-# grpo.optim: the TRL (transformers) names of the AdamW that hpcrl runs.
-OPTIMS = ("adamw_torch", "adamw_torch_fused")
+# grpo.optim: the TRL (transformers) names of the AdamW that hpcrl runs. adamw_torch_8bit keeps the
+# two Adam moments block-quantized in 8 bits (torchao's AdamW8bit, blocks of 256, as transformers
+# builds it for that name). Not adamw_torch_4bit: torchao 0.18's AdamW4bit step does not compile
+# over FSDP2's shards on the CPU (an inductor size assertion).
+OPTIMS = ("adamw_torch", "adamw_torch_fused", "adamw_torch_8bit")
+LOW_BIT_OPTIMS = ("adamw_torch_8bit",)
+# transformers' names of bitsandbytes' 8-bit AdamW: its kernels take plain tensors, not the DTensor
+# shards FSDP2 trains.
+BNB_8BIT_ADAMW = ("adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit")
 # grpo.lr_scheduler_type: every transformers.SchedulerType that steps once per optimizer step, with
 # the lr_scheduler_kwargs its schedule function takes (transformers.optimization; a test holds the
 # names to transformers'), and those of them it cannot go without.
@@ -133,7 +140,8 @@ class GRPOConfig:
     # transformers.get_scheduler's scheduler_specific_kwargs (cosine: num_cycles; cosine_with_min_lr:
     # min_lr or min_lr_rate; warmup_stable_decay: num_decay_steps, ...).
     lr_scheduler_kwargs: Optional[dict[str, Any]] = None
-    optim: str = "adamw_torch_fused"        # AdamW: "adamw_torch" (torch's default kernel) or fused
+    # AdamW: "adamw_torch" (torch's default kernel), fused, or with 8-bit moments (OPTIMS).
+    optim: str = "adamw_torch_fused"
     max_grad_norm: float = 1.0
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
@@ -217,6 +225,10 @@ class GRPOConfig:
         self._validate_more(where)
 
     def _validate_more(self, where: str) -> None:
+        if self.optim in BNB_8BIT_ADAMW:
+            raise UserError(f"{where}.optim: {self.optim!r} is bitsandbytes' 8-bit AdamW, whose kernels do not take "
+                            f"FSDP2's sharded parameters; adamw_torch_8bit keeps the Adam moments in 8 bits too "
+                            f"(torchao's)")
         if self.optim not in OPTIMS:
             raise UserError(f"{where}.optim: {self.optim!r} is not supported; hpcrl's optimizer is AdamW: "
                             f"one of {', '.join(OPTIMS)}")

@@ -21,7 +21,8 @@ from hpcrl.job.batch import sequences_per_engine
 from hpcrl.job.lora import LoraTargets
 from hpcrl.job.memory import (GIB, TRAIN_BYTES_PER_PARAM, TRAINER_OVERHEAD_CPU, TRAINER_OVERHEAD_GPU,
                               VLLM_BATCHED_TOKENS, VLLM_LARGE_GPU_GIB, VLLM_MAX_SEQS, ModelStorage, TrainingStep,
-                              kv_bytes_per_token, server_parts, trainer_parts, zero3_device_bytes_per_param)
+                              adam_moment_bytes, kv_bytes_per_token, server_parts, trainer_parts,
+                              zero3_device_bytes_per_param)
 from hpcrl.job.model_shape import DTYPE_BYTES, ModelShape, count_parameters
 from hpcrl.job.placement import Plan
 from hpcrl.job.recipe import engine_dtype
@@ -70,7 +71,7 @@ def lora_targets(spec: JobSpec, shape: ModelShape) -> LoraTargets | None:
     """The recipe's LoRA adapters on the model (None without model.use_peft)."""
     m = spec.recipe.model
     return LoraTargets.of(shape, m.lora_target_modules, m.lora_r, m.lora_dropout, m.use_dora,
-                          m.lora_modules_to_save or ()) if m.use_peft else None
+                          m.lora_modules_to_save or (), m.lora_target_parameters or ()) if m.use_peft else None
 
 
 def engine_len(spec: JobSpec) -> int:
@@ -108,7 +109,7 @@ def trainer_parts_for(spec: JobSpec, shape: ModelShape, shard: int) -> dict[str,
         logprob_chunk_tokens=r.trainer.logprob_chunk_tokens, fp32_head=r.grpo.cast_lm_head_to_fp32,
         overhead_bytes=TRAINER_OVERHEAD_GPU if on_gpu else TRAINER_OVERHEAD_CPU)
     storage = ModelStorage(
-        shard=shard,
+        shard=shard, adam_bytes=adam_moment_bytes(r.grpo.optim),
         reference_dtype=None if r.model.dtype == "auto" else r.model.dtype,
         # An offloaded reference lives in host memory; on a CPU site that is the same memory.
         reference=r.grpo.beta > 0 and not (r.trainer.reference_offload and on_gpu),

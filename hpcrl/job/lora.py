@@ -42,6 +42,23 @@ def decoder_linear_path(layer: int, name: str) -> str:
 _SHARED_INPUT = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "o_proj": 1, "gate_proj": 2, "up_proj": 2, "down_proj": 3}
 
 
+# transformers 5's fused expert stacks of a mixture-of-experts layer (Qwen2/3-MoE, Mixtral, ...):
+# name -> (in_features, out_features) from the hidden size and an expert's intermediate size.
+EXPERT_STACKS = {"mlp.experts.gate_up_proj": lambda h, i: (h, 2 * i), "mlp.experts.down_proj": lambda h, i: (i, h)}
+
+
+def expert_stacks(shape: ModelShape, parameters: tuple[str, ...]) -> tuple[tuple[int, int, int], ...]:
+    """(experts, in_features, out_features) of each expert stack model.lora_target_parameters names,
+    as peft matches a name (the stack's path is it or ends with it); names of other parameters are
+    not counted (their shapes are not known here)."""
+    if not shape.experts:
+        return ()
+    return tuple((shape.experts, *size(shape.hidden_size, shape.expert_intermediate))
+                 for stack, size in EXPERT_STACKS.items()
+                 if any(f"model.layers.0.{stack}" == p or f"model.layers.0.{stack}".endswith("." + p)
+                        for p in parameters))
+
+
 # model.lora_modules_to_save: the modules a copy of which may train beside the adapters.
 LORA_MODULES_TO_SAVE = ("lm_head", "embed_tokens")
 
@@ -61,12 +78,17 @@ class LoraTargets(NamedTuple):
     layers: tuple[frozenset[str], ...]                   # per decoder layer: the names of its adapted linears
     dora: bool = False
     saved_params: int = 0           # model.lora_modules_to_save: the trained copies' parameters
+    # model.lora_target_parameters on fused expert stacks, in every decoder layer: (experts,
+    # in_features, out_features) of each adapted stack.
+    stacks: tuple[tuple[int, int, int], ...] = ()
 
     @classmethod
     def of(cls, shape: ModelShape, targets, r: int, dropout: float = 0.0, dora: bool = False,
-           modules_to_save: tuple[str, ...] = ()) -> "LoraTargets":
-        """From model.lora_target_modules (None: peft's default, q_proj and v_proj) and
-        model.lora_modules_to_save (lm_head, embed_tokens: vocabulary x hidden each)."""
+           modules_to_save: tuple[str, ...] = (), parameters: tuple[str, ...] = ()) -> "LoraTargets":
+        """From model.lora_target_modules (None: peft's default, q_proj and v_proj),
+        model.lora_modules_to_save (lm_head, embed_tokens: vocabulary x hidden each) and
+        model.lora_target_parameters (counted where they name transformers' fused expert stacks,
+        EXPERT_STACKS)."""
         if targets is None:
             targets = PEFT_DEFAULT_TARGETS
         elif targets == ALL_LINEAR:
@@ -76,13 +98,21 @@ class LoraTargets(NamedTuple):
             frozenset(name for name in DECODER_LINEARS
                       if lora_target_matches(targets, decoder_linear_path(layer, name)))
             for layer in range(shape.num_layers)), dora,
-            len(set(modules_to_save) & set(LORA_MODULES_TO_SAVE)) * shape.vocab_size * shape.hidden_size)
+            len(set(modules_to_save) & set(LORA_MODULES_TO_SAVE)) * shape.vocab_size * shape.hidden_size,
+            expert_stacks(shape, parameters))
 
     def layer_params(self, layer: int) -> int:
-        """The adapters' parameters in one decoder layer (with DoRA, a magnitude per output row too)."""
+        """The adapters' parameters in one decoder layer (with DoRA, a magnitude per output row too;
+        on an expert stack, r x (in + out) per expert)."""
         adapted = self.layers[layer]
-        return sum(self.r * (fin + fout) + (fout if self.dora else 0) for name, fin, fout in self.features
-                   if name in adapted)
+        return (sum(self.r * (fin + fout) + (fout if self.dora else 0) for name, fin, fout in self.features
+                    if name in adapted)
+                + sum(self.r * experts * (fin + fout) for experts, fin, fout in self.stacks))
+
+    def stack_bytes(self, compute_bytes: int) -> int:
+        """One decoder layer's adapted expert stacks merged (peft's ParamWrapper computes W + s B A for
+        the whole stack in the forward, and the backward keeps it, in the compute dtype)."""
+        return compute_bytes * sum(experts * fin * fout for experts, fin, fout in self.stacks)
 
     def dora_peak_bytes(self, compute_bytes: int) -> int:
         """DoRA's forward of one adapted linear layer, freed before the next: peft's B A as a weight

@@ -6,7 +6,9 @@ Sizes are in GiB (2**30 bytes), the unit a vendor's "64 GB" GCD or "80 GB" GPU i
 the one the site files' `gpu_memory_gb` means; they are printed as "GB" like the site fields.
 
 Trainer, per GPU (FSDP2 with the mixed precision of hpcrl.compute.train.fsdp):
-  training state   16 B/param (fp32 master weights, fp32 gradients, two fp32 Adam moments) / shard
+  training state   16 B/param (fp32 master weights, fp32 gradients, two fp32 Adam moments) / shard;
+                   with grpo.optim adamw_torch_8bit the moments take 2 B + an fp32 scale per 256
+                   values (10.03 B/param)
   reference        params x model.dtype ("auto": the compute dtype) / shard, when grpo.beta > 0 and not
                    trainer.reference_offload
   reward models    rewards[i].model's params, stored and sharded as the reference
@@ -55,7 +57,11 @@ With LoRA (model.use_peft; hpcrl.compute.train.lora), per GPU:
                    when lora_dropout > 0, and lora_A's output (r values) (hpcrl.job.lora.LoraTargets);
                    with DoRA (model.use_dora) + per adapted linear layer and token two outputs (out
                    values), and once the forward's weight-sized temporaries of the largest adapted
-                   layer (in x in + 3 in x out values: peft's B A as a weight, W + s B A)
+                   layer (in x in + 3 in x out values: peft's B A as a weight, W + s B A); with
+                   model.lora_target_parameters on expert stacks, r x experts x (in + out)
+                   adapter parameters per stack and layer, and each stack merged (experts x in x
+                   out values, compute dtype) kept per layer the backward has yet to reach (one
+                   with checkpointing), + one stack's gradient
 The adapted layers are model.lora_target_modules as peft matches them (hpcrl.job.lora).
 
 Server, per GPU of one engine's tensor-parallel group (inference.tensor_parallel_size GPUs; a node
@@ -90,6 +96,15 @@ GIB = 2 ** 30
 TRAIN_BYTES_PER_PARAM = 16
 REFERENCE_BYTES_PER_PARAM = 2      # a bf16 reference model when grpo.beta > 0
 ADAPTER_BYTES_PER_PARAM = 16       # fp32 adapters, their fp32 gradients, two fp32 Adam moments
+ADAM_MOMENT_BYTES = 8              # of those 16: the two fp32 Adam moments
+# grpo.optim with block-quantized moments (torchao): 1 B a value per moment, and an fp32 scale per
+# block of 256.
+LOW_BIT_MOMENT_BYTES = {"adamw_torch_8bit": 2 + 8 / 256}
+
+
+def adam_moment_bytes(optim: str) -> float:
+    """The two Adam moments' bytes per parameter for grpo.optim."""
+    return LOW_BIT_MOMENT_BYTES.get(optim, ADAM_MOMENT_BYTES)
 
 GATHERED_LAYERS = 2                # the layer computing and the one FSDP prefetches
 LOGITS_COPIES = 2                  # the logits and their gradient
@@ -174,6 +189,7 @@ class ModelStorage(NamedTuple):
     lora: LoraTargets | None = None
     offload_optimizer: bool = False
     offload_params: bool = False
+    adam_bytes: float = ADAM_MOMENT_BYTES   # the two moments per trained parameter (adam_moment_bytes)
 
 
 def trainer_parts(shape: ModelShape, step: TrainingStep, storage: ModelStorage = ModelStorage()) -> dict[str, int]:
@@ -191,10 +207,13 @@ def trainer_parts(shape: ModelShape, step: TrainingStep, storage: ModelStorage =
     per_layer = layer_activation_bytes(shape, c)
     layers = [per_layer + (lora.layer_activation_bytes(i, c) if lora else 0) for i in range(shape.num_layers)]
     dora = lora.dora_peak_bytes(c) if lora else 0
+    # Merged expert stacks (model.lora_target_parameters): each layer the backward has yet to reach
+    # keeps its own (one with checkpointing), and one stack's gradient is computed at a time.
+    stacks = lora.stack_bytes(c) if lora else 0
     if step.checkpointing:
-        activations = tokens * (shape.num_layers * c * h + max(layers, default=0) + final_norm) + dora
+        activations = tokens * (shape.num_layers * c * h + max(layers, default=0) + final_norm) + dora + 2 * stacks
     else:
-        activations = tokens * (sum(layers) + final_norm) + dora
+        activations = tokens * (sum(layers) + final_norm) + dora + (shape.num_layers + 1) * stacks
     chunk = min(step.logprob_chunk_tokens, step.micro_batch * step.completion_len)
     head_bytes = 4 if step.fp32_head else c
     root = shape.root_params * c + v * h * (head_bytes - c)     # the gathered root group
@@ -202,6 +221,8 @@ def trainer_parts(shape: ModelShape, step: TrainingStep, storage: ModelStorage =
     if lora is None:
         per_param = zero3_device_bytes_per_param(c, offload_optimizer=storage.offload_optimizer,
                                                  offload_params=storage.offload_params)
+        if not storage.offload_optimizer:
+            per_param += storage.adam_bytes - ADAM_MOMENT_BYTES
         state = {"training_state": math.ceil(n * per_param / shard),
                  "reference": math.ceil((n * frozen + frozen_head) / shard) if storage.reference else 0}
         # one layer's fp32 gradients, and the LM head's gradient in the root group
@@ -209,7 +230,8 @@ def trainer_parts(shape: ModelShape, step: TrainingStep, storage: ModelStorage =
     else:
         adapters = max((lora.layer_params(i) for i in range(shape.num_layers)), default=0)
         state = {"frozen_weights": math.ceil((n * frozen + frozen_head) / shard),
-                 "training_state": math.ceil((lora.params + lora.saved_params) * ADAPTER_BYTES_PER_PARAM / shard),
+                 "training_state": math.ceil((lora.params + lora.saved_params)
+                                             * (ADAPTER_BYTES_PER_PARAM - ADAM_MOMENT_BYTES + storage.adam_bytes) / shard),
                  "reference": 0}
         # one layer's adapter gradients in fp32; the frozen head has none, a trained copy of it
         # (model.lora_modules_to_save) is gathered with the root and keeps its fp32 gradient

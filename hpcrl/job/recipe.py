@@ -16,7 +16,7 @@ from hpcrl.job.agent_config import IMPORT_PATH, AgentConfig
 from hpcrl.job.config import closest
 from hpcrl.job.demo import demo_name
 from hpcrl.job.errors import UserError
-from hpcrl.job.grpo_config import GRPOConfig
+from hpcrl.job.grpo_config import LOW_BIT_OPTIMS, GRPOConfig
 from hpcrl.job.lora import LORA_MODULES_TO_SAVE
 
 
@@ -68,6 +68,12 @@ class ModelConfig:
     # and the adapter directory holds): "lm_head" and "embed_tokens" (new tokens' rows, a head of
     # one's own), not where the head is tied to the embeddings. None = the adapters only.
     lora_modules_to_save: Optional[tuple[str, ...]] = None
+    # Parameters adapted beside the modules (TRL's lora_target_parameters, peft's target_parameters):
+    # a name matches a parameter whose path (less peft's wrappers) is it or ends with "." + it, e.g.
+    # "mlp.experts.gate_up_proj" for the fused experts of a mixture-of-experts model (transformers 5
+    # holds them as one 3-D parameter, which no module name reaches). peft takes them without dropout
+    # or DoRA. None = modules only.
+    lora_target_parameters: Optional[tuple[str, ...]] = None
 
     def validate(self, where: str) -> None:
         if not hfcache.REVISION.fullmatch(self.revision):
@@ -77,7 +83,8 @@ class ModelConfig:
             raise UserError(f"{where}.attn_implementation: {self.attn_implementation!r} is not an attention "
                             f"implementation's name (eager, sdpa, flash_attention_2, ...)")
         if not self.use_peft:
-            for name, on in (("use_dora", self.use_dora), ("lora_modules_to_save", self.lora_modules_to_save)):
+            for name, on in (("use_dora", self.use_dora), ("lora_modules_to_save", self.lora_modules_to_save),
+                             ("lora_target_parameters", self.lora_target_parameters)):
                 if on:
                     raise UserError(f"{where}.{name}: a LoRA setting: set {where}.use_peft too")
             return
@@ -94,6 +101,7 @@ class ModelConfig:
         if self.lora_task_type != "CAUSAL_LM":
             raise UserError(f"{where}.lora_task_type: hpcrl trains causal language models: \"CAUSAL_LM\" "
                             f"(got {self.lora_task_type!r})")
+        self._validate_target_parameters(where)
         targets = self.lora_target_modules
         if targets is not None:
             names = [targets] if isinstance(targets, str) else list(targets)
@@ -105,6 +113,21 @@ class ModelConfig:
                     re.compile(targets)
                 except re.error as e:
                     raise UserError(f"{where}.lora_target_modules: {targets!r} is not a regular expression: {e}")
+
+    def _validate_target_parameters(self, where: str) -> None:
+        names = self.lora_target_parameters
+        if names is None:
+            return
+        if not names or any(not isinstance(n, str) or not re.fullmatch(r"[\w.]+", n) for n in names):
+            raise UserError(f"{where}.lora_target_parameters: parameter names, e.g. [mlp.experts.gate_up_proj, "
+                            f"mlp.experts.down_proj], got {names!r}")
+        # peft's ParamWrapper refuses both (the dropout cannot be factored out of a merged weight).
+        if self.lora_dropout:
+            raise UserError(f"{where}.lora_dropout: {self.lora_dropout}: peft's adapters on parameters "
+                            f"({where}.lora_target_parameters) take no dropout; set it to 0")
+        if self.use_dora:
+            raise UserError(f"{where}.use_dora: peft's adapters on parameters ({where}.lora_target_parameters) "
+                            f"have no DoRA; leave one of the two out")
 
 
 def engine_dtype(inference_dtype: str, model_dtype: str) -> str:
@@ -531,6 +554,9 @@ class Recipe:
         if self.grpo.max_tool_calling_iterations is not None and not self.agent.enabled:
             raise UserError("grpo.max_tool_calling_iterations: bounds an agent's tool calls; it needs agent.tools "
                             "or agent.environment_factory (leave it unset otherwise)")
+        if self.grpo.optim in LOW_BIT_OPTIMS and self.trainer.engine == "deepspeed":
+            raise UserError(f"grpo.optim: {self.grpo.optim} with trainer.engine=fsdp2 only in this version (ZeRO-3 "
+                            f"keeps its own flat fp32 optimizer partitions)")
         if self.grpo.cast_lm_head_to_fp32:
             if self.trainer.engine == "deepspeed":
                 raise UserError("grpo.cast_lm_head_to_fp32: with trainer.engine=fsdp2 only in this version (ZeRO-3 "

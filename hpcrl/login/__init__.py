@@ -24,6 +24,7 @@ commands/      one module per subcommand (run, render, submit, plan, sites, stat
 render.py      JobSpec -> the standalone sbatch script (templates/sbatch.sh.j2)
 job_env.py     the job's environment from the site's fields (NCCL's fabric, GPU order, HF_HOME, kernel cache)
 python_env.py  the Python environment the job stages at scale (stage.python_env "auto"): which, and the tarball's name
+task_packages.py  what the tasks' Python must hold for the recipe (its engine, torchao for 8-bit AdamW)
 launch_prefix.py  site.container as the script runs it: apptainer's command or pyxis's srun options, the binds
 module_imports.py the recipe's own modules its named ones import (ast), copied with them
 shell_words.py the script's quoting: literal words, and words whose plain $VARIABLES expand

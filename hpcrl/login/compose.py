@@ -23,13 +23,14 @@ from hpcrl.job.errors import UserError
 from hpcrl.job.hfcache import MAIN, is_glob, is_hub_id
 from hpcrl.job.placement import Plan, make_plan
 from hpcrl.job.grpo_config import DEMO_GRPO
-from hpcrl.job.recipe import DATASET_BUILDERS, DataConfig, Recipe, auto_engines
+from hpcrl.job.recipe import DATASET_BUILDERS, DataConfig, Recipe
 from hpcrl.job.recipe import TRL_REWARDS_MATH_VERIFY, expand_shorthands, reward_import_path
 from hpcrl.job.site import Site
 from hpcrl.job.slurm_time import parse_walltime
 from hpcrl.job.spec import SPEC_VERSION, JobSpec
-from hpcrl.login import deepspeed_inputs, job_env, profiles, python_env, write_dirs
+from hpcrl.login import deepspeed_inputs, job_env, profiles, python_env, task_packages, write_dirs
 from hpcrl.login.module_imports import with_imported
+from hpcrl.login.task_packages import importable as _importable
 if TYPE_CHECKING:
     from hpcrl.login.trl_config import Translation
 
@@ -289,7 +290,7 @@ def _compose(recipe: Recipe, recipe_path: str | None, site_name: str, run_dir: s
     lead_s = _signal_lead_s(site, recipe, time_s, plan)
     reward_modules = _reward_modules(recipe, recipe_path, check_installed=python == sys.executable)
     if python == sys.executable and not site.container.image:
-        _check_vllm_installed(site, recipe)
+        task_packages.check(site, recipe)
     if check_inputs and not for_plan and recipe.mode == "train":
         from hpcrl.login.inputs import check_inputs     # model, tokenizer and data, as the job will find them
 
@@ -535,42 +536,6 @@ def _reward_modules(recipe, recipe_path: str | None, check_installed: bool) -> t
     if agent_inputs is not None:
         agent_inputs.check_sources(recipe, own, installed=check_installed)
     return tuple(with_imported(local, lambda top: _own_module(top, dirs)))
-
-
-def _check_vllm_installed(site: Site, recipe: Recipe) -> None:
-    """Where the tasks run this interpreter, an engine they would not find is refused here rather than
-    when the job starts: inference.engine vllm, and auto where only vLLM serves (a GPU site, whose auto
-    never falls back to the transformers engine; structured outputs)."""
-    engine, regex = recipe.inference.engine, recipe.grpo.vllm_structured_outputs_regex is not None
-    only_vllm = engine == "vllm" or (engine == "auto" and (regex or auto_engines(site.device) == ("vllm",)))
-    if not only_vllm or _importable("vllm"):
-        return
-    if engine == "vllm":
-        raise UserError(f"inference.engine: vllm: no vllm in {sys.executable}, which the tasks run; install the "
-                        f"site's vLLM build into it, or set inference.engine=transformers")
-    if regex:
-        raise UserError(f"grpo.vllm_structured_outputs_regex: structured outputs need the vLLM engine, and "
-                        f"{sys.executable}, which the tasks run, has no vllm (inference.engine: auto would use "
-                        f"the transformers engine, which samples free text)")
-    raise UserError(f"inference.engine: auto found no vllm in {sys.executable} (which the tasks run) on a GPU "
-                    f"site; install the site's vLLM build into it, or set inference.engine=transformers to "
-                    f"generate with the transformers engine on purpose")
-
-
-def _importable(top: str) -> bool:
-    """Whether the tasks' interpreter finds `top`. Not through the current directory, which
-    `python -m hpcrl` puts first on sys.path: the tasks run in the run directory."""
-    import importlib.util
-
-    saved = list(sys.path)
-    if sys.path and sys.path[0] in ("", str(Path.cwd())):
-        del sys.path[0]
-    try:
-        return importlib.util.find_spec(top) is not None
-    except (ImportError, ValueError):
-        return False
-    finally:
-        sys.path[:] = saved
 
 
 def _own_module(top: str, dirs: list[str]) -> str | None:

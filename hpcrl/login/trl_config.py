@@ -35,7 +35,7 @@ RENAMED = {
     # TRL's ModelConfig LoRA fields: model.<same name> (hpcrl.job.recipe.ModelConfig).
     **{name: f"model.{name}" for name in ("use_peft", "lora_r", "lora_alpha", "lora_dropout",
                                           "lora_target_modules", "lora_task_type", "use_rslora", "use_dora",
-                                          "lora_modules_to_save")},
+                                          "lora_modules_to_save", "lora_target_parameters")},
     "dataset_name": "data.path",
     "dataset_train_split": "data.split",
     "dataset_config": "data.config",
@@ -115,8 +115,6 @@ _ONLY_WITH = {
 _MIXTURE_IGNORES = ("dataset_name", "dataset_config", "dataset_streaming")
 # What to do instead, for TRL keys hpcrl does not implement.
 NOT_IMPLEMENTED = {
-    "lora_target_parameters": "hpcrl's LoRA adapts modules: name them in lora_target_modules (adapters on "
-                              "parameters, as for mixture-of-experts weights, are not supported yet)",
     "load_in_4bit": "quantized training is not supported", "load_in_8bit": "quantized training is not supported",
     "fsdp": "hpcrl shards the model with FSDP2 itself (trainer.mesh)",
     "fsdp_config": "hpcrl shards the model with FSDP2 itself (trainer.mesh)",

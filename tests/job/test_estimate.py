@@ -14,7 +14,7 @@ import pytest
 from hpcrl.job.estimate import estimate
 from hpcrl.job.memory import GIB, TrainingStep, layer_activation_bytes, server_parts, trainer_parts
 from hpcrl.job.mesh_choice import choose_mesh, sync_traffic
-from hpcrl.job.model_shape import ModelShape, model_shape
+from hpcrl.job.model_shape import ModelShape, count_parameters, model_shape
 from hpcrl.login.cli import main as cli_main
 from hpcrl.login.compose import compose
 
@@ -419,7 +419,6 @@ def test_unknown_sizes_never_refuse(hpcrl):
 def test_a_reward_model_counts_like_the_reference(tmp_path):
     """rewards[i].model is sharded and stored as the reference model: its parameters in the
     reference's dtype over the shard."""
-    from hpcrl.job.model_shape import count_parameters
 
     path, rm = _model(tmp_path, "q14", QWEN_14B), _model(tmp_path, "rm", QWEN_1_5B)
     base = _spec("frontier", 1, f"model.path={path}", *BATCH)
@@ -456,6 +455,33 @@ def test_lora_adapters_count_r_times_in_plus_out(tmp_path):
     assert LoraTargets.of(own, ("q_proj",), 2).params == 28 * 2 * (1536 + 12 * 256)
 
 
+def test_lora_on_expert_stacks_counts_every_experts_adapter_and_the_merged_stacks(tmp_path):
+    """model.lora_target_parameters on Qwen3-30B-A3B's fused stacks: r x (in + out) per expert and
+    stack in the training state, and each stack merged (experts x in x out, compute dtype) among
+    the activations: one layer's and one gradient with checkpointing, every layer's without."""
+    from hpcrl.job.lora import LoraTargets
+    from hpcrl.job.memory import ModelStorage, TrainingStep, trainer_parts
+
+    shape = model_shape(_model(tmp_path, "moe", QWEN3_30B_A3B))[0]
+    h, i, e, layers = 2048, 768, 128, 48
+    stacks = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+    both = LoraTargets.of(shape, ("q_proj",), 8, parameters=stacks)
+    assert both.stacks == ((e, h, 2 * i), (e, i, h))
+    assert both.params == layers * 8 * ((h + 32 * 128) + e * (h + 2 * i) + e * (i + h))
+    assert LoraTargets.of(shape, ("q_proj",), 8, parameters=("experts.down_proj",)).stacks == ((e, i, h),)
+    assert LoraTargets.of(shape, ("q_proj",), 8, parameters=("router.weight",)).stacks == ()   # shape unknown: not counted
+    assert both.stack_bytes(2) == 2 * e * (h * 2 * i + i * h)                     # 1.1 GiB a layer
+    step = dict(micro_batch=1, seq_len=1024, completion_len=512, compute_dtype="bfloat16")
+    plain = LoraTargets.of(shape, ("q_proj",), 8)
+    for checkpointing, kept in ((True, 2), (False, layers + 1)):
+        grown = [trainer_parts(shape, TrainingStep(**step, checkpointing=checkpointing), ModelStorage(shard=8, lora=t))
+                 for t in (plain, both)]
+        assert grown[1]["activations"] - grown[0]["activations"] == kept * both.stack_bytes(2)
+    # A dense model has no stacks to adapt.
+    dense = ModelShape.from_config(QWEN_14B)
+    assert LoraTargets.of(dense, None, 8, parameters=stacks).stacks == ()
+
+
 def test_lora_trainer_parts_by_hand(tmp_path):
     """14B with LoRA on one Frontier node (7 trainers), beta 0.04, checkpointing: the frozen base
     in bf16 sharded, the adapters' 16 B/param sharded, no reference, no base gradients."""
@@ -488,6 +514,31 @@ def test_lora_trainer_parts_by_hand(tmp_path):
     fp32 = estimate(_spec("frontier", 1, f"model.path={path}", "trainer.activation_checkpointing=true", *BATCH, *LORA,
                           "model.dtype=float32"))
     assert fp32.trainer.parts["frozen_weights"] == math.ceil(p * 4 / 7)
+
+
+def test_8bit_adamw_moments_take_a_byte_each(tmp_path):
+    """grpo.optim adamw_torch_8bit (torchao's): the two Adam moments 1 B a value each plus an fp32
+    scale per block of 256, for 10.03 B of training state a parameter instead of 16. Qwen2.5-14B on
+    64 Frontier nodes (the mesh above: shard groups of 2 nodes): 6.3 GB less per GCD; one node's 7
+    trainers would need 66.4 GB per GCD instead of 78.1, still over what the mesh choice allows."""
+    from hpcrl.job.memory import adam_moment_bytes
+
+    assert adam_moment_bytes("adamw_torch_8bit") == 2 + 8 / 256 and adam_moment_bytes("adamw_torch_fused") == 8
+    path = _model(tmp_path, "q14", QWEN_14B)
+    args = [f"model.path={path}", "grpo.beta=0.04", "trainer.activation_checkpointing=true", *BATCH, *BIGGER_BATCH]
+    fused, low = (estimate(_spec("frontier", 64, *args, f"grpo.optim={o}")) for o in ("adamw_torch_fused",
+                                                                                   "adamw_torch_8bit"))
+    p = count_parameters(path) or ModelShape.from_config(QWEN_14B).params
+    assert low.mesh.nodes_per_shard == fused.mesh.nodes_per_shard == 2
+    assert low.trainer.parts["training_state"] == math.ceil(p * (16 - 8 + 2 + 8 / 256) / 14)
+    saved = fused.trainer.est_bytes - low.trainer.est_bytes
+    assert saved == fused.trainer.parts["training_state"] - low.trainer.parts["training_state"]
+    assert round(saved / 1e9, 1) == 6.3
+    assert "~66.4 GB per GCD with the state sharded over one node's 7 trainers" in low.mesh.reason, low.mesh.reason
+    # LoRA: the adapters' moments the same way.
+    lora = [estimate(_spec("frontier", 1, f"model.path={path}", *BATCH, *LORA, f"grpo.optim={o}")).trainer.parts
+            for o in ("adamw_torch_fused", "adamw_torch_8bit")]
+    assert lora[1]["training_state"] == pytest.approx(lora[0]["training_state"] * (8 + 2 + 8 / 256) / 16, abs=1)
 
 
 def test_dora_adds_a_magnitude_per_row_two_outputs_per_token_and_one_weight_sized_forward(tmp_path):

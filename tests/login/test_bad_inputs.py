@@ -95,8 +95,16 @@ CASES = [
     ("inject-srun-option", "resources:\n  srun_options: ['$(id)']\n", TESTBED, "resources.srun_options"),
     ("inject-site-partition", None, [*TESTBED, "site.partition=x$(id)"], "partition/qos"),
     # TRL configurations (`trl grpo --config` YAML)
-    ("trl-not-implemented", "model_name_or_path: m\ndataset_name: d\nuse_peft: true\nlora_target_parameters: [w]\n",
-     TESTBED, "lora_target_parameters: hpcrl's LoRA adapts modules"),
+    ("trl-bnb-8bit-adamw", "model_name_or_path: m\ndataset_name: d\noptim: paged_adamw_8bit\n", TESTBED,
+     "optim (grpo.optim): 'paged_adamw_8bit' is bitsandbytes' 8-bit AdamW, whose kernels do not take FSDP2's "
+     "sharded parameters; adamw_torch_8bit keeps the Adam moments in 8 bits too"),
+    ("8bit-adamw-deepspeed", None, [*TESTBED, "grpo.optim=adamw_torch_8bit", "trainer.engine=deepspeed"],
+     "grpo.optim: adamw_torch_8bit with trainer.engine=fsdp2 only in this version"),
+    ("trl-not-implemented", "model_name_or_path: m\ndataset_name: d\nuse_peft: true\nload_in_4bit: true\n",
+     TESTBED, "load_in_4bit: quantized training is not supported"),
+    ("trl-target-parameters-dropout", "model_name_or_path: m\ndataset_name: d\nuse_peft: true\n"
+     "lora_target_parameters: [mlp.experts.gate_up_proj]\n", TESTBED,
+     "model.lora_dropout: 0.05: peft's adapters on parameters"),
     ("modules-to-save-tied", None, [*TESTBED, "model.use_peft=true", "model.lora_modules_to_save=[lm_head]"],
      "model.lora_modules_to_save: lm_head: the head is tied to the input embeddings in this model"),
     ("trl-dora-without-peft", None, [*TESTBED, "model.use_dora=true"],
@@ -281,9 +289,9 @@ def test_bad_input_files(hpcrl, tmp_path, case_id, files, args, expect):
 
 _HIDE_VLLM = '''import sys
 class _NoVllm:
-    """This interpreter without vLLM, as a site's environment may be."""
+    """This interpreter without vLLM and torchao, as a site's environment may be."""
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] == "vllm":
+        if name.split(".")[0] in ("vllm", "torchao"):
             raise ModuleNotFoundError(f"No module named {name!r}")
 sys.meta_path.insert(0, _NoVllm())
 '''
@@ -294,11 +302,13 @@ sys.meta_path.insert(0, _NoVllm())
     ([*TESTBED, r"grpo.vllm_structured_outputs_regex=\d+"],
      "grpo.vllm_structured_outputs_regex: structured outputs need the vLLM engine"),
     (["--site", "cuda", "-A", "abc123"], "inference.engine: auto found no vllm in "),
-], ids=["engine-vllm", "structured-outputs", "gpu-site-auto"])
+    ([*TESTBED, "grpo.optim=adamw_torch_8bit"], "grpo.optim: adamw_torch_8bit is torchao's 8-bit AdamW, and "),
+], ids=["engine-vllm", "structured-outputs", "gpu-site-auto", "8bit-adamw"])
 def test_an_engine_the_tasks_would_not_find_is_refused_on_the_login_node(hpcrl, tmp_path, args, expect):
     """Where the tasks run the login node's interpreter, vLLM missing from it is known before the job
     queues: inference.engine vllm; and auto where nothing else serves (structured outputs, a GPU site,
-    whose auto never falls back to the transformers engine). The CPU's auto keeps its fallback."""
+    whose auto never falls back to the transformers engine). The CPU's auto keeps its fallback. So is
+    torchao missing for grpo.optim adamw_torch_8bit."""
     hide = tmp_path / "hide"
     hide.mkdir()
     (hide / "sitecustomize.py").write_text(_HIDE_VLLM)

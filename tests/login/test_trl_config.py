@@ -172,23 +172,34 @@ def test_lora_keys_are_inert_without_use_peft(trl_yaml):
     assert compose.build_recipe(str(trl_yaml)).trl.inert["lora_r"] == "TRL uses it only with use_peft"
 
 
-def test_lora_keys_hpcrl_does_not_implement_are_named(trl_yaml):
-    trl_yaml.write_text(LORA_YAML + "lora_target_parameters: [w]\n")
-    with pytest.raises(UserError) as e:
-        compose.build_recipe(str(trl_yaml))
-    lines = str(e.value).splitlines()
-    assert len(lines) == 1 and lines[0].startswith("lora_target_parameters: hpcrl's LoRA adapts modules"), lines
+def test_lora_target_parameters_and_modules_to_save_are_taken(trl_yaml):
+    trl_yaml.write_text(LORA_YAML + "lora_target_parameters: [mlp.experts.gate_up_proj, mlp.experts.down_proj]\n")
+    resolved = compose.build_recipe(str(trl_yaml))
+    assert resolved.recipe.model.lora_target_parameters == ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+    assert resolved.trl.moved["lora_target_parameters"] == "model.lora_target_parameters"
+    # peft takes adapters on parameters without dropout or DoRA: TRL's default dropout (0.05) is named.
+    for change, field in (("lora_dropout: 0.0\n", "model.lora_dropout: 0.05: peft's adapters on parameters "
+                                                   "(model.lora_target_parameters) take no dropout"),
+                          ("use_dora: false", "use_dora (model.use_dora): peft's adapters on parameters")):
+        trl_yaml.write_text(LORA_YAML.replace(change, "use_dora: true" if "dora" in change else "")
+                            + "lora_target_parameters: [mlp.experts.gate_up_proj]\n")
+        with pytest.raises(UserError) as e:
+            compose.build_recipe(str(trl_yaml))
+        assert str(e.value).startswith(field) and "\n" not in str(e.value), str(e.value)
     # lora_modules_to_save is taken: model.lora_modules_to_save.
     trl_yaml.write_text(LORA_YAML + "lora_modules_to_save: [lm_head, embed_tokens]\n")
     resolved = compose.build_recipe(str(trl_yaml))
     assert resolved.recipe.model.lora_modules_to_save == ("lm_head", "embed_tokens")
     assert resolved.trl.moved["lora_modules_to_save"] == "model.lora_modules_to_save"
     assert "use_peft" not in trl_config.NOT_IMPLEMENTED
-    # As key=value over a configuration that switches LoRA on: named too, not taken as inert.
+    # As key=value over a configuration that switches LoRA on.
     trl_yaml.write_text(LORA_YAML)
+    resolved = compose.build_recipe(str(trl_yaml), ["lora_target_parameters=[mlp.experts.down_proj]"])
+    assert resolved.recipe.model.lora_target_parameters == ("mlp.experts.down_proj",)
+    # A key hpcrl does not implement: named, as key=value too.
     with pytest.raises(UserError) as e:
-        compose.build_recipe(str(trl_yaml), ["lora_target_parameters=[w]"])
-    assert str(e.value).startswith("lora_target_parameters: hpcrl's LoRA adapts modules")
+        compose.build_recipe(str(trl_yaml), ["load_in_8bit=true"])
+    assert str(e.value).startswith("load_in_8bit: quantized training is not supported"), str(e.value)
 
 
 def test_trls_tensor_parallel_size_is_one_engine_of_that_size_unless_the_recipe_says(trl_yaml):

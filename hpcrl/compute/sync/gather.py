@@ -102,12 +102,18 @@ class MergedWeight:
     gathered as stored, not cast to the wire dtype first: the merged weight is then rounded once,
     as the merged model's would be (on GPUs the frozen base is stored in the engine's dtype anyway).
     DoRA's ``magnitude`` (one value per output row), when there is one, is gathered last, and each
-    row of the sum is rescaled to it: ``magnitude / ||row||`` (peft's merge)."""
+    row of the sum is rescaled to it: ``magnitude / ||row||`` (peft's merge).
+
+    An adapter on a stack of experts' weights (peft's ParamWrapper, model.lora_target_parameters) has
+    ``experts`` > 1: lora_A holds each expert's r rows one after the other, lora_B each expert's r
+    columns interleaved, and expert e's update is B[:, :, e] A[e], laid out as the stack is
+    (``out_first``: [E, out, in], else [E, in, out]), as peft's get_delta_weight computes it."""
 
     def __init__(self, base: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float,
-                 magnitude: torch.Tensor | None = None) -> None:
+                 magnitude: torch.Tensor | None = None, *, experts: int = 1, out_first: bool = True) -> None:
         self.base, self.lora_a, self.lora_b, self.scale = base, lora_a, lora_b, float(scale)
         self.magnitude = magnitude
+        self.experts, self.out_first = experts, out_first
         self.shape, self.dtype = base.shape, base.dtype
         self.requires_grad = True           # it changes whenever the adapters train
 
@@ -119,7 +125,14 @@ class MergedWeight:
         base = full_tensor(self.base, None, tracker, traffic)
         a = full_tensor(self.lora_a, torch.float32, tracker, traffic)
         b = full_tensor(self.lora_b, torch.float32, tracker, traffic)
-        merged = torch.addmm(base.float(), b, a, alpha=self.scale)
+        if self.experts > 1:
+            a = a.reshape(self.experts, -1, a.shape[-1])            # [E, r, in]
+            b = b.reshape(b.shape[0], -1, self.experts)             # [out, r, E]
+            delta = torch.einsum("ore,eri->eoi" if self.out_first else "ore,eri->eio", b, a)
+            # Into the new tensor: on one trainer the gathered base can be the parameter itself.
+            merged = delta.mul_(self.scale).add_(base)
+        else:
+            merged = torch.addmm(base.float(), b, a, alpha=self.scale)
         del base, a, b
         if self.magnitude is not None:
             m = full_tensor(self.magnitude, torch.float32, tracker, traffic)
@@ -142,6 +155,22 @@ def _dora_magnitude(layer: torch.nn.Module) -> torch.Tensor | None:
     return dora["default"].weight if dora is not None and "default" in dora else None
 
 
+_BASE_LAYERS = re.compile(r"(?:\.base_layer)+\.")
+
+
+def _merged_weight(model: torch.nn.Module, path: str, layer: torch.nn.Module) -> tuple[str, MergedWeight]:
+    """A LoRA layer's merged weight, by the name of the parameter it stands for. An adapter on a
+    parameter (peft's ParamWrapper: ``parameter_name``) reaches it in the innermost wrapped module."""
+    a, b, scale = layer.lora_A["default"].weight, layer.lora_B["default"].weight, layer.scaling["default"]
+    if not hasattr(layer, "parameter_name"):
+        return f"{path}.base_layer.weight", MergedWeight(layer.base_layer.weight, a, b, scale, _dora_magnitude(layer))
+    inner = path + ".base_layer"
+    while hasattr(model.get_submodule(inner), "parameter_name"):
+        inner += ".base_layer"
+    return f"{inner}.{layer.parameter_name}", MergedWeight(
+        layer.get_param(), a, b, scale, experts=layer.num_experts, out_first=layer._did_swap_in_out_features)
+
+
 def sync_named_params(model: torch.nn.Module, tie_word_embeddings: bool | None = None) -> list[tuple[str, torch.Tensor]]:
     """``(hf_name, param)`` for every parameter a sync sends, in ``named_parameters()`` order.
 
@@ -156,10 +185,7 @@ def sync_named_params(model: torch.nn.Module, tie_word_embeddings: bool | None =
         config = getattr(model, "config", None)
         tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
     lora = lora_layers(model)
-    merged = {f"{path}.base_layer.weight": MergedWeight(m.base_layer.weight, m.lora_A["default"].weight,
-                                                        m.lora_B["default"].weight, m.scaling["default"],
-                                                        _dora_magnitude(m))
-              for path, m in lora.items()}
+    merged = dict(_merged_weight(model, path, m) for path, m in lora.items())
     adapters = tuple(f"{path}.lora_" for path in lora)
     out = []
     for name, param in model.named_parameters():
@@ -167,8 +193,9 @@ def sync_named_params(model: torch.nn.Module, tie_word_embeddings: bool | None =
             continue
         param = merged.get(name, param)
         param = partitioned(param) or param
-        # A module of model.lora_modules_to_save: its trained copy, under the module's own name.
-        name = hf_name(name.replace(".base_layer.", ".").replace(".modules_to_save.default.", "."))
+        # peft's wrappers (nested where two adapters share a module) leave; a module of
+        # model.lora_modules_to_save is sent as its trained copy, under the module's own name.
+        name = hf_name(_BASE_LAYERS.sub(".", name).replace(".modules_to_save.default.", "."))
         if tie_word_embeddings and name == "lm_head.weight":
             continue
         out.append((name, param))

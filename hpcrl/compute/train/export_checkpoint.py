@@ -153,7 +153,8 @@ def export_lora_checkpoint(checkpoint: str | os.PathLike, model_dir: str | os.Pa
     made = _new_dirs(final)
     tmp = prepare_tmp(final)
     try:
-        lora.write_adapter_dir(tmp, into, recipe_model=recipe_model, base_model=str(model_dir), tokenizer=tokenizer)
+        lora.write_adapter_dir(tmp, into, recipe_model=recipe_model, base_model=str(model_dir), tokenizer=tokenizer,
+                               wrappers=lora.parameter_wrappers(meta))
         return commit(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -12,6 +12,10 @@ and AdamW state exist for them alone, and FSDP2 shards them with their layer.
   second copy of the weights.
 - DoRA (model.use_dora): peft's layers also train a magnitude per output row (fp32, initialised to
   the base weight's row norms), and the merged weight is rescaled to it.
+- model.lora_target_parameters: peft's ParamWrapper adapts a parameter itself (a MoE layer's fused
+  expert stack: an adapter per expert), merging W + s B A into the parameter for each forward; two
+  on one module nest (``experts.base_layer`` wraps the other stack). Each stack is sent merged
+  expert by expert (hpcrl.compute.sync.gather.MergedWeight).
 - model.lora_modules_to_save: peft wraps each such module, keeping the original (frozen, what the
   reference computes with) and training a copy in fp32; the engines get the copy under the
   module's name (hpcrl.compute.sync.gather), and the adapter directory holds it as peft writes it.
@@ -28,7 +32,8 @@ and AdamW state exist for them alone, and FSDP2 shards them with their layer.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import re
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +46,9 @@ from hpcrl.job.lora import tied_copy_error
 from hpcrl.job.recipe import ModelConfig
 
 __all__ = ["ADAPTER", "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "MERGED_DIR", "lora_config", "add_adapters",
-           "lora_layers", "saved_module_paths", "modules_to_save", "SAVED_COPY", "adapters_disabled", "BaseModel",
-           "adapter_tensors", "peft_key", "gather_adapters", "write_adapter_dir"]
+           "lora_layers", "parameter_wrappers", "adapted_parameter", "saved_module_paths", "modules_to_save",
+           "SAVED_COPY", "adapters_disabled", "BaseModel", "adapter_tensors", "peft_key", "gather_adapters",
+           "write_adapter_dir"]
 
 ADAPTER = "default"                 # peft's name for the one adapter
 ADAPTER_CONFIG = "adapter_config.json"
@@ -59,6 +65,7 @@ def lora_config(model: ModelConfig, base_model: str = "", saved_modules: list[st
     return LoraConfig(r=model.lora_r, lora_alpha=model.lora_alpha, lora_dropout=model.lora_dropout,
                       target_modules=list(targets) if isinstance(targets, tuple) else targets,
                       use_rslora=model.use_rslora, use_dora=model.use_dora, task_type=model.lora_task_type,
+                      target_parameters=list(model.lora_target_parameters or ()) or None,
                       bias="none", modules_to_save=saved_modules or None,
                       base_model_name_or_path=base_model or None)
 
@@ -100,6 +107,7 @@ def add_adapters(model: nn.Module, recipe_model: ModelConfig) -> nn.Module:
     layers = lora_layers(model)
     if not layers:
         raise UserError(f"model.lora_target_modules: {recipe_model.lora_target_modules!r} adapted no layer")
+    _check_parameter_targets(model, recipe_model.lora_target_parameters or ())
     if "lm_head" in layers and getattr(getattr(model, "config", None), "tie_word_embeddings", False):
         # The output head IS the embedding matrix here: an adapter on it would have to untie the two
         # in the engines, which load one tensor for both.
@@ -121,6 +129,36 @@ def add_adapters(model: nn.Module, recipe_model: ModelConfig) -> nn.Module:
             module.to(dtype=torch.float32)
             module.weight.requires_grad_(True)
     return model
+
+
+def parameter_wrappers(model: nn.Module) -> dict[str, nn.Module]:
+    """peft's adapters on parameters (model.lora_target_parameters) by module path. Two on one module
+    nest: the outer wraps the inner as its ``base_layer``, and both reach the module's parameter
+    through ``get_base_layer()``."""
+    return {path: layer for path, layer in lora_layers(model).items() if hasattr(layer, "parameter_name")}
+
+
+def adapted_parameter(path: str, wrapper: nn.Module) -> str:
+    """A parameter wrapper's parameter by its name in the model without adapters (peft's key:
+    mlp.experts.gate_up_proj), from the wrapper's module path."""
+    return re.sub(r"(\.base_layer)+$", "", path) + "." + wrapper.parameter_name
+
+
+def _check_parameter_targets(model: nn.Module, targets: tuple[str, ...]) -> None:
+    """Each name of model.lora_target_parameters adapted a parameter: peft adapts what matches and
+    says nothing of a name that matched nothing while another one did."""
+    if not targets:
+        return
+    adapted = [adapted_parameter(path, w) for path, w in parameter_wrappers(model).items()]
+    missing = [t for t in targets if not any(a == t or a.endswith("." + t) for a in adapted)]
+    if missing:
+        # What could be meant: the parameters no module name reaches (3-D, as fused experts are).
+        stacked = sorted({re.sub(r"\.\d+\.", ".N.", re.sub(r"(\.base_layer)+\.", ".", name))
+                          for name, p in model.named_parameters() if p.dim() == 3})
+        raise UserError(f"model.lora_target_parameters: {', '.join(map(repr, missing))} "
+                        f"{'matches' if len(missing) == 1 else 'match'} no parameter of this model (a name matches "
+                        f"a parameter path that is it or ends with it); its stacked parameters: "
+                        f"{', '.join(stacked[:6]) or 'none'}")
 
 
 def modules_to_save(model: nn.Module) -> dict[str, nn.Module]:
@@ -208,16 +246,20 @@ def gather_adapters(model: nn.Module, writer: bool) -> dict[str, torch.Tensor] |
 
 
 def write_adapter_dir(directory: Path, tensors: dict[str, torch.Tensor], *, recipe_model: ModelConfig,
-                      base_model: str, tokenizer: Any) -> None:
+                      base_model: str, tokenizer: Any, wrappers: Iterable[str] = ()) -> None:
     """A peft adapter directory in ``directory`` (which exists): adapter_model.safetensors with
     peft's keys, adapter_config.json naming the modules actually adapted (peft's default for the
-    architecture, or what the recipe named), and the tokenizer."""
+    architecture, or what the recipe named) and model.lora_target_parameters, and the tokenizer.
+    ``wrappers``: the module paths of the adapters on parameters (:func:`parameter_wrappers`), whose
+    tensors are no module's target."""
     from safetensors.torch import save_file
 
     save_file({peft_key(name): t for name, t in tensors.items()}, str(directory / ADAPTER_WEIGHTS),
               metadata={"format": "pt"})
     config = lora_config(recipe_model, base_model, saved_modules=sorted(
         {name.split(SAVED_COPY)[0] for name in tensors if SAVED_COPY in name}))
-    config.target_modules = sorted({name.split(".lora_")[0].rsplit(".", 1)[-1] for name in tensors if ".lora_" in name})
+    wrapped = set(wrappers)
+    config.target_modules = sorted({name.split(".lora_")[0].rsplit(".", 1)[-1] for name in tensors
+                                    if ".lora_" in name and name.split(".lora_")[0] not in wrapped})
     tokenizer.save_pretrained(directory)
     config.save_pretrained(str(directory))      # last: it makes the directory a model directory

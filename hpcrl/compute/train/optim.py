@@ -1,6 +1,7 @@
 """Optimizer, learning-rate schedule and gradient clipping, with TRL's meaning of the settings.
 
-- AdamW over the (sharded, DTensor) parameters; fused kernel where the device has one, else foreach.
+- AdamW over the (sharded, DTensor) parameters; fused kernel where the device has one, else foreach;
+  torchao's with block-quantized 8-bit moments for grpo.optim adamw_torch_8bit.
   Weight decay as Hugging Face's Trainer applies it: not on biases and normalisation weights.
 - The schedule is ``transformers.get_scheduler`` itself, with warmup steps computed as TRL does
   (``warmup_steps`` as is, or ``ceil(max_steps * warmup_steps)`` for a fraction below 1), so a
@@ -13,6 +14,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from collections.abc import Iterable
@@ -23,12 +25,15 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from hpcrl.compute.partitioned import full_shape
+from hpcrl.job.errors import UserError
+from hpcrl.job.grpo_config import LOW_BIT_OPTIMS
 from hpcrl.job.recipe import GRPOConfig
 
 __all__ = [
     "no_decay",
     "param_groups",
     "build_optimizer",
+    "low_bit_adamw",
     "warmup_steps",
     "build_scheduler",
     "clip_grad_norm",
@@ -65,17 +70,19 @@ def _fused_ok(params: list[torch.Tensor]) -> bool:
             and dtypes <= {torch.float32, torch.float16, torch.bfloat16, torch.float64})
 
 
-def build_optimizer(model: nn.Module, grpo: GRPOConfig, *, implementation: str = "auto") -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, grpo: GRPOConfig, *, implementation: str = "auto") -> torch.optim.Optimizer:
     """AdamW from a recipe's ``grpo`` section (learning_rate, adam_beta1/2, adam_epsilon, weight_decay, optim).
 
     ``implementation``: "auto" (``grpo.optim``: "adamw_torch_fused" is fused where supported, else
-    foreach; "adamw_torch" is torch's own default, as transformers builds it), "fused", "foreach",
-    "for" or "default" (torch's choice).
+    foreach; "adamw_torch" is torch's own default, as transformers builds it; "adamw_torch_8bit" is
+    :func:`low_bit_adamw`), "fused", "foreach", "for" or "default" (torch's choice).
     """
     groups = param_groups(model, grpo.weight_decay)
     params = [p for g in groups for p in g["params"]]
     if not params:
         raise ValueError("build_optimizer: the model has no trainable parameters")
+    if implementation == "auto" and grpo.optim in LOW_BIT_OPTIMS:
+        return low_bit_adamw(groups, grpo)
     if implementation == "auto":
         if grpo.optim not in ("adamw_torch", "adamw_torch_fused"):
             raise ValueError(f"grpo.optim {grpo.optim!r}: hpcrl's optimizer is AdamW (adamw_torch, adamw_torch_fused)")
@@ -89,6 +96,26 @@ def build_optimizer(model: nn.Module, grpo: GRPOConfig, *, implementation: str =
         kw = {}
     return torch.optim.AdamW(groups, lr=grpo.learning_rate, betas=(grpo.adam_beta1, grpo.adam_beta2),
                              eps=grpo.adam_epsilon, **kw)
+
+
+def low_bit_adamw(groups: list[dict[str, Any]], grpo: GRPOConfig) -> torch.optim.Optimizer:
+    """torchao's AdamW8bit, as transformers builds it for adamw_torch_8bit (blocks of 256, no
+    stochastic rounding): the two moments of every parameter of at least 4,096 values (of its
+    shard, and a whole number of blocks) quantized block by block, the rest in fp32; FSDP2's DTensor
+    shards are what torchao's optimizers are written for. Its step is torch.compile'd, once per
+    parameter shape (seconds each, at the first step). The learning rate is a tensor in the groups:
+    transformers' schedules fill it in place. Checkpoints hold the moments dequantized, in fp32, so
+    a resume on another number of trainers requantizes its own blocks."""
+    # torchao warns at import about its CUDA kernels (mxfp8, cutlass) that a CPU build cannot load;
+    # the optimizers use none of them.
+    logging.getLogger("torchao").setLevel(logging.ERROR)
+    try:
+        from torchao.optim import AdamW8bit
+    except ImportError as e:
+        raise UserError(f"grpo.optim: {grpo.optim} needs torchao in the tasks' Python environment (pip install "
+                        f"torchao): {e}") from None
+    return AdamW8bit(groups, lr=grpo.learning_rate, betas=(grpo.adam_beta1, grpo.adam_beta2),
+                     eps=grpo.adam_epsilon, block_size=256, bf16_stochastic_round=False)
 
 
 def warmup_steps(max_steps: int, warmup: float) -> int:

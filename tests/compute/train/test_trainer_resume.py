@@ -48,7 +48,7 @@ TIMING_KEYS = {"time", "time_generation_s", "time_train_s", "time_sync_s", "sync
                "time_wait_s", "tokens_per_s"}
 
 
-def _recipe(run_dir: str, every: int, mu: int, staleness: int, lora: bool = False):
+def _recipe(run_dir: str, every: int, mu: int, staleness: int, lora: bool = False, optim: str = "adamw_torch_fused"):
     from hpcrl.job.recipe import (CheckpointConfig, GRPOConfig, InferenceConfig, LoggingConfig, ModelConfig,
                                   Recipe)
 
@@ -56,6 +56,7 @@ def _recipe(run_dir: str, every: int, mu: int, staleness: int, lora: bool = Fals
         learning_rate=5e-3, per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4,
         max_completion_length=8, beta=0.04, num_iterations=mu, max_steps=N_STEPS, warmup_steps=0.3,
         lr_scheduler_type="cosine", max_grad_norm=1.0, weight_decay=0.01, seed=7, gradient_checkpointing=False,
+        optim=optim,
         # Overlapped, the one-step lag is reweighted, with bounds other than the defaults.
         vllm_importance_sampling_correction=staleness > 0, vllm_importance_sampling_mode="token_truncate",
         vllm_importance_sampling_clip_min=0.5, vllm_importance_sampling_clip_max=2.0)
@@ -116,7 +117,7 @@ def record_prompts(metrics_path):
 
 
 def _w_run(rank, world, model_dir, run_dir, metrics_path, every, mu, staleness, die_after, seed, lora=False,
-           engine_name="fsdp2"):
+           engine_name="fsdp2", optim="adamw_torch_fused"):
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoTokenizer
@@ -127,7 +128,7 @@ def _w_run(rank, world, model_dir, run_dir, metrics_path, every, mu, staleness, 
     from hpcrl.compute.train.trainer import Trainer
 
     torch.manual_seed(seed + rank)
-    recipe = _recipe(run_dir, every, mu, staleness, lora)
+    recipe = _recipe(run_dir, every, mu, staleness, lora, optim)
     ckpt.control_group(60)
     engine = None
     if engine_name == "deepspeed":
@@ -153,18 +154,21 @@ def _w_run(rank, world, model_dir, run_dir, metrics_path, every, mu, staleness, 
     assert outcome == "finished" and trainer.step == N_STEPS, (outcome, trainer.step)
 
 
-def _w_whole_then_killed(rank, world, model_dir, runs, whole, first, mu, staleness, lora, engine_name):
+def _w_whole_then_killed(rank, world, model_dir, runs, whole, first, mu, staleness, lora, engine_name, optim):
     """The uninterrupted run, then in the same processes the run killed after step K: a process
     start fewer per case (CI time, issue #29). Every object of the second is made anew and its seeds
     are set again, so it must repeat the first's steps 1..K exactly: state one run left in the
     process that changed the next would fail here."""
-    _w_run(rank, world, model_dir, runs["whole"], whole, 0, mu, staleness, None, 100, lora, engine_name)
-    _w_run(rank, world, model_dir, runs["killed"], first, K, mu, staleness, K, 100, lora, engine_name)
+    _w_run(rank, world, model_dir, runs["whole"], whole, 0, mu, staleness, None, 100, lora, engine_name, optim)
+    _w_run(rank, world, model_dir, runs["killed"], first, K, mu, staleness, K, 100, lora, engine_name, optim)
 
 
 def _read(path: Path) -> dict[int, dict]:
     steps = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return {m["step"]: m for m in steps}
+
+
+FUSED = "adamw_torch_fused"
 
 
 def _differences(a: dict, b: dict) -> list[str]:
@@ -180,18 +184,21 @@ def _differences(a: dict, b: dict) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("mu,staleness,lora,engine", [(1, 0, False, "fsdp2"), (2, 0, False, "fsdp2"),
-                                                      (1, 1, False, "fsdp2"), (1, 2, False, "fsdp2"),
-                                                      (2, 0, True, "fsdp2"), (2, 0, False, "deepspeed")],
-                         ids=["mu1", "mu2", "mu1-overlap", "mu1-staleness2", "mu2-lora", "mu2-deepspeed"])
-def test_killed_and_resumed_run_repeats_the_uninterrupted_one(tmp_path, model_dir, mu, staleness, lora, engine):
+# mu1-8bit: grpo.optim adamw_torch_8bit, torchao's 8-bit moments, which the checkpoint holds
+# dequantized and the resume quantizes again.
+@pytest.mark.parametrize("mu,staleness,lora,engine,optim", [
+    (1, 0, False, "fsdp2", FUSED), (2, 0, False, "fsdp2", FUSED), (1, 1, False, "fsdp2", FUSED),
+    (1, 2, False, "fsdp2", FUSED), (2, 0, True, "fsdp2", FUSED), (2, 0, False, "deepspeed", FUSED),
+    (1, 0, False, "fsdp2", "adamw_torch_8bit")],
+    ids=["mu1", "mu2", "mu1-overlap", "mu1-staleness2", "mu2-lora", "mu2-deepspeed", "mu1-8bit"])
+def test_killed_and_resumed_run_repeats_the_uninterrupted_one(tmp_path, model_dir, mu, staleness, lora, engine, optim):
     runs = {name: tmp_path / name for name in ("whole", "killed")}
     for d in runs.values():
         d.mkdir()
     whole, first, second = tmp_path / "whole.jsonl", tmp_path / "first.jsonl", tmp_path / "second.jsonl"
 
     spawn(_w_whole_then_killed, tmp_path / "a", model_dir, {k: str(v) for k, v in runs.items()}, str(whole),
-          str(first), mu, staleness, lora, engine, timeout=450, expect={0: -signal.SIGKILL, 1: -signal.SIGKILL})
+          str(first), mu, staleness, lora, engine, optim, timeout=450, expect={0: -signal.SIGKILL, 1: -signal.SIGKILL})
     ckpt_dir = runs["killed"] / "ckpt"
     assert (ckpt_dir / "latest").read_text().strip() == f"step-{K}"
     assert (ckpt_dir / f"step-{K}" / "deepspeed").is_dir() == (engine == "deepspeed")
@@ -203,7 +210,7 @@ def test_killed_and_resumed_run_repeats_the_uninterrupted_one(tmp_path, model_di
         assert model_keys and all(".lora_A." in k or ".lora_B." in k for k in model_keys), model_keys[:5]
         assert all(".lora_" in k for k in stored if k.startswith("optim.state."))
     spawn(_w_run, tmp_path / "c", model_dir, str(runs["killed"]), str(second), K, mu, staleness, None, 555, lora,
-          engine, timeout=300)
+          engine, optim, timeout=300)
 
     a, b, c = _read(whole), _read(first), _read(second)
     assert sorted(a) == list(range(1, N_STEPS + 1))

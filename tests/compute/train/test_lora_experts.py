@@ -1,0 +1,186 @@
+"""LoRA on a mixture-of-experts model's expert stacks (model.lora_target_parameters, TRL's
+lora_target_parameters, peft's target_parameters), on two FSDP2 ranks (gloo), real peft layers.
+
+transformers 5 holds a MoE layer's experts as 3-D parameters (``mlp.experts.gate_up_proj`` [E, 2I,
+H], ``mlp.experts.down_proj`` [E, H, I]), which no module name reaches: peft adapts them through
+ParamWrapper, two of them nested on one experts module. Checks: the adapters on both stacks train
+under FSDP2; what the sync sends for each stack is the stack merged expert by expert, equal to
+peft's own merge_and_unload of the written adapter directory (before, the sync took every LoRA
+layer for a linear one: "'ParamWrapper' object has no attribute 'weight'"); peft loads that directory and gives the trainers' logits; the merged model on
+disk has save_pretrained's per-expert names and differs from the base in the experts and q_proj
+only; a name that matches no parameter is one line naming the field and the stacks there are; and
+`hpcrl run` of a TRL configuration with lora_target_parameters, synced into vLLM every step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from dist_harness import spawn
+from test_moe import make_moe_dir
+
+PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+def experts_recipe_model(parameters=PARAMETERS):
+    from hpcrl.job.recipe import ModelConfig
+
+    return ModelConfig(use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_target_modules=("q_proj",),
+                       lora_target_parameters=parameters)
+
+
+def _w_experts(rank, world, model_dir, out_dir):
+    import json
+
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hpcrl.compute.sync.gather import iter_full_tensors, sync_named_params
+    from hpcrl.compute.train import export
+    from hpcrl.compute.train.fsdp import load_policy_and_reference
+    from hpcrl.compute.train.lora import parameter_wrappers
+    from hpcrl.job.recipe import GRPOConfig, Recipe
+
+    torch.manual_seed(0)
+    recipe = Recipe(model=experts_recipe_model(), grpo=GRPOConfig(beta=0.0, gradient_checkpointing=False))
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    policy, _ = load_policy_and_reference(model_dir, mesh, torch.device("cpu"), recipe)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    layers = base.config.num_hidden_layers
+    wrappers = parameter_wrappers(policy)
+    assert sorted(w.parameter_name for w in wrappers.values()) == sorted(["gate_up_proj", "down_proj"] * layers)
+
+    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=5e-2)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        ids = torch.randint(0, base.config.vocab_size, (2, 12), generator=g)
+        policy(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    for path, w in wrappers.items():        # B started at 0: each stack's adapter trained
+        assert w.lora_B["default"].weight.full_tensor().abs().max() > 1e-3, path
+    ids = torch.randint(0, base.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        policy.eval()
+        trained = policy(input_ids=ids).logits
+
+    entries = sync_named_params(policy)
+    assert [n for n, _ in entries] == [n for n, _ in sync_named_params(base)]
+    sent = dict(iter_full_tensors(entries))
+    out = Path(out_dir) / "model"
+    how = export.ModelWriting(model_dir=model_dir, tokenizer=AutoTokenizer.from_pretrained(model_dir),
+                              dtype=torch.float32, max_shard_bytes=10**9, bucket_bytes=2**20)
+    export.save_lora_from_trainers(policy, out, how, recipe_model=recipe.model, writer=rank == 0, merged=True)
+    if rank != 0:
+        return
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert (config["target_modules"], config["target_parameters"]) == (["q_proj"], list(PARAMETERS)), config
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                                           str(out)).eval()
+    with torch.no_grad():
+        assert torch.allclose(peft_model(input_ids=ids).logits, trained, atol=1e-4), "peft loads other adapters"
+    peft_merged = peft_model.merge_and_unload().state_dict()
+    for name, tensor in sent.items():
+        assert torch.allclose(tensor, peft_merged[name], atol=1e-6), name
+    for name in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"):
+        assert (sent[name] - base.state_dict()[name]).abs().max() > 1e-3, f"{name}: the base stack was sent"
+    written = load_file(out / "merged" / "model.safetensors")
+    source = load_file(Path(model_dir) / "model.safetensors")
+    assert written.keys() == source.keys()
+    changed = {n for n in source if not torch.equal(written[n], source[n])}
+    assert changed and all(".experts." in n or n.endswith("q_proj.weight") for n in changed), sorted(changed)
+    assert sum(".experts." in n for n in changed) == layers * 4 * 3       # every expert's three projections
+    # Merged once: on one trainer a gathered stack is the parameter itself, which a merge into it
+    # changed for good (the engines then drifted from the trainer by 0.2 in log-prob per step).
+    merged_model = AutoModelForCausalLM.from_pretrained(out / "merged", dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.allclose(merged_model(input_ids=ids).logits, trained, atol=1e-4), "merged twice"
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_adapters_on_expert_stacks_train_and_send_peft_merge(tmp_path, world):
+    model_dir = make_moe_dir(tmp_path / "qwen3-moe", "qwen3_moe", square=False)
+    spawn(_w_experts, tmp_path, str(model_dir), str(tmp_path), world=world, timeout=240)
+
+
+def test_a_parameter_name_that_matches_nothing_is_named_with_the_stacks(tmp_path):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hpcrl.compute.train.lora import add_adapters
+    from hpcrl.job.errors import UserError
+
+    model_dir = make_moe_dir(tmp_path / "qwen3-moe", "qwen3_moe", square=False)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    with pytest.raises(UserError) as e:
+        add_adapters(model, experts_recipe_model(("mlp.experts.gate_up_proj", "mlp.experts.gate_proj")))
+    assert str(e.value) == ("model.lora_target_parameters: 'mlp.experts.gate_proj' matches no parameter of this "
+                            "model (a name matches a parameter path that is it or ends with it); its stacked "
+                            "parameters: model.layers.N.mlp.experts.down_proj, "
+                            "model.layers.N.mlp.experts.gate_up_proj"), str(e.value)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_hpcrl_run_of_a_trl_yaml_with_adapters_on_the_experts(tmp_path):
+    """`hpcrl run` of a TRL YAML (use_peft, lora_target_parameters) on a tiny Qwen3-MoE with the vLLM
+    engine, 3 steps: the engine serves the trainers' merged weights after every sync (sampled
+    tokens' log-probs equal the trainers' recomputation); the run's adapter directory and `hpcrl
+    export`'s (from the last training checkpoint) hold the same adapters on both stacks, and the
+    merged model differs from the base in its experts."""
+    import json
+    import subprocess
+    import sys
+
+    import torch
+    from conftest import run_to_the_end
+    from safetensors.torch import load_file
+    from test_moe import SYNCED_LOGP_DIFF
+
+    make_moe_dir(tmp_path / "qmoe", "qwen3_moe", square=False)
+    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(5) for b in range(4)]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "moe_rewards.py").write_text("def distinct(completions, **kw):\n"
+                                             "    return [len(set(c)) / 10 for c in completions]\n")
+    (tmp_path / "cfg.yaml").write_text("""model_name_or_path: ./qmoe
+datasets: [{"path": "json", "data_files": "data.jsonl"}]
+reward_funcs: [moe_rewards.distinct]
+max_steps: 3
+per_device_train_batch_size: 8
+num_generations: 4
+max_completion_length: 8
+learning_rate: 0.05
+use_peft: true
+lora_r: 4
+lora_dropout: 0.0
+lora_target_modules: [q_proj]
+lora_target_parameters: [mlp.experts.gate_up_proj, mlp.experts.down_proj]
+""")
+    proc = run_to_the_end([sys.executable, "-m", "hpcrl", "run", "cfg.yaml", "checkpoint.save_merged_model=true",
+                           "--run-dir", "run"], tmp_path, 600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    gaps = [m["sampling/sampling_logp_difference/max"] for m in metrics]
+    assert max(gaps) < SYNCED_LOGP_DIFF, gaps
+
+    ex = subprocess.run([sys.executable, "-m", "hpcrl", "export", "run", "-o", "exported"], cwd=tmp_path,
+                        capture_output=True, text=True, timeout=300)
+    assert ex.returncode == 0, ex.stderr[-2000:]
+    model = tmp_path / "run" / "model"
+    adapters = load_file(model / "adapter_model.safetensors")
+    assert adapters.keys() == load_file(tmp_path / "exported" / "adapter_model.safetensors").keys()
+    assert any(".mlp.experts.base_layer.lora_B." in k for k in adapters) and any(
+        ".mlp.experts.lora_B." in k for k in adapters), sorted(adapters)
+    for out in (model, tmp_path / "exported"):
+        config = json.loads((out / "adapter_config.json").read_text())
+        assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], config
+        assert config["target_modules"] == ["q_proj"], config
+    merged = load_file(model / "merged" / "model.safetensors")
+    source = load_file(tmp_path / "qmoe" / "model.safetensors")
+    assert any(not torch.equal(merged[n], source[n]) for n in source if ".experts." in n)
