@@ -101,6 +101,9 @@ def add_adapters(model: nn.Module, recipe_model: ModelConfig) -> nn.Module:
     try:
         model = inject_adapter_in_model(lora_config(recipe_model, saved_modules=saved_paths), model)
     except ValueError as e:
+        if recipe_model.lora_target_parameters and "target_parameters" in str(e):
+            # No module targets (None: peft takes only the parameters then) and no parameter matched.
+            _check_parameter_targets(model, recipe_model.lora_target_parameters)
         if "not found in the base model" in str(e) or "target_modules" in str(e):
             raise UserError(f"model.lora_target_modules: {str(e).splitlines()[0]}") from None
         raise

@@ -108,6 +108,8 @@ def test_adapters_on_expert_stacks_train_and_send_peft_merge(tmp_path, world):
 
 
 def test_a_parameter_name_that_matches_nothing_is_named_with_the_stacks(tmp_path):
+    import dataclasses
+
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -117,12 +119,20 @@ def test_a_parameter_name_that_matches_nothing_is_named_with_the_stacks(tmp_path
     model_dir = make_moe_dir(tmp_path / "qwen3-moe", "qwen3_moe", square=False)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    want = ("model.lora_target_parameters: 'mlp.experts.gate_proj' matches no parameter of this model (a name "
+            "matches a parameter path that is it or ends with it); its stacked parameters: "
+            "model.layers.N.mlp.experts.down_proj, model.layers.N.mlp.experts.gate_up_proj")
     with pytest.raises(UserError) as e:
         add_adapters(model, experts_recipe_model(("mlp.experts.gate_up_proj", "mlp.experts.gate_proj")))
-    assert str(e.value) == ("model.lora_target_parameters: 'mlp.experts.gate_proj' matches no parameter of this "
-                            "model (a name matches a parameter path that is it or ends with it); its stacked "
-                            "parameters: model.layers.N.mlp.experts.down_proj, "
-                            "model.layers.N.mlp.experts.gate_up_proj"), str(e.value)
+    assert str(e.value) == want, str(e.value)
+    # With no module targets (TRL's default, None: peft then adapts the parameters only) peft itself
+    # refuses first, in words about target_modules; the line is still about the parameters.
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    only = experts_recipe_model(("mlp.experts.gate_proj",))
+    with pytest.raises(UserError) as e:
+        add_adapters(model, dataclasses.replace(only, lora_target_modules=None))
+    assert str(e.value) == want, str(e.value)
 
 
 @pytest.mark.slow
