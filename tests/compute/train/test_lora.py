@@ -43,7 +43,6 @@ def _train_adapters(policy, steps: int = 3) -> None:
 
 def _w_lora(rank, world, model_dir, out_dir, variant):
     import torch
-    from peft import PeftModel
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -129,14 +128,7 @@ def _w_lora(rank, world, model_dir, out_dir, variant):
     if rank != 0:
         return
     assert {p.name for p in out.iterdir()} >= {"adapter_config.json", "adapter_model.safetensors", "merged"}
-    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
-                                           str(out)).eval()
-    with torch.no_grad():
-        assert torch.allclose(peft_model(input_ids=ids).logits, trained, atol=1e-4), "peft loads other adapters"
-    # What the engines got is peft's own merge of the written adapters.
-    peft_merged = peft_model.merge_and_unload().state_dict()
-    for name, tensor in merged.items():
-        assert torch.allclose(tensor, peft_merged[name], atol=1e-5), name
+    assert_peft_loads_what_was_sent(model_dir, out, ids, trained, merged, atol=1e-5)
     from safetensors.torch import load_file
 
     written = load_file(out / "merged" / "model.safetensors")
@@ -144,6 +136,22 @@ def _w_lora(rank, world, model_dir, out_dir, variant):
     changed = sorted(n for n in source if not torch.equal(written[n].float(), source[n].float()))
     assert changed and all(n.endswith(("q_proj.weight", "v_proj.weight")) for n in changed if n != "lm_head.weight")
     assert len(changed) == 2 * base.config.num_hidden_layers + saved, changed
+
+
+def assert_peft_loads_what_was_sent(model_dir, adapter_dir, ids, trained, sent, atol):
+    """peft's own load of the written adapter directory gives the trainers' logits ``trained`` for
+    ``ids``, and what the sync sent (``sent``, by name) is peft's own merge of those adapters."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                                           str(adapter_dir)).eval()
+    with torch.no_grad():
+        assert torch.allclose(peft_model(input_ids=ids).logits, trained, atol=1e-4), "peft loads other adapters"
+    peft_merged = peft_model.merge_and_unload().state_dict()
+    for name, tensor in sent.items():
+        assert torch.allclose(tensor, peft_merged[name], atol=atol), name
 
 
 @pytest.mark.parametrize("variant", ["lora", "dora", "lm_head"])

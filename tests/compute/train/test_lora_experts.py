@@ -34,8 +34,8 @@ def _w_experts(rank, world, model_dir, out_dir):
     import json
 
     import torch
-    from peft import PeftModel
     from safetensors.torch import load_file
+    from test_lora import assert_peft_loads_what_was_sent
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -79,13 +79,7 @@ def _w_experts(rank, world, model_dir, out_dir):
         return
     config = json.loads((out / "adapter_config.json").read_text())
     assert (config["target_modules"], config["target_parameters"]) == (["q_proj"], list(PARAMETERS)), config
-    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
-                                           str(out)).eval()
-    with torch.no_grad():
-        assert torch.allclose(peft_model(input_ids=ids).logits, trained, atol=1e-4), "peft loads other adapters"
-    peft_merged = peft_model.merge_and_unload().state_dict()
-    for name, tensor in sent.items():
-        assert torch.allclose(tensor, peft_merged[name], atol=1e-6), name
+    assert_peft_loads_what_was_sent(model_dir, out, ids, trained, sent, atol=1e-6)
     for name in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"):
         assert (sent[name] - base.state_dict()[name]).abs().max() > 1e-3, f"{name}: the base stack was sent"
     written = load_file(out / "merged" / "model.safetensors")
@@ -150,21 +144,10 @@ def test_hpcrl_run_of_a_trl_yaml_with_adapters_on_the_experts(tmp_path):
     import torch
     from conftest import run_to_the_end
     from safetensors.torch import load_file
-    from test_moe import SYNCED_LOGP_DIFF
+    from test_moe import SYNCED_LOGP_DIFF, write_moe_project
 
     make_moe_dir(tmp_path / "qmoe", "qwen3_moe", square=False)
-    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(5) for b in range(4)]
-    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (tmp_path / "moe_rewards.py").write_text("def distinct(completions, **kw):\n"
-                                             "    return [len(set(c)) / 10 for c in completions]\n")
-    (tmp_path / "cfg.yaml").write_text("""model_name_or_path: ./qmoe
-datasets: [{"path": "json", "data_files": "data.jsonl"}]
-reward_funcs: [moe_rewards.distinct]
-max_steps: 3
-per_device_train_batch_size: 8
-num_generations: 4
-max_completion_length: 8
-learning_rate: 0.05
+    write_moe_project(tmp_path, """learning_rate: 0.05
 use_peft: true
 lora_r: 4
 lora_dropout: 0.0

@@ -311,6 +311,23 @@ def test_sync_makes_the_engine_serve_the_trainers_moe(arch, square, model_dirs):
 
 # ------------------------------------------------------------------ end to end
 
+def write_moe_project(directory: Path, more_yaml: str) -> None:
+    """A TRL project in ``directory`` around a MoE model in ``directory/qmoe``: 20 additions, a reward
+    that differs within a group (so that the policy moves), 3 steps, and ``more_yaml``'s keys."""
+    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(5) for b in range(4)]
+    (directory / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (directory / "moe_rewards.py").write_text("def distinct(completions, **kw):\n"
+                                              "    return [len(set(c)) / 10 for c in completions]\n")
+    (directory / "cfg.yaml").write_text("""model_name_or_path: ./qmoe
+datasets: [{"path": "json", "data_files": "data.jsonl"}]
+reward_funcs: [moe_rewards.distinct]
+max_steps: 3
+per_device_train_batch_size: 8
+num_generations: 4
+max_completion_length: 8
+""" + more_yaml)
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_hpcrl_run_of_a_trl_yaml_on_a_moe_model(model_dirs, tmp_path):
@@ -326,21 +343,7 @@ def test_hpcrl_run_of_a_trl_yaml_on_a_moe_model(model_dirs, tmp_path):
     from safetensors.torch import load_file
 
     base = shutil.copytree(model_dirs["qwen3_moe", True], tmp_path / "qmoe")
-    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(5) for b in range(4)]
-    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    # Rewards that differ within a group, so that the policy moves.
-    (tmp_path / "moe_rewards.py").write_text("def distinct(completions, **kw):\n"
-                                             "    return [len(set(c)) / 10 for c in completions]\n")
-    (tmp_path / "cfg.yaml").write_text("""model_name_or_path: ./qmoe
-datasets: [{"path": "json", "data_files": "data.jsonl"}]
-reward_funcs: [moe_rewards.distinct]
-max_steps: 3
-per_device_train_batch_size: 8
-num_generations: 4
-max_completion_length: 8
-learning_rate: 0.01
-vllm_importance_sampling_correction: true
-""")
+    write_moe_project(tmp_path, "learning_rate: 0.01\nvllm_importance_sampling_correction: true\n")
     proc = run_to_the_end([sys.executable, "-m", "hpcrl", "run", "cfg.yaml", "--run-dir", "run"], tmp_path, 600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
