@@ -44,10 +44,9 @@ def _train_adapters(policy, steps: int = 3) -> None:
 def _w_lora(rank, world, model_dir, out_dir, variant):
     import torch
     from torch.distributed.device_mesh import init_device_mesh
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from hpcrl.compute.sync.gather import changing_params, lora_layers, iter_full_tensors, sync_named_params
-    from hpcrl.compute.train import export
     from hpcrl.compute.train.fsdp import load_policy_and_reference
     from hpcrl.compute.train.lora import BaseModel
     from hpcrl.compute.train.optim import build_optimizer
@@ -121,10 +120,7 @@ def _w_lora(rank, world, model_dir, out_dir, variant):
         assert torch.allclose(merged_model(input_ids=ids).logits, trained, atol=1e-4)
 
     # The model directory: a peft adapter directory, and the merged model in merged/.
-    out = Path(out_dir) / "model"
-    how = export.ModelWriting(model_dir=model_dir, tokenizer=AutoTokenizer.from_pretrained(model_dir),
-                              dtype=torch.float32, max_shard_bytes=10**9, bucket_bytes=2**20)
-    export.save_lora_from_trainers(policy, out, how, recipe_model=recipe.model, writer=rank == 0, merged=True)
+    out = save_lora_model(policy, model_dir, out_dir, recipe.model, rank)
     if rank != 0:
         return
     assert {p.name for p in out.iterdir()} >= {"adapter_config.json", "adapter_model.safetensors", "merged"}
@@ -136,6 +132,21 @@ def _w_lora(rank, world, model_dir, out_dir, variant):
     changed = sorted(n for n in source if not torch.equal(written[n].float(), source[n].float()))
     assert changed and all(n.endswith(("q_proj.weight", "v_proj.weight")) for n in changed if n != "lm_head.weight")
     assert len(changed) == 2 * base.config.num_hidden_layers + saved, changed
+
+
+def save_lora_model(policy, model_dir, out_dir, recipe_model, rank):
+    """The run's model directory of a LoRA policy, from every trainer (rank 0 writes): the adapters,
+    and the merged model in merged/. Its path."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from hpcrl.compute.train import export
+
+    out = Path(out_dir) / "model"
+    how = export.ModelWriting(model_dir=model_dir, tokenizer=AutoTokenizer.from_pretrained(model_dir),
+                              dtype=torch.float32, max_shard_bytes=10**9, bucket_bytes=2**20)
+    export.save_lora_from_trainers(policy, out, how, recipe_model=recipe_model, writer=rank == 0, merged=True)
+    return out
 
 
 def assert_peft_loads_what_was_sent(model_dir, adapter_dir, ids, trained, sent, atol):

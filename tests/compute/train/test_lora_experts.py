@@ -35,12 +35,11 @@ def _w_experts(rank, world, model_dir, out_dir):
 
     import torch
     from safetensors.torch import load_file
-    from test_lora import assert_peft_loads_what_was_sent
+    from test_lora import assert_peft_loads_what_was_sent, save_lora_model
     from torch.distributed.device_mesh import init_device_mesh
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from hpcrl.compute.sync.gather import iter_full_tensors, sync_named_params
-    from hpcrl.compute.train import export
     from hpcrl.compute.train.fsdp import load_policy_and_reference
     from hpcrl.compute.train.lora import parameter_wrappers
     from hpcrl.job.recipe import GRPOConfig, Recipe
@@ -71,10 +70,7 @@ def _w_experts(rank, world, model_dir, out_dir):
     entries = sync_named_params(policy)
     assert [n for n, _ in entries] == [n for n, _ in sync_named_params(base)]
     sent = dict(iter_full_tensors(entries))
-    out = Path(out_dir) / "model"
-    how = export.ModelWriting(model_dir=model_dir, tokenizer=AutoTokenizer.from_pretrained(model_dir),
-                              dtype=torch.float32, max_shard_bytes=10**9, bucket_bytes=2**20)
-    export.save_lora_from_trainers(policy, out, how, recipe_model=recipe.model, writer=rank == 0, merged=True)
+    out = save_lora_model(policy, model_dir, out_dir, recipe.model, rank)
     if rank != 0:
         return
     config = json.loads((out / "adapter_config.json").read_text())
