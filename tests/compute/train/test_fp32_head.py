@@ -1,6 +1,7 @@
 """grpo.cast_lm_head_to_fp32 (TRL's option): under bf16 the LM head of policy and reference computes
-in fp32 on 2 gloo ranks (FSDP2), for a head of its own and for one tied to the input embeddings, and
-the decoder layers compute exactly what they did without it."""
+in fp32 on 2 gloo ranks (FSDP2), for a head of its own, for one tied to the input embeddings, and for
+a mixture-of-experts model's (Qwen3-MoE: its router and fused experts in the layers), and the
+decoder layers compute exactly what they did without it."""
 
 from __future__ import annotations
 
@@ -23,11 +24,11 @@ def _forward(model, x):
         return model(input_ids=x, output_hidden_states=True)
 
 
-def _w_fp32_head(rank: int, world: int, model_dirs: dict) -> None:
+def _w_fp32_head(rank: int, world: int, model_dirs: list) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
-    for tie, model_dir in model_dirs.items():
+    for tie, model_dir in model_dirs:
         _check_fp32_head(mesh, model_dir, tie)
 
 
@@ -74,8 +75,12 @@ def _check_fp32_head(mesh, model_dir: str, tie: bool) -> None:
     assert grad is not None and grad.dtype == torch.float32 and grad.full_tensor().abs().sum() > 0
 
 
-def test_the_lm_head_computes_in_fp32_and_the_layers_as_before_for_its_own_head_and_a_tied_one(tmp_path):
-    spawn(_w_fp32_head, tmp_path / "ranks", {tie: str(tiny_model_dir(tmp_path, tie)) for tie in (False, True)})
+def test_the_lm_head_computes_in_fp32_and_the_layers_as_before_for_its_own_head_a_tied_one_and_a_moes(tmp_path):
+    from test_moe import make_moe_dir
+
+    dirs = [(tie, str(tiny_model_dir(tmp_path, tie))) for tie in (False, True)]
+    dirs.append((False, str(make_moe_dir(tmp_path / "moe", "qwen3_moe", square=False))))
+    spawn(_w_fp32_head, tmp_path / "ranks", dirs)
 
 
 def test_an_adapter_on_the_head_is_refused_in_one_line():
