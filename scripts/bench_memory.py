@@ -42,9 +42,13 @@ against TRL).
 Layout: a function per measurement section returns its table and its key=value results; the last
 line joins the results of all sections. (The fit estimate of issue 14 is to become a second section.)
 
-Last line: logprob_peak_ratio_chunked_over_full=X fit_estimate_error=Y. X: the peak of the chunked
-variant at the recipe's default chunk over the unchunked peak (target X <= 0.25). Y: the fit
-section's worst |estimate - measured| / measured (target Y <= 0.3).
+A third section holds the plan's count for LoRA on expert stacks (model.lora_target_parameters) to
+what a forward keeps for its backward (expert_lora_section).
+
+Last line: logprob_peak_ratio_chunked_over_full=X fit_estimate_error=Y expert_lora_kept_over_estimate=Z.
+X: the peak of the chunked variant at the recipe's default chunk over the unchunked peak (target X
+<= 0.25). Y: the fit section's worst |estimate - measured| / measured (target Y <= 0.3). Z: what
+adapters on expert stacks add to the kept tensors over the plan's count (target Z <= 1: never under).
 
     .venv/bin/python scripts/bench_memory.py          # a few minutes on 2 cores, ~12 GB free memory needed
     .venv/bin/python scripts/bench_memory.py --smoke  # that it runs (tests/e2e/test_bench_smoke.py): 256 tokens,
@@ -259,8 +263,81 @@ def fit_section(args) -> tuple[str, list[str], list[list[str]], list[str], dict[
     return title, headers, rows, notes, {"fit_estimate_error": f"{max(errors):.3f}"}
 
 
-SECTIONS = [logprob_section, fit_section]
-CHILD_STEPS = {"logprob": logprob_step}     # what a section's children run, by cfg["step"]
+# A Qwen3-MoE model whose expert stacks dominate a layer (the setting of expert_lora_section).
+MOE_CONFIG = dict(model_type="qwen3_moe", vocab_size=4096, hidden_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=16, num_experts_per_tok=2,
+                  moe_intermediate_size=256, intermediate_size=256, tie_word_embeddings=False)
+STACKS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+def expert_lora_step(cfg: dict) -> dict:
+    """What a forward keeps for its backward (the saved tensors' storages, each once), with LoRA on
+    q_proj, and on q_proj and the expert stacks (model.lora_target_parameters)."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from hpcrl.compute.train.lora import add_adapters
+    from hpcrl.job.recipe import ModelConfig
+
+    torch.set_num_threads(cfg["threads"])
+    config = {k: v for k, v in cfg["config"].items() if k != "model_type"}
+    out = {}
+    for name, parameters in (("modules", None), ("stacks", tuple(STACKS))):
+        torch.manual_seed(0)
+        model = add_adapters(Qwen3MoeForCausalLM(Qwen3MoeConfig(**config)), ModelConfig(
+            use_peft=True, lora_r=8, lora_dropout=0.0, lora_target_modules=("q_proj",),
+            lora_target_parameters=parameters))
+        ids = torch.randint(0, config["vocab_size"], (1, cfg["tokens"]), generator=torch.Generator().manual_seed(1))
+        # A parameter saved for the backward costs nothing beyond the model (grouped_mm saves the
+        # plain stacks): only storages of the forward's own count.
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        kept: dict[int, int] = {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in params:
+                kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(ids).logits.float().logsumexp(-1).mean()
+        loss.backward()
+        out[name] = sum(kept.values())
+    return out
+
+
+def expert_lora_section(args) -> tuple[str, list[str], list[list[str]], list[str], dict[str, str]]:
+    """hpcrl.job.lora.LoraTargets.stack_bytes (what `hpcrl plan` counts for adapters on expert stacks:
+    each layer's stacks merged, kept for the backward) against what a real forward keeps."""
+    from hpcrl.job.lora import LoraTargets
+    from hpcrl.job.model_shape import ModelShape
+
+    shape = ModelShape.from_config(MOE_CONFIG)
+    plain, stacks = (LoraTargets.of(shape, ("q_proj",), 8, parameters=p) for p in ((), STACKS))
+    rows, ratios = [], []
+    for tokens in ([64] if args.smoke else [16, 64, 1024]):
+        # The plan's count without checkpointing: every layer's merged stacks, and the routed
+        # tokens' inputs to them (LoraTargets.layer_activation_bytes).
+        estimate = shape.num_layers * (stacks.stack_bytes(4) + tokens * (stacks.layer_activation_bytes(0, 4)
+                                                                          - plain.layer_activation_bytes(0, 4)))
+        kept = run_child(dict(step="expert_lora", variant="expert_lora", chunk=0, threads=1, tokens=tokens,
+                              config=MOE_CONFIG), args.timeout)
+        added = kept["stacks"] - kept["modules"]
+        ratios.append(added / estimate)
+        rows.append([str(tokens), f"{kept['modules'] / MIB:,.1f}", f"{kept['stacks'] / MIB:,.1f}",
+                     f"{added / MIB:,.1f}", f"{estimate / MIB:,.1f}", f"{added / estimate:.2f}"])
+    title = (f"Adapters on expert stacks (model.lora_target_parameters): kept for the backward, fp32, "
+             f"{shape.num_layers} layers of {shape.experts} experts (top-{shape.experts_per_token}), hidden "
+             f"{shape.hidden_size}, expert width {shape.expert_intermediate}")
+    headers = ["tokens", "q_proj only MiB", "+ stacks MiB", "added MiB", "estimate MiB", "added / estimate"]
+    notes = ["added: the storages a forward keeps for its backward, the parameters' own left out, beyond LoRA on "
+             "q_proj alone; estimate: every layer's adapted stacks merged (experts x in x out) and each routed "
+             "token's input to them, what the plan counts without checkpointing (target: added / estimate <= 1)"]
+    return title, headers, rows, notes, {"expert_lora_kept_over_estimate": f"{max(ratios):.2f}"}
+
+
+SECTIONS = [logprob_section, fit_section, expert_lora_section]
+# What a section's children run, by cfg["step"].
+CHILD_STEPS = {"logprob": logprob_step, "expert_lora": expert_lora_step}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -47,13 +47,14 @@ _SHARED_INPUT = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "o_proj": 1, "gate_proj"
 EXPERT_STACKS = {"mlp.experts.gate_up_proj": lambda h, i: (h, 2 * i), "mlp.experts.down_proj": lambda h, i: (i, h)}
 
 
-def expert_stacks(shape: ModelShape, parameters: tuple[str, ...]) -> tuple[tuple[int, int, int], ...]:
-    """(experts, in_features, out_features) of each expert stack model.lora_target_parameters names,
+def expert_stacks(shape: ModelShape, parameters: tuple[str, ...]) -> tuple[tuple[int, int, int, int], ...]:
+    """(experts, in_features, out_features, experts per token) of each expert stack
+    model.lora_target_parameters names,
     as peft matches a name (the stack's path is it or ends with it); names of other parameters are
     not counted (their shapes are not known here)."""
     if not shape.experts:
         return ()
-    return tuple((shape.experts, *size(shape.hidden_size, shape.expert_intermediate))
+    return tuple((shape.experts, *size(shape.hidden_size, shape.expert_intermediate), shape.experts_per_token)
                  for stack, size in EXPERT_STACKS.items()
                  if any(f"model.layers.0.{stack}" == p or f"model.layers.0.{stack}".endswith("." + p)
                         for p in parameters))
@@ -79,8 +80,8 @@ class LoraTargets(NamedTuple):
     dora: bool = False
     saved_params: int = 0           # model.lora_modules_to_save: the trained copies' parameters
     # model.lora_target_parameters on fused expert stacks, in every decoder layer: (experts,
-    # in_features, out_features) of each adapted stack.
-    stacks: tuple[tuple[int, int, int], ...] = ()
+    # in_features, out_features, experts per token) of each adapted stack.
+    stacks: tuple[tuple[int, int, int, int], ...] = ()
 
     @classmethod
     def of(cls, shape: ModelShape, targets, r: int, dropout: float = 0.0, dora: bool = False,
@@ -107,12 +108,12 @@ class LoraTargets(NamedTuple):
         adapted = self.layers[layer]
         return (sum(self.r * (fin + fout) + (fout if self.dora else 0) for name, fin, fout in self.features
                     if name in adapted)
-                + sum(self.r * experts * (fin + fout) for experts, fin, fout in self.stacks))
+                + sum(self.r * experts * (fin + fout) for experts, fin, fout, _ in self.stacks))
 
     def stack_bytes(self, compute_bytes: int) -> int:
         """One decoder layer's adapted expert stacks merged (peft's ParamWrapper computes W + s B A for
         the whole stack in the forward, and the backward keeps it, in the compute dtype)."""
-        return compute_bytes * sum(experts * fin * fout for experts, fin, fout in self.stacks)
+        return compute_bytes * sum(experts * fin * fout for experts, fin, fout, _ in self.stacks)
 
     def dora_peak_bytes(self, compute_bytes: int) -> int:
         """DoRA's forward of one adapted linear layer, freed before the next: peft's B A as a weight
@@ -135,12 +136,15 @@ class LoraTargets(NamedTuple):
         an adapter's lora_A takes it as it is (lora_dropout 0). With dropout, each adapter keeps its dropped input
         (compute dtype) and the dropout's mask (1 B). Each adapter's lora_A output (r values) is kept
         for lora_B. With DoRA, each adapter also keeps two outputs (out_features each, compute dtype).
-        Measured on a Qwen2 layer (CPU, peft 0.21), this errs high by under 10 % of the layer's count."""
+        Measured on a Qwen2 layer (CPU, peft 0.21), this errs high by under 10 % of the layer's count.
+        An adapted expert stack's merged weight needs a gradient: its input is kept for each expert a
+        token is routed to (experts per token x in_features; scripts/bench_memory.py measures it)."""
         c, adapted = compute_bytes, self.layers[layer]
         inputs = {_SHARED_INPUT[name]: fin for name, fin, _ in self.features}
         kept = {_SHARED_INPUT[name] for name in adapted} if self.dropout == 0 else set()
         dropped = sum(fin for name, fin, _ in self.features if name in adapted) * (c + 1) if self.dropout > 0 else 0
         # DoRA's output is (m / ||W + s B A|| - 1) x W + m / ||.|| x s B A x: both products are kept.
         dora = 2 * c * sum(fout for name, _, fout in self.features if name in adapted) if self.dora else 0
-        return (dropped + len(adapted) * self.r * c + dora
+        stacks = c * sum(top_k * fin for _, fin, _, top_k in self.stacks)
+        return (dropped + len(adapted) * self.r * c + dora + stacks
                 - c * sum(size for group, size in inputs.items() if group not in kept))

@@ -59,9 +59,10 @@ With LoRA (model.use_peft; hpcrl.compute.train.lora), per GPU:
                    values), and once the forward's weight-sized temporaries of the largest adapted
                    layer (in x in + 3 in x out values: peft's B A as a weight, W + s B A); with
                    model.lora_target_parameters on expert stacks, r x experts x (in + out)
-                   adapter parameters per stack and layer, and each stack merged (experts x in x
-                   out values, compute dtype) kept per layer the backward has yet to reach (one
-                   with checkpointing), + one stack's gradient
+                   adapter parameters per stack and layer, each stack merged (experts x in x out
+                   values, compute dtype) kept per layer the backward has yet to reach (one with
+                   checkpointing), + one stack's gradient, and per token and stack experts per
+                   token x in values (scripts/bench_memory.py measures the kept part)
 The adapted layers are model.lora_target_modules as peft matches them (hpcrl.job.lora).
 
 Server, per GPU of one engine's tensor-parallel group (inference.tensor_parallel_size GPUs; a node

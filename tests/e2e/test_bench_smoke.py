@@ -53,7 +53,8 @@ BENCHES = [  # script, arguments besides --smoke, the keys of its last line, sec
     bench("bench_train.py", [], {"peak_mem_ratio_ws2_over_ws1", "lora_over_full_state_ws2",
                                  "lora_over_full_peak_ws2_ref_on", "lora_over_full_step_time_ws2"}
           | ({"deepspeed_ws2_over_ws1_memory"} if HAS_DEEPSPEED else set()), 300, pytest.mark.slow),
-    bench("bench_memory.py", [], {"logprob_peak_ratio_chunked_over_full", "fit_estimate_error"}, 300,
+    bench("bench_memory.py", [], {"logprob_peak_ratio_chunked_over_full", "fit_estimate_error",
+                                         "expert_lora_kept_over_estimate"}, 300,
           pytest.mark.slow),
     bench("bench_sync.py", [], {"sync_speedup_vs_checkpoint", "handoff_fraction_of_memcpy", "peak_extra_over_bucket",
                                 "gathered_bytes_over_wire_bytes", "lora_sync_bytes_over_full",

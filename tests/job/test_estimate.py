@@ -466,17 +466,20 @@ def test_lora_on_expert_stacks_counts_every_experts_adapter_and_the_merged_stack
     h, i, e, layers = 2048, 768, 128, 48
     stacks = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
     both = LoraTargets.of(shape, ("q_proj",), 8, parameters=stacks)
-    assert both.stacks == ((e, h, 2 * i), (e, i, h))
+    assert both.stacks == ((e, h, 2 * i, 8), (e, i, h, 8))
     assert both.params == layers * 8 * ((h + 32 * 128) + e * (h + 2 * i) + e * (i + h))
-    assert LoraTargets.of(shape, ("q_proj",), 8, parameters=("experts.down_proj",)).stacks == ((e, i, h),)
+    assert LoraTargets.of(shape, ("q_proj",), 8, parameters=("experts.down_proj",)).stacks == ((e, i, h, 8),)
     assert LoraTargets.of(shape, ("q_proj",), 8, parameters=("router.weight",)).stacks == ()   # shape unknown: not counted
     assert both.stack_bytes(2) == 2 * e * (h * 2 * i + i * h)                     # 1.1 GiB a layer
     step = dict(micro_batch=1, seq_len=1024, completion_len=512, compute_dtype="bfloat16")
     plain = LoraTargets.of(shape, ("q_proj",), 8)
-    for checkpointing, kept in ((True, 2), (False, layers + 1)):
+    # Each routed token's input to a stack is kept for the merged weight's gradient: 8 experts a token.
+    assert both.layer_activation_bytes(0, 2) - plain.layer_activation_bytes(0, 2) == 2 * 8 * (h + i)
+    tokens = 1024
+    for checkpointing, kept, per_token in ((True, 2, 2 * 8 * (h + i)), (False, layers + 1, layers * 2 * 8 * (h + i))):
         grown = [trainer_parts(shape, TrainingStep(**step, checkpointing=checkpointing), ModelStorage(shard=8, lora=t))
                  for t in (plain, both)]
-        assert grown[1]["activations"] - grown[0]["activations"] == kept * both.stack_bytes(2)
+        assert grown[1]["activations"] - grown[0]["activations"] == kept * both.stack_bytes(2) + tokens * per_token
     # A dense model has no stacks to adapt.
     dense = ModelShape.from_config(QWEN_14B)
     assert LoraTargets.of(dense, None, 8, parameters=stacks).stacks == ()
