@@ -19,8 +19,8 @@ def check(site: Site, recipe: Recipe) -> None:
     _check_vllm(site, recipe)
     if recipe.grpo.optim in LOW_BIT_OPTIMS and not importable("torchao"):
         raise UserError(f"grpo.optim: {recipe.grpo.optim} is torchao's 8-bit AdamW, and {sys.executable}, which "
-                        f"the tasks run, has no torchao; install it (pip install torchao, as hpcrl[compute] "
-                        f"does), or use adamw_torch_fused")
+                        f"the tasks run, has no torchao; install it (pip install torchao), or use "
+                        f"adamw_torch_fused")
 
 
 def _check_vllm(site: Site, recipe: Recipe) -> None:

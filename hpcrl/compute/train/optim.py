@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import logging
 import math
 import re
 from collections.abc import Iterable
@@ -106,14 +105,11 @@ def low_bit_adamw(groups: list[dict[str, Any]], grpo: GRPOConfig) -> torch.optim
     parameter shape (seconds each, at the first step). The learning rate is a tensor in the groups:
     transformers' schedules fill it in place. Checkpoints hold the moments dequantized, in fp32, so
     a resume on another number of trainers requantizes its own blocks."""
-    # torchao warns at import about its CUDA kernels (mxfp8, cutlass) that a CPU build cannot load;
-    # the optimizers use none of them.
-    logging.getLogger("torchao").setLevel(logging.ERROR)
     try:
         from torchao.optim import AdamW8bit
     except ImportError as e:
         raise UserError(f"grpo.optim: {grpo.optim} needs torchao in the tasks' Python environment (pip install "
-                        f"torchao): {e}") from None
+                        f"torchao; the login node checks where the tasks run its own Python): {e}") from None
     return AdamW8bit(groups, lr=grpo.learning_rate, betas=(grpo.adam_beta1, grpo.adam_beta2),
                      eps=grpo.adam_epsilon, block_size=256, bf16_stochastic_round=False)
 
