@@ -47,17 +47,30 @@ _SHARED_INPUT = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "o_proj": 1, "gate_proj"
 EXPERT_STACKS = {"mlp.experts.gate_up_proj": lambda h, i: (h, 2 * i), "mlp.experts.down_proj": lambda h, i: (i, h)}
 
 
-def expert_stacks(shape: ModelShape, parameters: tuple[str, ...]) -> tuple[tuple[int, int, int, int], ...]:
-    """(experts, in_features, out_features, experts per token) of each expert stack
-    model.lora_target_parameters names,
-    as peft matches a name (the stack's path is it or ends with it); names of other parameters are
-    not counted (their shapes are not known here)."""
+# peft's conversion of a target list for transformers 5's fused experts: the expert linears a name
+# reached in transformers 4 -> the stack that holds them; gate_proj and up_proj together give
+# gate_up_proj an adapter of twice the rank.
+CONVERTED_STACKS = {"mlp.experts.gate_up_proj": ("gate_proj", "up_proj"), "mlp.experts.down_proj": ("down_proj",)}
+
+
+def expert_stacks(shape: ModelShape, parameters: tuple[str, ...],
+                  reached: frozenset[str] = frozenset()) -> tuple[tuple[int, int, int, int, int], ...]:
+    """(experts, in_features, out_features, experts per token, rank factor) of each expert stack
+    adapted: named in model.lora_target_parameters as peft matches a name (the stack's path is it or
+    ends with it), or reached by the expert linears' names of a lora_target_modules list (``reached``:
+    peft converts them, CONVERTED_STACKS). Names of other parameters are not counted (their shapes
+    are not known here)."""
     if not shape.experts:
         return ()
-    return tuple((shape.experts, *size(shape.hidden_size, shape.expert_intermediate), shape.experts_per_token)
-                 for stack, size in EXPERT_STACKS.items()
-                 if any(f"model.layers.0.{stack}" == p or f"model.layers.0.{stack}".endswith("." + p)
-                        for p in parameters))
+    out = []
+    for stack, size in EXPERT_STACKS.items():
+        named = any(f"model.layers.0.{stack}" == p or f"model.layers.0.{stack}".endswith("." + p) for p in parameters)
+        linears = CONVERTED_STACKS[stack]
+        if named or set(linears) <= reached:
+            factor = len(linears) if set(linears) <= reached else 1
+            out.append((shape.experts, *size(shape.hidden_size, shape.expert_intermediate), shape.experts_per_token,
+                        factor))
+    return tuple(out)
 
 
 # model.lora_modules_to_save: the modules a copy of which may train beside the adapters.
@@ -79,9 +92,9 @@ class LoraTargets(NamedTuple):
     layers: tuple[frozenset[str], ...]                   # per decoder layer: the names of its adapted linears
     dora: bool = False
     saved_params: int = 0           # model.lora_modules_to_save: the trained copies' parameters
-    # model.lora_target_parameters on fused expert stacks, in every decoder layer: (experts,
-    # in_features, out_features, experts per token) of each adapted stack.
-    stacks: tuple[tuple[int, int, int, int], ...] = ()
+    # Adapted fused expert stacks, in every decoder layer: (experts, in_features, out_features,
+    # experts per token, rank factor) of each (expert_stacks).
+    stacks: tuple[tuple[int, int, int, int, int], ...] = ()
 
     @classmethod
     def of(cls, shape: ModelShape, targets, r: int, dropout: float = 0.0, dora: bool = False,
@@ -89,18 +102,26 @@ class LoraTargets(NamedTuple):
         """From model.lora_target_modules (None: peft's default, q_proj and v_proj),
         model.lora_modules_to_save (lm_head, embed_tokens: vocabulary x hidden each) and
         model.lora_target_parameters (counted where they name transformers' fused expert stacks,
-        EXPERT_STACKS)."""
+        EXPERT_STACKS). On a mixture-of-experts model the MLP's names are no linear layers (transformers
+        5 fuses the experts): a list's gate_proj, up_proj and down_proj adapt the stacks, as peft
+        converts them; "all-linear" and a regular expression, resolved against the model, do not."""
+        listed = isinstance(targets, (tuple, list))
         if targets is None:
             targets = PEFT_DEFAULT_TARGETS
         elif targets == ALL_LINEAR:
             targets = tuple(DECODER_LINEARS)
         features = tuple((name, fin, fout) for name, (fin, fout) in shape.linear_features().items())
-        return cls(r, dropout, features, tuple(
-            frozenset(name for name in DECODER_LINEARS
-                      if lora_target_matches(targets, decoder_linear_path(layer, name)))
-            for layer in range(shape.num_layers)), dora,
-            len(set(modules_to_save) & set(LORA_MODULES_TO_SAVE)) * shape.vocab_size * shape.hidden_size,
-            expert_stacks(shape, parameters))
+        layers = [frozenset(name for name in DECODER_LINEARS
+                            if lora_target_matches(targets, decoder_linear_path(i, name)))
+                  for i in range(shape.num_layers)]
+        reached: frozenset[str] = frozenset()
+        if shape.experts:
+            mlp = frozenset(n for n, group in DECODER_LINEARS.items() if group == "mlp")
+            reached = (layers[0] & mlp) if listed and layers else frozenset()
+            layers = [adapted - mlp for adapted in layers]
+        return cls(r, dropout, features, tuple(layers), dora,
+                   len(set(modules_to_save) & set(LORA_MODULES_TO_SAVE)) * shape.vocab_size * shape.hidden_size,
+                   expert_stacks(shape, parameters, reached))
 
     def layer_params(self, layer: int) -> int:
         """The adapters' parameters in one decoder layer (with DoRA, a magnitude per output row too;
@@ -108,12 +129,12 @@ class LoraTargets(NamedTuple):
         adapted = self.layers[layer]
         return (sum(self.r * (fin + fout) + (fout if self.dora else 0) for name, fin, fout in self.features
                     if name in adapted)
-                + sum(self.r * experts * (fin + fout) for experts, fin, fout, _ in self.stacks))
+                + sum(self.r * factor * experts * (fin + fout) for experts, fin, fout, _, factor in self.stacks))
 
     def stack_bytes(self, compute_bytes: int) -> int:
         """One decoder layer's adapted expert stacks merged (peft's ParamWrapper computes W + s B A for
         the whole stack in the forward, and the backward keeps it, in the compute dtype)."""
-        return compute_bytes * sum(experts * fin * fout for experts, fin, fout, _ in self.stacks)
+        return compute_bytes * sum(experts * fin * fout for experts, fin, fout, *_ in self.stacks)
 
     def dora_peak_bytes(self, compute_bytes: int) -> int:
         """DoRA's forward of one adapted linear layer, freed before the next: peft's B A as a weight
@@ -145,6 +166,6 @@ class LoraTargets(NamedTuple):
         dropped = sum(fin for name, fin, _ in self.features if name in adapted) * (c + 1) if self.dropout > 0 else 0
         # DoRA's output is (m / ||W + s B A|| - 1) x W + m / ||.|| x s B A x: both products are kept.
         dora = 2 * c * sum(fout for name, _, fout in self.features if name in adapted) if self.dora else 0
-        stacks = c * sum(top_k * fin for _, fin, _, top_k in self.stacks)
+        stacks = c * sum(top_k * fin for _, fin, _, top_k, _ in self.stacks)
         return (dropped + len(adapted) * self.r * c + dora + stacks
                 - c * sum(size for group, size in inputs.items() if group not in kept))

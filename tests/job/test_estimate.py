@@ -466,9 +466,16 @@ def test_lora_on_expert_stacks_counts_every_experts_adapter_and_the_merged_stack
     h, i, e, layers = 2048, 768, 128, 48
     stacks = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
     both = LoraTargets.of(shape, ("q_proj",), 8, parameters=stacks)
-    assert both.stacks == ((e, h, 2 * i, 8), (e, i, h, 8))
+    assert both.stacks == ((e, h, 2 * i, 8, 1), (e, i, h, 8, 1))
     assert both.params == layers * 8 * ((h + 32 * 128) + e * (h + 2 * i) + e * (i + h))
-    assert LoraTargets.of(shape, ("q_proj",), 8, parameters=("experts.down_proj",)).stacks == ((e, i, h, 8),)
+    assert LoraTargets.of(shape, ("q_proj",), 8, parameters=("experts.down_proj",)).stacks == ((e, i, h, 8, 1),)
+    # Llama's list, which peft converts for the fused experts: gate_up_proj at twice the rank.
+    llama = LoraTargets.of(shape, ("q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"), 8)
+    assert llama.stacks == ((e, h, 2 * i, 8, 2), (e, i, h, 8, 1)) and llama.layers[0] == {"q_proj", "v_proj"}
+    assert llama.params == layers * 8 * ((h + 32 * 128) + (h + 4 * 128) + 2 * e * (h + 2 * i) + e * (i + h))
+    # "all-linear" is resolved against the model's linear layers: the attention's only.
+    assert LoraTargets.of(shape, "all-linear", 8).stacks == () and LoraTargets.of(shape, "all-linear", 8).layers[0] == {
+        "q_proj", "k_proj", "v_proj", "o_proj"}
     assert LoraTargets.of(shape, ("q_proj",), 8, parameters=("router.weight",)).stacks == ()   # shape unknown: not counted
     assert both.stack_bytes(2) == 2 * e * (h * 2 * i + i * h)                     # 1.1 GiB a layer
     step = dict(micro_batch=1, seq_len=1024, completion_len=512, compute_dtype="bfloat16")

@@ -385,7 +385,8 @@ def save_lora_from_trainers(model: torch.nn.Module, final: Path, how: ModelWriti
     if writer and error is None:
         try:
             lora.write_adapter_dir(tmp, adapters, recipe_model=recipe_model, base_model=str(how.model_dir),
-                                   tokenizer=how.tokenizer, wrappers=lora.parameter_wrappers(model))
+                                   tokenizer=how.tokenizer, wrappers=lora.parameter_wrappers(model),
+                                   injected=lora.injected_config(model))
         except Exception as e:       # noqa: BLE001 - reported to every rank below
             error = e
     if merged:

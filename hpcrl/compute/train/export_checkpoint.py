@@ -154,7 +154,7 @@ def export_lora_checkpoint(checkpoint: str | os.PathLike, model_dir: str | os.Pa
     tmp = prepare_tmp(final)
     try:
         lora.write_adapter_dir(tmp, into, recipe_model=recipe_model, base_model=str(model_dir), tokenizer=tokenizer,
-                               wrappers=lora.parameter_wrappers(meta))
+                               wrappers=lora.parameter_wrappers(meta), injected=lora.injected_config(meta))
         return commit(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

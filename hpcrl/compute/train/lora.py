@@ -46,9 +46,9 @@ from hpcrl.job.lora import tied_copy_error
 from hpcrl.job.recipe import ModelConfig
 
 __all__ = ["ADAPTER", "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "MERGED_DIR", "lora_config", "add_adapters",
-           "lora_layers", "parameter_wrappers", "adapted_parameter", "saved_module_paths", "modules_to_save",
-           "SAVED_COPY", "adapters_disabled", "BaseModel", "adapter_tensors", "peft_key", "gather_adapters",
-           "write_adapter_dir"]
+           "lora_layers", "parameter_wrappers", "adapted_parameter", "injected_config", "saved_module_paths",
+           "modules_to_save", "SAVED_COPY", "adapters_disabled", "BaseModel", "adapter_tensors", "peft_key",
+           "gather_adapters", "write_adapter_dir"]
 
 ADAPTER = "default"                 # peft's name for the one adapter
 ADAPTER_CONFIG = "adapter_config.json"
@@ -98,19 +98,30 @@ def add_adapters(model: nn.Module, recipe_model: ModelConfig) -> nn.Module:
     from peft import inject_adapter_in_model
 
     saved_paths = saved_module_paths(model, recipe_model.lora_modules_to_save or ())
+    # peft converts the config in place for a model transformers 5 holds otherwise than its checkpoint:
+    # on a mixture-of-experts model, the expert linears a name like gate_proj reached in
+    # transformers 4 become target_parameters on the fused stacks (gate_up_proj at twice the rank).
+    config = lora_config(recipe_model, saved_modules=saved_paths)
     try:
-        model = inject_adapter_in_model(lora_config(recipe_model, saved_modules=saved_paths), model)
+        model = inject_adapter_in_model(config, model)
     except ValueError as e:
         if recipe_model.lora_target_parameters and "target_parameters" in str(e):
             # No module targets (None: peft takes only the parameters then) and no parameter matched.
             _check_parameter_targets(model, recipe_model.lora_target_parameters)
-        if "not found in the base model" in str(e) or "target_modules" in str(e):
+        if "does not work with lora_dropout" in str(e):
+            stacks = sorted(set(config.target_parameters or ()) - set(recipe_model.lora_target_parameters or ()))
+            raise UserError(f"model.lora_dropout: {recipe_model.lora_dropout}: model.lora_target_modules reaches this "
+                            f"model's fused expert stacks ({', '.join(stacks)}), which peft adapts as parameters, "
+                            f"without dropout; set it to 0") from None
+        if "not found in the base model" in str(e) or "target_modules" in str(e) or "Cannot convert" in str(e):
             raise UserError(f"model.lora_target_modules: {str(e).splitlines()[0]}") from None
         raise
     layers = lora_layers(model)
     if not layers:
         raise UserError(f"model.lora_target_modules: {recipe_model.lora_target_modules!r} adapted no layer")
     _check_parameter_targets(model, recipe_model.lora_target_parameters or ())
+    _check_module_targets(model, recipe_model.lora_target_modules, config)
+    setattr(model, _INJECTED, config)
     if "lm_head" in layers and getattr(getattr(model, "config", None), "tie_word_embeddings", False):
         # The output head IS the embedding matrix here: an adapter on it would have to untie the two
         # in the engines, which load one tensor for both.
@@ -147,6 +158,44 @@ def adapted_parameter(path: str, wrapper: nn.Module) -> str:
     return re.sub(r"(\.base_layer)+$", "", path) + "." + wrapper.parameter_name
 
 
+_INJECTED = "_hpcrl_lora_config"       # the model's attribute: the config peft injected, as it converted it
+
+
+def injected_config(model: nn.Module) -> Any:
+    """The LoraConfig :func:`add_adapters` injected, as peft converted it (target_parameters, and the
+    rank and alpha patterns of fused stacks): what an adapter directory's config must say."""
+    return getattr(model, _INJECTED)
+
+
+def _check_module_targets(model: nn.Module, targets, config: Any) -> None:
+    """Each name of a model.lora_target_modules list adapted a module, or peft converted it to a
+    parameter target (``config`` after injection no longer lists it). peft is silent about a name
+    that matched nothing while another one did. The login node checks the names against the
+    checkpoint's modules (hpcrl.login.lora_inputs)."""
+    if not isinstance(targets, tuple):
+        return                      # peft's default, "all-linear", or a regular expression
+    wrapped = set(parameter_wrappers(model))
+    adapted = [path for path in lora_layers(model) if path not in wrapped]
+    converted = set(targets) - set(config.target_modules or ())
+    missing = [t for t in targets if t not in converted and not any(p == t or p.endswith("." + t) for p in adapted)]
+    if not missing:
+        return
+    linear = sorted({name.removesuffix(".base_layer").rsplit(".", 1)[-1] for name, m in model.named_modules()
+                     if isinstance(m, nn.Linear) and ".lora_" not in name})
+    stacked = _stacked_parameters(model)
+    hint = (f"; its experts are stacked parameters ({', '.join(stacked[:4])}), which model.lora_target_parameters "
+            f"adapts" if stacked else "")
+    raise UserError(f"model.lora_target_modules: {', '.join(map(repr, missing))} "
+                    f"{'matches' if len(missing) == 1 else 'match'} no module of this model{hint}; its linear "
+                    f"layers: {', '.join(linear)}")
+
+
+def _stacked_parameters(model: nn.Module) -> list[str]:
+    """The model's 3-D parameters (fused expert stacks), once per layer: model.layers.N.mlp.experts.gate_up_proj."""
+    return sorted({re.sub(r"\.\d+\.", ".N.", re.sub(r"(\.base_layer)+\.", ".", name))
+                   for name, p in model.named_parameters() if p.dim() == 3})
+
+
 def _check_parameter_targets(model: nn.Module, targets: tuple[str, ...]) -> None:
     """Each name of model.lora_target_parameters adapted a parameter: peft adapts what matches and
     says nothing of a name that matched nothing while another one did."""
@@ -156,8 +205,7 @@ def _check_parameter_targets(model: nn.Module, targets: tuple[str, ...]) -> None
     missing = [t for t in targets if not any(a == t or a.endswith("." + t) for a in adapted)]
     if missing:
         # What could be meant: the parameters no module name reaches (3-D, as fused experts are).
-        stacked = sorted({re.sub(r"\.\d+\.", ".N.", re.sub(r"(\.base_layer)+\.", ".", name))
-                          for name, p in model.named_parameters() if p.dim() == 3})
+        stacked = _stacked_parameters(model)
         raise UserError(f"model.lora_target_parameters: {', '.join(map(repr, missing))} "
                         f"{'matches' if len(missing) == 1 else 'match'} no parameter of this model (a name matches "
                         f"a parameter path that is it or ends with it); its stacked parameters: "
@@ -249,12 +297,13 @@ def gather_adapters(model: nn.Module, writer: bool) -> dict[str, torch.Tensor] |
 
 
 def write_adapter_dir(directory: Path, tensors: dict[str, torch.Tensor], *, recipe_model: ModelConfig,
-                      base_model: str, tokenizer: Any, wrappers: Iterable[str] = ()) -> None:
+                      base_model: str, tokenizer: Any, wrappers: Iterable[str] = (), injected: Any = None) -> None:
     """A peft adapter directory in ``directory`` (which exists): adapter_model.safetensors with
     peft's keys, adapter_config.json naming the modules actually adapted (peft's default for the
-    architecture, or what the recipe named) and model.lora_target_parameters, and the tokenizer.
-    ``wrappers``: the module paths of the adapters on parameters (:func:`parameter_wrappers`), whose
-    tensors are no module's target."""
+    architecture, or what the recipe named) and the parameters, and the tokenizer. ``wrappers``: the
+    module paths of the adapters on parameters (:func:`parameter_wrappers`), whose tensors are no
+    module's target; ``injected``: :func:`injected_config` of the model, whose target_parameters and
+    rank and alpha patterns (peft's conversion of a fused MoE model's targets) the config keeps."""
     from safetensors.torch import save_file
 
     save_file({peft_key(name): t for name, t in tensors.items()}, str(directory / ADAPTER_WEIGHTS),
@@ -264,5 +313,8 @@ def write_adapter_dir(directory: Path, tensors: dict[str, torch.Tensor], *, reci
     wrapped = set(wrappers)
     config.target_modules = sorted({name.split(".lora_")[0].rsplit(".", 1)[-1] for name in tensors
                                     if ".lora_" in name and name.split(".lora_")[0] not in wrapped})
+    if injected is not None and injected.target_parameters:
+        config.target_parameters = sorted(injected.target_parameters)
+        config.rank_pattern, config.alpha_pattern = dict(injected.rank_pattern), dict(injected.alpha_pattern)
     tokenizer.save_pretrained(directory)
     config.save_pretrained(str(directory))      # last: it makes the directory a model directory

@@ -1,15 +1,19 @@
-"""LoRA on a mixture-of-experts model's expert stacks (model.lora_target_parameters, TRL's
-lora_target_parameters, peft's target_parameters), on two FSDP2 ranks (gloo), real peft layers.
+"""LoRA on a mixture-of-experts model's expert stacks, on one and two FSDP2 ranks (gloo), real peft
+layers: named in model.lora_target_parameters (TRL's lora_target_parameters, peft's
+target_parameters), or reached by Llama's target list (gate_proj, up_proj, down_proj), which peft
+converts for transformers 5's fused experts (gate_up_proj at twice the rank and alpha).
 
 transformers 5 holds a MoE layer's experts as 3-D parameters (``mlp.experts.gate_up_proj`` [E, 2I,
 H], ``mlp.experts.down_proj`` [E, H, I]), which no module name reaches: peft adapts them through
 ParamWrapper, two of them nested on one experts module. Checks: the adapters on both stacks train
 under FSDP2; what the sync sends for each stack is the stack merged expert by expert, equal to
 peft's own merge_and_unload of the written adapter directory (before, the sync took every LoRA
-layer for a linear one: "'ParamWrapper' object has no attribute 'weight'"); peft loads that directory and gives the trainers' logits; the merged model on
-disk has save_pretrained's per-expert names and differs from the base in the experts and q_proj
-only; a name that matches no parameter is one line naming the field and the stacks there are; and
-`hpcrl run` of a TRL configuration with lora_target_parameters, synced into vLLM every step.
+layer for a linear one: "'ParamWrapper' object has no attribute 'weight'"); peft loads that
+directory (its config keeps peft's conversion) and gives the trainers' logits; the merged model on
+disk has save_pretrained's per-expert names, differs from the base in the experts and q_proj only,
+and gives the trainers' logits; a name that matches nothing, and TRL's default dropout on stacks,
+are one line each; and `hpcrl run` of a TRL configuration with lora_target_parameters, synced into
+vLLM every step.
 """
 
 from __future__ import annotations
@@ -23,14 +27,19 @@ from test_moe import make_moe_dir
 PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 
-def experts_recipe_model(parameters=PARAMETERS):
+# Llama's list, as many a TRL configuration gives it: on transformers 5's fused experts peft converts
+# gate_proj + up_proj to the gate_up_proj stack (at twice the rank and alpha) and down_proj to down_proj.
+LLAMA_LIST = ("q_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def experts_recipe_model(parameters=PARAMETERS, modules=("q_proj",)):
     from hpcrl.job.recipe import ModelConfig
 
-    return ModelConfig(use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_target_modules=("q_proj",),
+    return ModelConfig(use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_target_modules=modules,
                        lora_target_parameters=parameters)
 
 
-def _w_experts(rank, world, model_dir, out_dir):
+def _w_experts(rank, world, model_dir, out_dir, names):
     import json
 
     import torch
@@ -45,7 +54,8 @@ def _w_experts(rank, world, model_dir, out_dir):
     from hpcrl.job.recipe import GRPOConfig, Recipe
 
     torch.manual_seed(0)
-    recipe = Recipe(model=experts_recipe_model(), grpo=GRPOConfig(beta=0.0, gradient_checkpointing=False))
+    recipe_model = experts_recipe_model() if names == "parameters" else experts_recipe_model(None, LLAMA_LIST)
+    recipe = Recipe(model=recipe_model, grpo=GRPOConfig(beta=0.0, gradient_checkpointing=False))
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
     policy, _ = load_policy_and_reference(model_dir, mesh, torch.device("cpu"), recipe)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -74,7 +84,12 @@ def _w_experts(rank, world, model_dir, out_dir):
     if rank != 0:
         return
     config = json.loads((out / "adapter_config.json").read_text())
-    assert (config["target_modules"], config["target_parameters"]) == (["q_proj"], list(PARAMETERS)), config
+    assert config["target_modules"] == ["q_proj"], config
+    if names == "parameters":
+        assert config["target_parameters"] == sorted(PARAMETERS), config
+    else:       # peft's conversion, kept: the fused stack's adapter has twice the rank
+        assert sorted(config["target_parameters"]) == ["down_proj", "gate_up_proj"], config
+        assert list(config["rank_pattern"].values()) == [8] and list(config["alpha_pattern"].values()) == [16]
     assert_peft_loads_what_was_sent(model_dir, out, ids, trained, sent, atol=1e-6)
     for name in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"):
         assert (sent[name] - base.state_dict()[name]).abs().max() > 1e-3, f"{name}: the base stack was sent"
@@ -91,10 +106,11 @@ def _w_experts(rank, world, model_dir, out_dir):
         assert torch.allclose(merged_model(input_ids=ids).logits, trained, atol=1e-4), "merged twice"
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_adapters_on_expert_stacks_train_and_send_peft_merge(tmp_path, world):
+@pytest.mark.parametrize("world,names", [(1, "parameters"), (2, "parameters"), (2, "llama-list")])
+def test_adapters_on_expert_stacks_train_and_send_peft_merge(tmp_path, world, names):
+    """names: the stacks named in model.lora_target_parameters, or reached by Llama's target list."""
     model_dir = make_moe_dir(tmp_path / "qwen3-moe", "qwen3_moe", square=False)
-    spawn(_w_experts, tmp_path, str(model_dir), str(tmp_path), world=world, timeout=240)
+    spawn(_w_experts, tmp_path, str(model_dir), str(tmp_path), names, world=world, timeout=240)
 
 
 def test_a_parameter_name_that_matches_nothing_is_named_with_the_stacks(tmp_path):
@@ -168,8 +184,38 @@ lora_target_parameters: [mlp.experts.gate_up_proj, mlp.experts.down_proj]
         ".mlp.experts.lora_B." in k for k in adapters), sorted(adapters)
     for out in (model, tmp_path / "exported"):
         config = json.loads((out / "adapter_config.json").read_text())
-        assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], config
+        assert config["target_parameters"] == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"], config
         assert config["target_modules"] == ["q_proj"], config
     merged = load_file(model / "merged" / "model.safetensors")
     source = load_file(tmp_path / "qmoe" / "model.safetensors")
     assert any(not torch.equal(merged[n], source[n]) for n in source if ".experts." in n)
+
+
+def test_module_names_peft_neither_matches_nor_converts_are_named(tmp_path):
+    """A name of a lora_target_modules list that matches no module (peft is silent about it while
+    another matches) is one line, naming the stacks; so is TRL's default dropout where Llama's list
+    reaches fused expert stacks (peft adapts them as parameters, which take none)."""
+    import dataclasses
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hpcrl.compute.train.lora import add_adapters
+    from hpcrl.job.errors import UserError
+
+    model_dir = make_moe_dir(tmp_path / "qwen3-moe", "qwen3_moe", square=False)
+
+    def refusal(recipe_model) -> str:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+        with pytest.raises(UserError) as e:
+            add_adapters(model, recipe_model)
+        return str(e.value)
+
+    assert refusal(experts_recipe_model(None, ("q_proj", "gate_proj", "up_proj", "w9"))) == (
+        "model.lora_target_modules: 'w9' matches no module of this model; its experts are stacked parameters "
+        "(model.layers.N.mlp.experts.down_proj, model.layers.N.mlp.experts.gate_up_proj), which "
+        "model.lora_target_parameters adapts; its linear layers: k_proj, lm_head, o_proj, q_proj, v_proj")
+    assert refusal(dataclasses.replace(experts_recipe_model(None, LLAMA_LIST), lora_dropout=0.05)) == (
+        "model.lora_dropout: 0.05: model.lora_target_modules reaches this model's fused expert stacks (down_proj, "
+        "gate_up_proj), which peft adapts as parameters, without dropout; set it to 0")
