@@ -64,12 +64,11 @@ def expert_stacks(shape: ModelShape, parameters: tuple[str, ...],
         return ()
     out = []
     for stack, size in EXPERT_STACKS.items():
-        named = any(f"model.layers.0.{stack}" == p or f"model.layers.0.{stack}".endswith("." + p) for p in parameters)
         linears = CONVERTED_STACKS[stack]
-        if named or set(linears) <= reached:
-            factor = len(linears) if set(linears) <= reached else 1
+        converted = set(linears) <= reached
+        if converted or lora_target_matches(tuple(parameters), f"model.layers.0.{stack}"):
             out.append((shape.experts, *size(shape.hidden_size, shape.expert_intermediate), shape.experts_per_token,
-                        factor))
+                        len(linears) if converted else 1))
     return tuple(out)
 
 

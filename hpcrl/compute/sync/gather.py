@@ -55,6 +55,7 @@ __all__ = [
     "all_reduce_sum",
     "agree_wire_dtype",
     "hf_name",
+    "unwrapped_name",
     "sync_named_params",
     "changing_params",
     "param_specs",
@@ -158,6 +159,12 @@ def _dora_magnitude(layer: torch.nn.Module) -> torch.Tensor | None:
 _BASE_LAYERS = re.compile(r"(?:\.base_layer)+\.")
 
 
+def unwrapped_name(name: str) -> str:
+    """A parameter's name without peft's wrapper segments (``.base_layer``, several where adapters on
+    one module nest): its name in the model without adapters."""
+    return _BASE_LAYERS.sub(".", name)
+
+
 def _merged_weight(model: torch.nn.Module, path: str, layer: torch.nn.Module) -> tuple[str, MergedWeight]:
     """A LoRA layer's merged weight, by the name of the parameter it stands for. An adapter on a
     parameter (peft's ParamWrapper: ``parameter_name``) reaches it in the innermost wrapped module."""
@@ -195,7 +202,7 @@ def sync_named_params(model: torch.nn.Module, tie_word_embeddings: bool | None =
         param = partitioned(param) or param
         # peft's wrappers (nested where two adapters share a module) leave; a module of
         # model.lora_modules_to_save is sent as its trained copy, under the module's own name.
-        name = hf_name(_BASE_LAYERS.sub(".", name).replace(".modules_to_save.default.", "."))
+        name = hf_name(unwrapped_name(name).replace(".modules_to_save.default.", "."))
         if tie_word_embeddings and name == "lm_head.weight":
             continue
         out.append((name, param))

@@ -40,9 +40,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from hpcrl.compute.sync.gather import lora_layers
+from hpcrl.compute.sync.gather import lora_layers, unwrapped_name
 from hpcrl.job.errors import UserError
-from hpcrl.job.lora import tied_copy_error
+from hpcrl.job.lora import lora_target_matches, tied_copy_error
 from hpcrl.job.recipe import ModelConfig
 
 __all__ = ["ADAPTER", "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "MERGED_DIR", "lora_config", "add_adapters",
@@ -107,7 +107,7 @@ def add_adapters(model: nn.Module, recipe_model: ModelConfig) -> nn.Module:
     except ValueError as e:
         if recipe_model.lora_target_parameters and "target_parameters" in str(e):
             # No module targets (None: peft takes only the parameters then) and no parameter matched.
-            _check_parameter_targets(model, recipe_model.lora_target_parameters)
+            _check_parameter_targets(model, recipe_model.lora_target_parameters, {})
         if "does not work with lora_dropout" in str(e):
             stacks = sorted(set(config.target_parameters or ()) - set(recipe_model.lora_target_parameters or ()))
             raise UserError(f"model.lora_dropout: {recipe_model.lora_dropout}: model.lora_target_modules reaches this "
@@ -119,8 +119,8 @@ def add_adapters(model: nn.Module, recipe_model: ModelConfig) -> nn.Module:
     layers = lora_layers(model)
     if not layers:
         raise UserError(f"model.lora_target_modules: {recipe_model.lora_target_modules!r} adapted no layer")
-    _check_parameter_targets(model, recipe_model.lora_target_parameters or ())
-    _check_module_targets(model, recipe_model.lora_target_modules, config)
+    _check_parameter_targets(model, recipe_model.lora_target_parameters or (), layers)
+    _check_module_targets(model, recipe_model.lora_target_modules, config, layers)
     setattr(model, _INJECTED, config)
     if "lm_head" in layers and getattr(getattr(model, "config", None), "tie_word_embeddings", False):
         # The output head IS the embedding matrix here: an adapter on it would have to untie the two
@@ -149,13 +149,17 @@ def parameter_wrappers(model: nn.Module) -> dict[str, nn.Module]:
     """peft's adapters on parameters (model.lora_target_parameters) by module path. Two on one module
     nest: the outer wraps the inner as its ``base_layer``, and both reach the module's parameter
     through ``get_base_layer()``."""
-    return {path: layer for path, layer in lora_layers(model).items() if hasattr(layer, "parameter_name")}
+    return _parameter_wrappers(lora_layers(model))
+
+
+def _parameter_wrappers(layers: dict[str, nn.Module]) -> dict[str, nn.Module]:
+    return {path: layer for path, layer in layers.items() if hasattr(layer, "parameter_name")}
 
 
 def adapted_parameter(path: str, wrapper: nn.Module) -> str:
     """A parameter wrapper's parameter by its name in the model without adapters (peft's key:
     mlp.experts.gate_up_proj), from the wrapper's module path."""
-    return re.sub(r"(\.base_layer)+$", "", path) + "." + wrapper.parameter_name
+    return unwrapped_name(f"{path}.{wrapper.parameter_name}")
 
 
 _INJECTED = "_hpcrl_lora_config"       # the model's attribute: the config peft injected, as it converted it
@@ -167,17 +171,17 @@ def injected_config(model: nn.Module) -> Any:
     return getattr(model, _INJECTED)
 
 
-def _check_module_targets(model: nn.Module, targets, config: Any) -> None:
+def _check_module_targets(model: nn.Module, targets, config: Any, layers: dict[str, nn.Module]) -> None:
     """Each name of a model.lora_target_modules list adapted a module, or peft converted it to a
     parameter target (``config`` after injection no longer lists it). peft is silent about a name
     that matched nothing while another one did. The login node checks the names against the
-    checkpoint's modules (hpcrl.login.lora_inputs)."""
+    checkpoint's modules (hpcrl.login.lora_inputs). ``layers``: the model's :func:`lora_layers`."""
     if not isinstance(targets, tuple):
         return                      # peft's default, "all-linear", or a regular expression
-    wrapped = set(parameter_wrappers(model))
-    adapted = [path for path in lora_layers(model) if path not in wrapped]
+    wrapped = _parameter_wrappers(layers)
+    adapted = [path for path in layers if path not in wrapped]
     converted = set(targets) - set(config.target_modules or ())
-    missing = [t for t in targets if t not in converted and not any(p == t or p.endswith("." + t) for p in adapted)]
+    missing = [t for t in targets if t not in converted and not any(lora_target_matches((t,), p) for p in adapted)]
     if not missing:
         return
     linear = sorted({name.removesuffix(".base_layer").rsplit(".", 1)[-1] for name, m in model.named_modules()
@@ -192,17 +196,18 @@ def _check_module_targets(model: nn.Module, targets, config: Any) -> None:
 
 def _stacked_parameters(model: nn.Module) -> list[str]:
     """The model's 3-D parameters (fused expert stacks), once per layer: model.layers.N.mlp.experts.gate_up_proj."""
-    return sorted({re.sub(r"\.\d+\.", ".N.", re.sub(r"(\.base_layer)+\.", ".", name))
-                   for name, p in model.named_parameters() if p.dim() == 3})
+    return sorted({re.sub(r"\.\d+\.", ".N.", unwrapped_name(name)) for name, p in model.named_parameters()
+                   if p.dim() == 3})
 
 
-def _check_parameter_targets(model: nn.Module, targets: tuple[str, ...]) -> None:
+def _check_parameter_targets(model: nn.Module, targets: tuple[str, ...], layers: dict[str, nn.Module]) -> None:
     """Each name of model.lora_target_parameters adapted a parameter: peft adapts what matches and
-    says nothing of a name that matched nothing while another one did."""
+    says nothing of a name that matched nothing while another one did. ``layers``: the model's
+    :func:`lora_layers` (none where peft refused them all)."""
     if not targets:
         return
-    adapted = [adapted_parameter(path, w) for path, w in parameter_wrappers(model).items()]
-    missing = [t for t in targets if not any(a == t or a.endswith("." + t) for a in adapted)]
+    adapted = [adapted_parameter(path, w) for path, w in _parameter_wrappers(layers).items()]
+    missing = [t for t in targets if not any(lora_target_matches((t,), a) for a in adapted)]
     if missing:
         # What could be meant: the parameters no module name reaches (3-D, as fused experts are).
         stacked = _stacked_parameters(model)
