@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU test tier (tests marked `gpu` in tests/compute/train/test_gpu.py) on this machine: set up, run, and end
-# with a PASS/FAIL/SKIP table, one line per test. Exit status 1 if anything failed.
+# The GPU test tier (tests marked `gpu` in tests/compute/train/test_gpu.py and tests/compute/sync/test_ipc_gpu.py)
+# on this machine: set up, run, and end with a PASS/FAIL/SKIP table, one line per test, with what a test
+# measured (its junit properties). Exit status 1 if anything failed.
 #
 #   bash scripts/gpu-check.sh [pytest arguments]
 #
@@ -103,7 +104,9 @@ echo "== tests"
 if command -v nvidia-smi >/dev/null && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
   export HPCRL_GPU_TIER_DEVICE=cuda
 fi
-"$RUN_PY" -m pytest -m gpu -rA --junitxml="$REPORT/junit.xml" tests/compute/train/test_gpu.py "$@" 2>&1 | tee "$REPORT/pytest.log"
+# xunit1: the junit family that keeps a test's recorded properties (what it measured).
+"$RUN_PY" -m pytest -m gpu -rA -o junit_family=xunit1 --junitxml="$REPORT/junit.xml" \
+  tests/compute/train/test_gpu.py tests/compute/sync/test_ipc_gpu.py "$@" 2>&1 | tee "$REPORT/pytest.log"
 rc=${PIPESTATUS[0]}
 
 echo "== result"
@@ -127,7 +130,9 @@ for case in cases:
     failed += status == "FAIL"
     name = f"{case.get('classname', '').rpartition('.')[2]}.py::{case.get('name')}"
     line = " ".join(why.split())
-    print(f"{status}  {name}  {float(case.get('time', 0)):.1f} s" + (f"  {line[:160]}" if line else ""))
+    measured = "; ".join(f"{p.get('name')} {p.get('value')}" for p in case.iter("property"))
+    print(f"{status}  {name}  {float(case.get('time', 0)):.1f} s" + (f"  {line[:160]}" if line else "")
+          + (f"  [{measured}]" if measured else ""))
 if not cases:
     print(f"FAIL  no gpu test ran (pytest exit status {rc})")
 sys.exit(1 if failed or not cases or rc not in (0, 5) else 0)

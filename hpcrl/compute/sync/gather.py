@@ -59,6 +59,7 @@ __all__ = [
     "sync_named_params",
     "changing_params",
     "param_specs",
+    "ipc_buffer_bytes",
     "full_tensor",
     "iter_full_tensors",
     "iter_buckets",
@@ -224,6 +225,18 @@ def changing_params(named_params: list[tuple[str, torch.Tensor]]) -> list[tuple[
 def param_specs(named_params: Iterable[tuple[str, torch.Tensor]], cast_to: torch.dtype | None = None) -> list[ParamSpec]:
     """Global name/dtype/shape of each parameter; reads DTensor metadata, gathers nothing."""
     return [ParamSpec(name, _on_wire(p.dtype, cast_to), tuple(p.shape)) for name, p in named_params]
+
+
+def ipc_buffer_bytes(bucket_bytes: int, params, wire_dtype: torch.dtype | None) -> tuple[int, str | None]:
+    """The packed IPC buffer: the bucket, or the largest tensor in ``wire_dtype`` (None: as stored)
+    when that is larger (vLLM's ``packed_ipc_producer`` raises on a tensor larger than its buffer;
+    a 14B model's embedding is 1.5 GB against a 256 MiB bucket). Returns the size and the tensor
+    that set it (None: the bucket did)."""
+    specs = param_specs(params, wire_dtype)
+    largest = max(specs, key=lambda s: s.nbytes, default=None)
+    if largest is None or largest.nbytes <= bucket_bytes:
+        return bucket_bytes, None
+    return largest.nbytes, largest.name
 
 
 # The dtypes a sync may put on the wire, by position: the ranks agree on one by its index (0: none

@@ -3,7 +3,9 @@ when the server shares the sender's GPU), on the trainer side: each transport bu
 trainer engine and lets it drive start/update/finish through ``NotifyClient`` (notify.py). On the
 server they are vLLM's built-in worker engines, driven by ``WeightReceiver`` (receiver.py).
 
-Written against vLLM 0.32's API but UNTESTED without a GPU.
+Written against vLLM 0.32's API but UNTESTED without a GPU. What ``ipc`` relies on, one export of
+the packed buffer rebuilt in the engine's process on the same GPU, ran on an H200 with an engine
+stand-in (tests/compute/sync/test_ipc_gpu.py); vLLM's own engines have not.
 
 ``HFWeightSource`` is the ``WeightSource`` those engines take on the trainer side: HF names, tied
 embeddings skipped, one gather at a time in ``named_parameters()`` order, each in the wire dtype
@@ -13,7 +15,7 @@ and counted in the sync's gather traffic like hpcrl_shm's.
 run with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (inference.vllm_engine.weight_transfer_env; the
 rebuild arguments of a CUDA IPC handle hold a type and a torch.dtype, which vLLM's msgpack refuses
 otherwise), and the packed buffer must hold the largest tensor (vLLM raises on one larger than
-it): ``ipc_buffer_bytes``.
+it): ``gather.ipc_buffer_bytes``.
 """
 
 from __future__ import annotations
@@ -26,11 +28,11 @@ from vllm.distributed.weight_transfer.base import ParamMeta, TrainerInitInfo, We
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
 from hpcrl.compute.sync.api import SenderSetup
-from hpcrl.compute.sync.gather import iter_full_tensors, param_specs, sync_named_params
+from hpcrl.compute.sync.gather import ipc_buffer_bytes, iter_full_tensors, param_specs, sync_named_params
 from hpcrl.compute.sync.layout import CheckpointLayout
 from hpcrl.compute.sync.notify import NotifyClient
 
-__all__ = ["HFWeightSource", "NcclTransport", "IpcTransport", "ipc_buffer_bytes"]
+__all__ = ["HFWeightSource", "NcclTransport", "IpcTransport"]
 
 log = logging.getLogger(__name__)
 
@@ -135,18 +137,6 @@ class NcclTransport(_VLLMTransport):
         return NCCLTrainerInitInfo(master_address=address, master_port=port,
                                    world_size=1 + setup.options.server_world_size, packed=True,
                                    packed_buffer_size_bytes=setup.bucket_bytes, rank=rank)
-
-
-def ipc_buffer_bytes(bucket_bytes: int, params, wire_dtype: torch.dtype | None) -> tuple[int, str | None]:
-    """The packed IPC buffer: the bucket, or the largest tensor in ``wire_dtype`` (None: as stored)
-    when that is larger (vLLM's ``packed_ipc_producer`` raises on a tensor larger than its buffer;
-    a 14B model's embedding is 1.5 GB against a 256 MiB bucket). Returns the size and the tensor
-    that set it (None: the bucket did)."""
-    specs = param_specs(params, wire_dtype)
-    largest = max(specs, key=lambda s: s.nbytes, default=None)
-    if largest is None or largest.nbytes <= bucket_bytes:
-        return bucket_bytes, None
-    return largest.nbytes, largest.name
 
 
 class IpcTransport(_VLLMTransport):

@@ -728,8 +728,8 @@ def test_ipc_buffer_holds_the_largest_tensor():
     """vLLM's packed_ipc_producer raises on a tensor larger than its buffer: the buffer is the
     bucket, or the largest tensor in the wire dtype when that is larger, and the sender says so."""
     from hpcrl.compute.sync.api import IpcOptions, SenderSetup
-    from hpcrl.compute.sync.gather import sync_named_params
-    from hpcrl.compute.sync.vllm_engines import HFWeightSource, IpcTransport, ipc_buffer_bytes
+    from hpcrl.compute.sync.gather import ipc_buffer_bytes, sync_named_params
+    from hpcrl.compute.sync.vllm_engines import HFWeightSource, IpcTransport
 
     model = torch.nn.Sequential(torch.nn.Embedding(1000, 64), torch.nn.Linear(64, 8))
     params = sync_named_params(model)
