@@ -57,7 +57,7 @@ side_lane() {
   # lent a GPU runs has not rotted meanwhile (~45 s).
   echo "GPU tier on the CPU (HPCRL_GPU_TIER_DEVICE=cpu):"
   HPCRL_TEST_WARM_UP=0 HPCRL_GPU_TIER_DEVICE=cpu nice -n 5 .venv/bin/python -m pytest -q -p no:cacheprovider \
-    --basetemp "$side_tmp/gpu" -m gpu tests/compute/train/test_gpu.py tests/compute/sync/test_ipc_gpu.py || status=$?
+    --basetemp "$side_tmp/gpu" -m gpu tests/compute/train/test_gpu.py tests/compute/train/test_gpu_memory.py tests/compute/sync/test_ipc_gpu.py || status=$?
   return "$status"
 }
 main_only=()

@@ -16,6 +16,9 @@ where torch sees a CUDA GPU and skips elsewhere, so CI stays green without one.
   test_hpcrl_run_shares_one_gpu_with_the_transformers_engine
                                             `hpcrl run`: trainer and server on one GPU, checkpoints
 
+The tier's other files: test_gpu_memory.py (the allocator's peaks against the chunked log-probs and
+the fit estimate) and tests/compute/sync/test_ipc_gpu.py (the sender -> engine transfer over CUDA IPC).
+
 Ranks: NCCL cannot put two ranks of one group on one GPU, so with one GPU the distributed tests
 run one rank; with two or more, two ranks, one GPU each (each sees only its own, as hpcrl's
 pinning leaves a task). `hpcrl run` puts its trainer and its server on the same GPU either way.
@@ -608,9 +611,3 @@ def test_hpcrl_run_shares_one_gpu_with_the_transformers_engine(tmp_path, gpu_dev
         assert "cuda:0" in log, f"no sign of the trainer on cuda:0 in the log:\n{log[-3000:]}"
     print(f"{gpu_device}: 4 steps, checkpoints {sorted(p.name for p in ckpts.iterdir())}, "
           f"reward {steps[0].get('reward')} -> {steps[-1].get('reward')}; {seconds:.0f} s")
-
-
-# ----------------------------------------------------------------------------------------------
-# Memory on the device (issue 14): chunked log-probs (hpcrl/compute/train/logprobs.py) and the fit
-# estimate (hpcrl/job/memory.py), each against torch.cuda.max_memory_allocated. Written with those two
-# changes, in this section, with the gpu_device fixture.
