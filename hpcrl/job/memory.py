@@ -107,6 +107,12 @@ def adam_moment_bytes(optim: str) -> float:
     """The two Adam moments' bytes per parameter for grpo.optim."""
     return LOW_BIT_MOMENT_BYTES.get(optim, ADAM_MOMENT_BYTES)
 
+
+def with_moments(bytes_per_param: float, adam_bytes: float) -> float:
+    """A per-parameter count that holds two fp32 Adam moments (TRAIN_BYTES_PER_PARAM,
+    ADAPTER_BYTES_PER_PARAM), with moments of ``adam_bytes`` (adam_moment_bytes) instead."""
+    return bytes_per_param - ADAM_MOMENT_BYTES + adam_bytes
+
 GATHERED_LAYERS = 2                # the layer computing and the one FSDP prefetches
 LOGITS_COPIES = 2                  # the logits and their gradient
 LOGPROB_FP32_COPIES = 4            # upcast, tempered, exp inside logsumexp, gradient
@@ -223,7 +229,7 @@ def trainer_parts(shape: ModelShape, step: TrainingStep, storage: ModelStorage =
         per_param = zero3_device_bytes_per_param(c, offload_optimizer=storage.offload_optimizer,
                                                  offload_params=storage.offload_params)
         if not storage.offload_optimizer:
-            per_param += storage.adam_bytes - ADAM_MOMENT_BYTES
+            per_param = with_moments(per_param, storage.adam_bytes)
         state = {"training_state": math.ceil(n * per_param / shard),
                  "reference": math.ceil((n * frozen + frozen_head) / shard) if storage.reference else 0}
         # one layer's fp32 gradients, and the LM head's gradient in the root group
@@ -232,7 +238,7 @@ def trainer_parts(shape: ModelShape, step: TrainingStep, storage: ModelStorage =
         adapters = max((lora.layer_params(i) for i in range(shape.num_layers)), default=0)
         state = {"frozen_weights": math.ceil((n * frozen + frozen_head) / shard),
                  "training_state": math.ceil((lora.params + lora.saved_params)
-                                             * (ADAPTER_BYTES_PER_PARAM - ADAM_MOMENT_BYTES + storage.adam_bytes) / shard),
+                                             * with_moments(ADAPTER_BYTES_PER_PARAM, storage.adam_bytes) / shard),
                  "reference": 0}
         # one layer's adapter gradients in fp32; the frozen head has none, a trained copy of it
         # (model.lora_modules_to_save) is gathered with the root and keeps its fp32 gradient

@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from hpcrl.job.job_memory import device_word, frozen_dtype, serve_dtype, task_capacity, trainer_parts_for
-from hpcrl.job.memory import (ADAM_MOMENT_BYTES, GIB, REFERENCE_BYTES_PER_PARAM, TRAIN_BYTES_PER_PARAM,
-                              adam_moment_bytes, gib_text)
+from hpcrl.job.memory import (GIB, REFERENCE_BYTES_PER_PARAM, TRAIN_BYTES_PER_PARAM, adam_moment_bytes, gib_text,
+                              with_moments)
 from hpcrl.job.model_shape import DTYPE_BYTES, ModelShape, count_parameters, model_shape
 from hpcrl.job.placement import Plan
 from hpcrl.job.spec import JobSpec
@@ -105,7 +105,7 @@ def choose_mesh_for_shape(spec: JobSpec, plan: Plan, shape: ModelShape | None, p
             # frozen weights only (the adapters, unknown without the shape, are a small fraction)
             per_param = DTYPE_BYTES[frozen_dtype(spec)]
         else:
-            per_param = (TRAIN_BYTES_PER_PARAM - ADAM_MOMENT_BYTES + adam_moment_bytes(spec.recipe.grpo.optim)
+            per_param = (with_moments(TRAIN_BYTES_PER_PARAM, adam_moment_bytes(spec.recipe.grpo.optim))
                          + (REFERENCE_BYTES_PER_PARAM if spec.recipe.grpo.beta > 0 else 0))
         need_gb = params * per_param / 1e9
 
