@@ -4,7 +4,9 @@ parameters and activations.
 
 The decoder layer's paths are model.layers.N.self_attn.{q,k,v,o}_proj and
 model.layers.N.mlp.{gate,up,down}_proj (Llama/Qwen/Mistral): None is peft's default for these
-models (q_proj and v_proj), "all-linear" all seven. An adapter on lm_head is not counted
+models (q_proj and v_proj), "all-linear" all seven. On a mixture of experts, transformers 5 fuses the
+experts into 3-D parameters, and peft converts the targets that reach them (peft_converted_targets):
+the stacks, and with "all-linear" the router, are adapted as parameters. An adapter on lm_head is not counted
 (r x (hidden + vocabulary): a few MB). Standard library only: `hpcrl render` checks the targets
 against the model on the login node (hpcrl.login.inputs).
 """
@@ -52,6 +54,56 @@ EXPERT_STACKS = {"mlp.experts.gate_up_proj": lambda h, i: (h, 2 * i), "mlp.exper
 # gate_up_proj an adapter of twice the rank.
 CONVERTED_STACKS = {"mlp.experts.gate_up_proj": ("gate_proj", "up_proj"), "mlp.experts.down_proj": ("down_proj",)}
 
+# The mixture-of-experts model types for which peft converts model.lora_target_modules (a list,
+# "all-linear" or a regular expression) to the fused stacks: those of transformers' conversion table
+# whose pattern peft maps (peft.utils.transformers_weight_conversion; tests/compute/train/
+# test_lora_experts.py holds this equal to the installed tables), by family. Each family's
+# transformers-4 names of an expert's gate, up and down projections; the router (mlp.gate) is
+# adapted as its weight parameter where the name "gate", "all-linear" or the expression reaches it.
+PEFT_MOE_EXPERT_NAMES = {"qwen2_moe": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2")}
+PEFT_MOE_FAMILIES = {
+    **dict.fromkeys(("afmoe", "cohere2_moe", "deepseek_v2", "deepseek_v3", "deepseek_v32", "dots1", "ernie4_5_moe",
+                     "exaone_moe", "flex_olmo", "glm4_moe", "glm4_moe_lite", "glm4v_moe", "glm_moe_dsa",
+                     "hunyuan_v1_moe", "longcat_flash", "mellum", "olmoe", "qwen3_moe", "qwen3_next",
+                     "qwen3_omni_moe", "qwen3_omni_moe_thinker", "solar_open"), "qwen2_moe"),
+    **dict.fromkeys(("minimax", "minimax_m2", "mixtral"), "mixtral"),
+}
+ROUTER_PARAMETER = "gate.weight"       # the name peft's converted config gives the router's weight
+
+
+def peft_converted_targets(shape: ModelShape, targets) -> tuple[frozenset[str], bool]:
+    """What peft's conversion of model.lora_target_modules reaches on this model: the expert
+    projections, by their Llama names (CONVERTED_STACKS' terms), and whether the router. Nothing on a
+    dense model, or a mixture of experts peft does not convert (PEFT_MOE_FAMILIES)."""
+    family = PEFT_MOE_FAMILIES.get(shape.model_type) if shape.experts else None
+    if family is None or targets is None:
+        return frozenset(), False
+    names = dict(zip(PEFT_MOE_EXPERT_NAMES[family], ("gate_proj", "up_proj", "down_proj")))
+    if targets == ALL_LINEAR:
+        return frozenset(names.values()), True
+    if isinstance(targets, str):
+        # peft probes each transformers-4 expert path at the stack's container against the expression
+        return (frozenset(llama for old, llama in names.items()
+                          if re.fullmatch(targets, f"model.layers.0.mlp.experts.{old}")),
+                re.fullmatch(targets, "model.layers.0.mlp.gate") is not None)
+    return frozenset(llama for old, llama in names.items() if old in targets), "gate" in targets
+
+
+def converted_parameter_names(shape: ModelShape, targets) -> list[str]:
+    """The parameters peft's conversion of model.lora_target_modules adapts on this model, as its
+    converted config names them (down_proj, gate.weight, gate_up_proj)."""
+    reached, router = peft_converted_targets(shape, targets)
+    stacks = [stack.rsplit(".", 1)[-1] for stack, linears in CONVERTED_STACKS.items() if set(linears) <= reached]
+    return sorted(stacks + ([ROUTER_PARAMETER] if router else []))
+
+
+def converted_dropout_error(dropout: float, names) -> str:
+    """model.lora_dropout with a model.lora_target_modules that peft converts to parameters: what the
+    login node (hpcrl.login.inputs) and the job (hpcrl.compute.train.lora) both say."""
+    return (f"model.lora_dropout: {dropout}: model.lora_target_modules reaches parameters of this "
+            f"mixture-of-experts model ({', '.join(names)}: its fused expert stacks or router), which peft adapts "
+            f"without dropout; set it to 0")
+
 
 def expert_stacks(shape: ModelShape, parameters: tuple[str, ...],
                   reached: frozenset[str] = frozenset()) -> tuple[tuple[int, int, int, int, int], ...]:
@@ -94,6 +146,8 @@ class LoraTargets(NamedTuple):
     # Adapted fused expert stacks, in every decoder layer: (experts, in_features, out_features,
     # experts per token, rank factor) of each (expert_stacks).
     stacks: tuple[tuple[int, int, int, int, int], ...] = ()
+    # The router's (in_features, out_features) where peft adapts its weight in every decoder layer.
+    router: tuple[int, int] | tuple[()] = ()
 
     @classmethod
     def of(cls, shape: ModelShape, targets, r: int, dropout: float = 0.0, dora: bool = False,
@@ -102,9 +156,9 @@ class LoraTargets(NamedTuple):
         model.lora_modules_to_save (lm_head, embed_tokens: vocabulary x hidden each) and
         model.lora_target_parameters (counted where they name transformers' fused expert stacks,
         EXPERT_STACKS). On a mixture-of-experts model the MLP's names are no linear layers (transformers
-        5 fuses the experts): a list's gate_proj, up_proj and down_proj adapt the stacks, as peft
-        converts them; "all-linear" and a regular expression, resolved against the model, do not."""
-        listed = isinstance(targets, (tuple, list))
+        5 fuses the experts): where peft converts the targets (peft_converted_targets), the expert
+        projections they reach adapt the stacks, and "all-linear" adapts the router too."""
+        converted, router = peft_converted_targets(shape, targets)
         if targets is None:
             targets = PEFT_DEFAULT_TARGETS
         elif targets == ALL_LINEAR:
@@ -113,22 +167,22 @@ class LoraTargets(NamedTuple):
         layers = [frozenset(name for name in DECODER_LINEARS
                             if lora_target_matches(targets, decoder_linear_path(i, name)))
                   for i in range(shape.num_layers)]
-        reached: frozenset[str] = frozenset()
         if shape.experts:
             mlp = frozenset(n for n, group in DECODER_LINEARS.items() if group == "mlp")
-            reached = (layers[0] & mlp) if listed and layers else frozenset()
             layers = [adapted - mlp for adapted in layers]
         return cls(r, dropout, features, tuple(layers), dora,
                    len(set(modules_to_save) & set(LORA_MODULES_TO_SAVE)) * shape.vocab_size * shape.hidden_size,
-                   expert_stacks(shape, parameters, reached))
+                   expert_stacks(shape, parameters, converted),
+                   (shape.hidden_size, shape.experts) if router else ())
 
     def layer_params(self, layer: int) -> int:
         """The adapters' parameters in one decoder layer (with DoRA, a magnitude per output row too;
-        on an expert stack, r x (in + out) per expert)."""
+        on an expert stack, r x (in + out) per expert; on the router, r x (in + out))."""
         adapted = self.layers[layer]
         return (sum(self.r * (fin + fout) + (fout if self.dora else 0) for name, fin, fout in self.features
                     if name in adapted)
-                + sum(self.r * factor * experts * (fin + fout) for experts, fin, fout, _, factor in self.stacks))
+                + sum(self.r * factor * experts * (fin + fout) for experts, fin, fout, _, factor in self.stacks)
+                + self.r * sum(self.router))
 
     def stack_bytes(self, compute_bytes: int) -> int:
         """One decoder layer's adapted expert stacks merged (peft's ParamWrapper computes W + s B A for
@@ -158,10 +212,14 @@ class LoraTargets(NamedTuple):
         for lora_B. With DoRA, each adapter also keeps two outputs (out_features each, compute dtype).
         Measured on a Qwen2 layer (CPU, peft 0.21), this errs high by under 10 % of the layer's count.
         An adapted expert stack's merged weight needs a gradient: its input is kept for each expert a
-        token is routed to (experts per token x in_features; scripts/bench_memory.py measures it)."""
+        token is routed to (experts per token x in_features; scripts/bench_memory.py measures it). An
+        adapted router's merged weight likewise keeps the MLP's input (its own merged weight, experts x
+        hidden, is not counted)."""
         c, adapted = compute_bytes, self.layers[layer]
         inputs = {_SHARED_INPUT[name]: fin for name, fin, _ in self.features}
         kept = {_SHARED_INPUT[name] for name in adapted} if self.dropout == 0 else set()
+        if self.router:
+            kept.add(_SHARED_INPUT["gate_proj"])
         dropped = sum(fin for name, fin, _ in self.features if name in adapted) * (c + 1) if self.dropout > 0 else 0
         # DoRA's output is (m / ||W + s B A|| - 1) x W + m / ||.|| x s B A x: both products are kept.
         dora = 2 * c * sum(fout for name, _, fout in self.features if name in adapted) if self.dora else 0

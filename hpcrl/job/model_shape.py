@@ -46,6 +46,7 @@ class ModelShape(NamedTuple):
     experts_per_token: int = 0
     expert_intermediate: int = 0
     shared_intermediate: int = 0
+    model_type: str = ""           # config.json's (which of transformers' layouts, hpcrl.job.lora)
 
     @classmethod
     def from_config(cls, cfg: dict, params: int | None = None) -> "ModelShape":
@@ -70,7 +71,8 @@ class ModelShape(NamedTuple):
                     intermediate_size=inter, num_heads=heads,
                     num_kv_heads=int(text.get("num_key_value_heads") or heads),
                     head_dim=int(text.get("head_dim") or h // heads), tie_word_embeddings=bool(tie),
-                    dtype=dtype if dtype in DTYPE_BYTES else "float32", params=0, **moe)
+                    dtype=dtype if dtype in DTYPE_BYTES else "float32", params=0,
+                    model_type=str(cfg.get("model_type") or text.get("model_type") or ""), **moe)
         return shape._replace(params=params or shape.params_from_shape())
 
     @property

@@ -160,8 +160,9 @@ def _tokenizer_dir(name: str, where: str, env, directory: Path | None = None) ->
 
 
 def _check_lora_targets(model: ModelConfig, model_dir: Path | None) -> None:
-    """model.lora_target_modules against the modules of the model (its directory; None: a demo model),
-    and model.lora_modules_to_save against its tied head."""
+    """model.lora_target_modules against the modules of the model (its directory; None: a demo model)
+    and, where peft converts them to parameters, against model.lora_dropout; model.lora_modules_to_save
+    against its tied head."""
     if not model.use_peft:
         return
     from hpcrl.login import lora_inputs
@@ -172,3 +173,5 @@ def _check_lora_targets(model: ModelConfig, model_dir: Path | None) -> None:
     modules = lora_inputs.demo_module_paths(model.path) if model_dir is None else \
         lora_inputs.checkpoint_module_paths(model_dir)
     lora_inputs.check_targets(model, modules)
+    if model_dir is not None:
+        lora_inputs.check_converted_dropout(model, model_dir)

@@ -1,8 +1,9 @@
 """model.lora_target_modules checked on the login node against the modules the model has, as peft
 matches them: the demo models' modules are known, a model directory's are read from its weights'
 names (an index, or the safetensors headers), never by loading them; model.lora_modules_to_save
-against a head tied to the embeddings. hpcrl.login.inputs calls `check_targets` and
-`check_modules_to_save` for recipes with LoRA only.
+against a head tied to the embeddings; model.lora_dropout where peft converts the targets to
+parameters of a mixture of experts (which take no dropout). hpcrl.login.inputs calls `check_targets`,
+`check_converted_dropout` and `check_modules_to_save` for recipes with LoRA only.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from pathlib import Path
 from hpcrl.job.config import closest
 from hpcrl.job.demo import parse_demo_model
 from hpcrl.job.errors import UserError
-from hpcrl.job.lora import ALL_LINEAR, DECODER_LINEARS, decoder_linear_path, lora_target_matches, tied_copy_error
-from hpcrl.job.model_shape import read_safetensors_header
+from hpcrl.job.lora import (ALL_LINEAR, DECODER_LINEARS, converted_dropout_error, converted_parameter_names,
+                            decoder_linear_path, lora_target_matches, tied_copy_error)
+from hpcrl.job.model_shape import model_shape, read_safetensors_header
 from hpcrl.job.recipe import ModelConfig
 
 # Decoder layers of the "demo:<size>" models (Qwen2, built in the job by hpcrl.compute.models.tiny,
@@ -155,3 +157,16 @@ def check_modules_to_save(model: ModelConfig, model_dir: Path | None) -> None:
             return
     if tied:
         raise UserError(tied_copy_error(model.lora_modules_to_save))
+
+
+def check_converted_dropout(model: ModelConfig, model_dir: Path) -> None:
+    """model.lora_dropout with a model.lora_target_modules that peft converts to parameters of this
+    mixture-of-experts model (hpcrl.job.lora.peft_converted_targets: Llama's expert names or
+    "all-linear" on Qwen3-MoE, say): peft refuses dropout there, and the job would say so seconds in;
+    TRL's default is 0.05."""
+    if not model.lora_dropout:
+        return
+    shape, _ = model_shape(str(model_dir))
+    converted = converted_parameter_names(shape, model.lora_target_modules) if shape else []
+    if converted:
+        raise UserError(converted_dropout_error(model.lora_dropout, converted))

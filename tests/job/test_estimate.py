@@ -473,9 +473,22 @@ def test_lora_on_expert_stacks_counts_every_experts_adapter_and_the_merged_stack
     llama = LoraTargets.of(shape, ("q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"), 8)
     assert llama.stacks == ((e, h, 2 * i, 8, 2), (e, i, h, 8, 1)) and llama.layers[0] == {"q_proj", "v_proj"}
     assert llama.params == layers * 8 * ((h + 32 * 128) + (h + 4 * 128) + 2 * e * (h + 2 * i) + e * (i + h))
-    # "all-linear" is resolved against the model's linear layers: the attention's only.
-    assert LoraTargets.of(shape, "all-linear", 8).stacks == () and LoraTargets.of(shape, "all-linear", 8).layers[0] == {
-        "q_proj", "k_proj", "v_proj", "o_proj"}
+    # "all-linear" as peft converts it on this model: the attention's linear layers, both stacks
+    # (gate_up_proj at twice the rank) and the router's weight (hidden x experts).
+    every = LoraTargets.of(shape, "all-linear", 8)
+    assert every.layers[0] == {"q_proj", "k_proj", "v_proj", "o_proj"} and every.stacks == llama.stacks
+    assert every.router == (h, e)
+    assert every.params == layers * 8 * ((h + 32 * 128) + 2 * (h + 4 * 128) + (32 * 128 + h)
+                                         + 2 * e * (h + 2 * i) + e * (i + h) + (h + e))
+    # The router's merged weight keeps the MLP's input, which frozen experts' attention-only adapters do not.
+    attention = LoraTargets.of(shape, ("q_proj", "k_proj", "v_proj", "o_proj"), 8, parameters=stacks)
+    assert every.layer_activation_bytes(0, 2) - attention.layer_activation_bytes(0, 2) == 2 * h
+    # A regular expression reaches what it spells out: peft probes the experts' transformers-4 paths.
+    assert LoraTargets.of(shape, r".*\.(q_proj|down_proj)", 8).stacks == ((e, i, h, 8, 1),)
+    assert LoraTargets.of(shape, r".*\.(q_proj|down_proj)", 8).router == ()
+    # A mixture of experts peft does not convert (not in its table): the list's expert names reach nothing.
+    unconverted = shape._replace(model_type="qwen2_moe")
+    assert LoraTargets.of(unconverted, ("q_proj", "gate_proj", "up_proj", "down_proj"), 8).stacks == ()
     assert LoraTargets.of(shape, ("q_proj",), 8, parameters=("router.weight",)).stacks == ()   # shape unknown: not counted
     assert both.stack_bytes(2) == 2 * e * (h * 2 * i + i * h)                     # 1.1 GiB a layer
     step = dict(micro_batch=1, seq_len=1024, completion_len=512, compute_dtype="bfloat16")

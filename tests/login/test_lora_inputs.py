@@ -147,3 +147,40 @@ def test_hpcrl_refuses_a_target_the_local_model_lacks(hpcrl, tiny_model):
     assert r.returncode == 0, r.stderr
     r = hpcrl("render", "--site", "testbed", "model.use_peft=true", r"model.lora_target_modules=.*\.(q|v)_proj")
     assert r.returncode == 0, r.stderr
+
+
+def test_dropout_on_what_peft_converts_to_parameters_is_refused_before_the_queue(hpcrl, tiny_model, tmp_path):
+    """TRL's default lora_dropout (0.05) with targets peft converts to parameters of a mixture of
+    experts ("all-linear", or Llama's list, on Qwen3-MoE: its fused expert stacks and router, which
+    take no dropout): one line on the login node, exit 2, nothing written; the job said it seconds
+    into the run before. Dropout 0 passes, and so does a list of the attention's names."""
+    import shutil
+
+    from hpcrl.job.lora import converted_dropout_error
+
+    moe = tmp_path / "qmoe"
+    moe.mkdir()
+    (moe / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 64,
+        "num_hidden_layers": 1, "vocab_size": 384, "intermediate_size": 96, "moe_intermediate_size": 32,
+        "num_experts": 4, "num_experts_per_tok": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "head_dim": 32, "tie_word_embeddings": False, "torch_dtype": "float32"}))
+    # The checkpoint's layout: one module per expert (transformers 5 fuses them when it loads).
+    layer = "model.layers.0"
+    _safetensors(moe / "model.safetensors", {
+        "model.embed_tokens.weight": [384, 64], "lm_head.weight": [384, 64], f"{layer}.mlp.gate.weight": [4, 64],
+        **{f"{layer}.self_attn.{n}.weight": [64, 64] for n in ("q_proj", "k_proj", "v_proj", "o_proj")},
+        **{f"{layer}.mlp.experts.{e}.{n}.weight": [32, 64] for e in range(4) for n in ("gate_proj", "up_proj")},
+        **{f"{layer}.mlp.experts.{e}.down_proj.weight": [64, 32] for e in range(4)}})
+    for f in Path(tiny_model).glob("*tok*"):
+        shutil.copy(f, moe / f.name)
+    for targets, converted in (("all-linear", ["down_proj", "gate.weight", "gate_up_proj"]),
+                               ("[q_proj,gate_proj,up_proj,down_proj]", ["down_proj", "gate_up_proj"])):
+        r = hpcrl("run", "--dry-run", f"model.path={moe}", "model.use_peft=true", f"model.lora_target_modules={targets}")
+        assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
+        assert r.stderr.strip() == "hpcrl: error: " + converted_dropout_error(0.05, converted)
+        assert list(hpcrl.work.iterdir()) == []
+    for allowed in (["model.lora_target_modules=all-linear", "model.lora_dropout=0"],
+                    ["model.lora_target_modules=[q_proj,v_proj]"]):
+        r = hpcrl("run", "--dry-run", f"model.path={moe}", "model.use_peft=true", *allowed)
+        assert r.returncode == 0, r.stderr

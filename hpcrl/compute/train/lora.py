@@ -42,7 +42,7 @@ from torch import nn
 
 from hpcrl.compute.sync.gather import lora_layers, unwrapped_name
 from hpcrl.job.errors import UserError
-from hpcrl.job.lora import lora_target_matches, tied_copy_error
+from hpcrl.job.lora import converted_dropout_error, lora_target_matches, tied_copy_error
 from hpcrl.job.recipe import ModelConfig
 
 __all__ = ["ADAPTER", "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "MERGED_DIR", "lora_config", "add_adapters",
@@ -109,10 +109,8 @@ def add_adapters(model: nn.Module, recipe_model: ModelConfig) -> nn.Module:
             # No module targets (None: peft takes only the parameters then) and no parameter matched.
             _check_parameter_targets(model, recipe_model.lora_target_parameters, {})
         if "does not work with lora_dropout" in str(e):
-            stacks = sorted(set(config.target_parameters or ()) - set(recipe_model.lora_target_parameters or ()))
-            raise UserError(f"model.lora_dropout: {recipe_model.lora_dropout}: model.lora_target_modules reaches this "
-                            f"model's fused expert stacks ({', '.join(stacks)}), which peft adapts as parameters, "
-                            f"without dropout; set it to 0") from None
+            converted = sorted(set(config.target_parameters or ()) - set(recipe_model.lora_target_parameters or ()))
+            raise UserError(converted_dropout_error(recipe_model.lora_dropout, converted)) from None
         if "not found in the base model" in str(e) or "target_modules" in str(e) or "Cannot convert" in str(e):
             raise UserError(f"model.lora_target_modules: {str(e).splitlines()[0]}") from None
         raise

@@ -1,7 +1,9 @@
 """LoRA on a mixture-of-experts model's expert stacks, on one and two FSDP2 ranks (gloo), real peft
 layers: named in model.lora_target_parameters (TRL's lora_target_parameters, peft's
-target_parameters), or reached by Llama's target list (gate_proj, up_proj, down_proj), which peft
-converts for transformers 5's fused experts (gate_up_proj at twice the rank and alpha).
+target_parameters), or reached by Llama's target list (gate_proj, up_proj, down_proj) or
+"all-linear" (the router's weight too), which peft converts for transformers 5's fused experts
+(gate_up_proj at twice the rank and alpha). The login node's prediction of that conversion
+(hpcrl.job.lora) is held to peft's own.
 
 transformers 5 holds a MoE layer's experts as 3-D parameters (``mlp.experts.gate_up_proj`` [E, 2I,
 H], ``mlp.experts.down_proj`` [E, H, I]), which no module name reaches: peft adapts them through
@@ -54,14 +56,17 @@ def _w_experts(rank, world, model_dir, out_dir, names):
     from hpcrl.job.recipe import GRPOConfig, Recipe
 
     torch.manual_seed(0)
-    recipe_model = experts_recipe_model() if names == "parameters" else experts_recipe_model(None, LLAMA_LIST)
+    recipe_model = {"parameters": experts_recipe_model(), "llama-list": experts_recipe_model(None, LLAMA_LIST),
+                    "all-linear": experts_recipe_model(None, "all-linear")}[names]
+    router = names == "all-linear"      # peft's conversion of all-linear adapts the router's weight too
     recipe = Recipe(model=recipe_model, grpo=GRPOConfig(beta=0.0, gradient_checkpointing=False))
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
     policy, _ = load_policy_and_reference(model_dir, mesh, torch.device("cpu"), recipe)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     layers = base.config.num_hidden_layers
     wrappers = parameter_wrappers(policy)
-    assert sorted(w.parameter_name for w in wrappers.values()) == sorted(["gate_up_proj", "down_proj"] * layers)
+    assert sorted(w.parameter_name for w in wrappers.values()) == sorted(
+        ["gate_up_proj", "down_proj"] * layers + ["weight"] * layers * router)
 
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=5e-2)
     g = torch.Generator().manual_seed(0)
@@ -84,11 +89,11 @@ def _w_experts(rank, world, model_dir, out_dir, names):
     if rank != 0:
         return
     config = json.loads((out / "adapter_config.json").read_text())
-    assert config["target_modules"] == ["q_proj"], config
+    assert sorted(config["target_modules"]) == (["k_proj", "o_proj", "q_proj", "v_proj"] if router else ["q_proj"]), config
     if names == "parameters":
         assert config["target_parameters"] == sorted(PARAMETERS), config
     else:       # peft's conversion, kept: the fused stack's adapter has twice the rank
-        assert sorted(config["target_parameters"]) == ["down_proj", "gate_up_proj"], config
+        assert sorted(config["target_parameters"]) == ["down_proj", *["gate.weight"] * router, "gate_up_proj"], config
         assert list(config["rank_pattern"].values()) == [8] and list(config["alpha_pattern"].values()) == [16]
     assert_peft_loads_what_was_sent(model_dir, out, ids, trained, sent, atol=1e-6)
     for name in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"):
@@ -97,7 +102,8 @@ def _w_experts(rank, world, model_dir, out_dir, names):
     source = load_file(Path(model_dir) / "model.safetensors")
     assert written.keys() == source.keys()
     changed = {n for n in source if not torch.equal(written[n], source[n])}
-    assert changed and all(".experts." in n or n.endswith("q_proj.weight") for n in changed), sorted(changed)
+    adapted = ("q_proj.weight", *(("k_proj.weight", "v_proj.weight", "o_proj.weight", "mlp.gate.weight") * router))
+    assert changed and all(".experts." in n or n.endswith(adapted) for n in changed), sorted(changed)
     assert sum(".experts." in n for n in changed) == layers * 4 * 3       # every expert's three projections
     # Merged once: on one trainer a gathered stack is the parameter itself, which a merge into it
     # changed for good (the engines then drifted from the trainer by 0.2 in log-prob per step).
@@ -106,9 +112,10 @@ def _w_experts(rank, world, model_dir, out_dir, names):
         assert torch.allclose(merged_model(input_ids=ids).logits, trained, atol=1e-4), "merged twice"
 
 
-@pytest.mark.parametrize("world,names", [(1, "parameters"), (2, "parameters"), (2, "llama-list")])
+@pytest.mark.parametrize("world,names", [(1, "parameters"), (2, "parameters"), (2, "llama-list"), (1, "all-linear")])
 def test_adapters_on_expert_stacks_train_and_send_peft_merge(tmp_path, world, names):
-    """names: the stacks named in model.lora_target_parameters, or reached by Llama's target list."""
+    """names: the stacks named in model.lora_target_parameters, or reached by Llama's target list,
+    or by "all-linear" (with the router's weight)."""
     model_dir = make_moe_dir(tmp_path / "qwen3-moe", "qwen3_moe", square=False)
     spawn(_w_experts, tmp_path, str(model_dir), str(tmp_path), names, world=world, timeout=240)
 
@@ -217,5 +224,44 @@ def test_module_names_peft_neither_matches_nor_converts_are_named(tmp_path):
         "(model.layers.N.mlp.experts.down_proj, model.layers.N.mlp.experts.gate_up_proj), which "
         "model.lora_target_parameters adapts; its linear layers: k_proj, lm_head, o_proj, q_proj, v_proj")
     assert refusal(dataclasses.replace(experts_recipe_model(None, LLAMA_LIST), lora_dropout=0.05)) == (
-        "model.lora_dropout: 0.05: model.lora_target_modules reaches this model's fused expert stacks (down_proj, "
-        "gate_up_proj), which peft adapts as parameters, without dropout; set it to 0")
+        "model.lora_dropout: 0.05: model.lora_target_modules reaches parameters of this mixture-of-experts model "
+        "(down_proj, gate_up_proj: its fused expert stacks or router), which peft adapts without dropout; set it to 0")
+    assert refusal(dataclasses.replace(experts_recipe_model(None, "all-linear"), lora_dropout=0.05)) == (
+        "model.lora_dropout: 0.05: model.lora_target_modules reaches parameters of this mixture-of-experts model "
+        "(down_proj, gate.weight, gate_up_proj: its fused expert stacks or router), which peft adapts without "
+        "dropout; set it to 0")
+
+
+def test_the_plans_view_of_peft_conversion_is_peft_own(tmp_path):
+    """The login node predicts, without peft, what peft's conversion of model.lora_target_modules
+    adapts on a mixture of experts (hpcrl.job.lora: the plan counts it, and the login refuses
+    dropout on it before the queue): its model types are the installed tables', and for each form of
+    target (a list, "all-linear", expressions, the router's name) the parameters it predicts are
+    those of the config peft converted."""
+    import json
+
+    import torch
+    from peft.utils import transformers_weight_conversion as conversion
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hpcrl.compute.train.lora import add_adapters, injected_config
+    from hpcrl.job.lora import PEFT_MOE_EXPERT_NAMES, PEFT_MOE_FAMILIES, converted_parameter_names
+    from hpcrl.job.model_shape import ModelShape
+
+    families = {t: f for t, f in conversion._MODEL_TO_CONVERSION_PATTERN.items()
+                if f in conversion._MOE_TARGET_MODULE_MAPPING and f in conversion._MOE_FUSED_TARGETS}
+    assert PEFT_MOE_FAMILIES == families
+    for family, (gate, up, down) in PEFT_MOE_EXPERT_NAMES.items():
+        mapping = conversion._MOE_TARGET_MODULE_MAPPING[family]
+        assert (mapping[gate], mapping[up], mapping[down]) == ("gate_up_proj", "gate_up_proj", "down_proj"), family
+
+    for arch, names in (("qwen3_moe", ("gate_proj", "up_proj", "down_proj")), ("mixtral", ("w1", "w3", "w2"))):
+        model_dir = make_moe_dir(tmp_path / arch, arch, square=False)
+        shape = ModelShape.from_config(json.loads((model_dir / "config.json").read_text()))
+        for targets in [("q_proj", *names), ("q_proj", names[2]), "all-linear", r".*\.(q_proj|" + names[2] + ")",
+                        r".*(proj|w\d)", ("q_proj", "gate"), ("q_proj", "v_proj")]:
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+            add_adapters(model, experts_recipe_model(None, targets))
+            converted = sorted(injected_config(model).target_parameters or ())
+            assert converted_parameter_names(shape, targets) == converted, (arch, targets)
