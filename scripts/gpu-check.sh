@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The GPU test tier (tests marked `gpu` in tests/compute/train/test_gpu.py, test_gpu_memory.py and tests/compute/sync/test_ipc_gpu.py)
-# on this machine: set up, run, and end with a PASS/FAIL/SKIP table, one line per test, with what a test
-# measured (its junit properties). Exit status 1 if anything failed.
+# The GPU test tier (tests marked `gpu` in tests/compute/train/test_gpu.py, test_gpu_memory.py,
+# test_gpu_moe.py and tests/compute/sync/test_ipc_gpu.py) on this machine: set up, run, and end with a
+# PASS/FAIL/SKIP table, one line per test, with what a test measured (its junit properties). Exit
+# status 1 if anything failed.
 #
 #   bash scripts/gpu-check.sh [pytest arguments]
 #
@@ -106,7 +107,8 @@ if command -v nvidia-smi >/dev/null && nvidia-smi -L 2>/dev/null | grep -q '^GPU
 fi
 # xunit1: the junit family that keeps a test's recorded properties (what it measured).
 "$RUN_PY" -m pytest -m gpu -rA -o junit_family=xunit1 --junitxml="$REPORT/junit.xml" \
-  tests/compute/train/test_gpu.py tests/compute/train/test_gpu_memory.py tests/compute/sync/test_ipc_gpu.py "$@" 2>&1 | tee "$REPORT/pytest.log"
+  tests/compute/train/test_gpu.py tests/compute/train/test_gpu_memory.py tests/compute/train/test_gpu_moe.py \
+  tests/compute/sync/test_ipc_gpu.py "$@" 2>&1 | tee "$REPORT/pytest.log"
 rc=${PIPESTATUS[0]}
 
 echo "== result"

@@ -52,12 +52,13 @@ side_lane() {
     HPCRL_TEST_WARM_UP=0 .venv/bin/python -m pytest -ra --durations=15 -p no:cacheprovider \
       --basetemp "$side_tmp/side" "${SIDE_LANE[@]}" || status=$?
   fi
-  # The GPU tier (tests/compute/train/test_gpu.py, tests/compute/sync/test_ipc_gpu.py) skips in the suite without a GPU. Its own logic runs
-  # on the CPU (HPCRL_GPU_TIER_DEVICE=cpu: gloo, no CUDA kernel or NCCL), so that the tier a session
-  # lent a GPU runs has not rotted meanwhile (~45 s).
+  # The GPU tier (tests/compute/train/test_gpu*.py, tests/compute/sync/test_ipc_gpu.py) skips in the suite
+  # without a GPU. Its own logic runs on the CPU (HPCRL_GPU_TIER_DEVICE=cpu: gloo, no CUDA kernel or
+  # NCCL), so that the tier a session lent a GPU runs has not rotted meanwhile (~2 minutes).
   echo "GPU tier on the CPU (HPCRL_GPU_TIER_DEVICE=cpu):"
   HPCRL_TEST_WARM_UP=0 HPCRL_GPU_TIER_DEVICE=cpu nice -n 5 .venv/bin/python -m pytest -q -p no:cacheprovider \
-    --basetemp "$side_tmp/gpu" -m gpu tests/compute/train/test_gpu.py tests/compute/train/test_gpu_memory.py tests/compute/sync/test_ipc_gpu.py || status=$?
+    --basetemp "$side_tmp/gpu" -m gpu tests/compute/train/test_gpu.py tests/compute/train/test_gpu_memory.py \
+    tests/compute/train/test_gpu_moe.py tests/compute/sync/test_ipc_gpu.py || status=$?
   return "$status"
 }
 main_only=()

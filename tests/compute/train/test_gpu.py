@@ -17,7 +17,8 @@ where torch sees a CUDA GPU and skips elsewhere, so CI stays green without one.
                                             `hpcrl run`: trainer and server on one GPU, checkpoints
 
 The tier's other files: test_gpu_memory.py (the allocator's peaks against the chunked log-probs and
-the fit estimate) and tests/compute/sync/test_ipc_gpu.py (the sender -> engine transfer over CUDA IPC).
+the fit estimate), test_gpu_moe.py (a mixture of experts, with and without LoRA on its stacks) and
+tests/compute/sync/test_ipc_gpu.py (the sender -> engine transfer over CUDA IPC).
 
 Ranks: NCCL cannot put two ranks of one group on one GPU, so with one GPU the distributed tests
 run one rank; with two or more, two ranks, one GPU each (each sees only its own, as hpcrl's
