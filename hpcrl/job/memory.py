@@ -113,6 +113,7 @@ def with_moments(bytes_per_param: float, adam_bytes: float) -> float:
     ADAPTER_BYTES_PER_PARAM), with moments of ``adam_bytes`` (adam_moment_bytes) instead."""
     return bytes_per_param - ADAM_MOMENT_BYTES + adam_bytes
 
+
 GATHERED_LAYERS = 2                # the layer computing and the one FSDP prefetches
 LOGITS_COPIES = 2                  # the logits and their gradient
 LOGPROB_FP32_COPIES = 4            # upcast, tempered, exp inside logsumexp, gradient
