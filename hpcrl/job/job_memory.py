@@ -18,7 +18,7 @@ import math
 
 from hpcrl.job import context
 from hpcrl.job.batch import sequences_per_engine
-from hpcrl.job.lora import LoraTargets
+from hpcrl.job.lora import ROUTER_PARAMETER, LoraTargets, converted_parameter_names
 from hpcrl.job.memory import (GIB, TRAIN_BYTES_PER_PARAM, TRAINER_OVERHEAD_CPU, TRAINER_OVERHEAD_GPU,
                               VLLM_BATCHED_TOKENS, VLLM_LARGE_GPU_GIB, VLLM_MAX_SEQS, ModelStorage, TrainingStep,
                               adam_moment_bytes, kv_bytes_per_token, server_parts, trainer_parts,
@@ -72,6 +72,32 @@ def lora_targets(spec: JobSpec, shape: ModelShape) -> LoraTargets | None:
     m = spec.recipe.model
     return LoraTargets.of(shape, m.lora_target_modules, m.lora_r, m.lora_dropout, m.use_dora,
                           m.lora_modules_to_save or (), m.lora_target_parameters or ()) if m.use_peft else None
+
+
+def describe_lora(spec: JobSpec, shape: ModelShape) -> str | None:
+    """`hpcrl plan`'s line on what the adapters reach (None without model.use_peft), peft's conversion
+    on a mixture of experts included: a target list or "all-linear" there adapts the fused expert
+    stacks (and the router) as parameters, which a user of transformers 4 would not expect."""
+    m, targets = spec.recipe.model, lora_targets(spec, shape)
+    if targets is None:
+        return None
+    linear = sorted(set().union(*targets.layers))
+    layers = sum(1 for adapted in targets.layers if adapted)
+    parts = [f"r {m.lora_r} on {', '.join(linear)} in {layers} of {shape.num_layers} layers" if linear else
+             f"r {m.lora_r} on no linear layer"]
+    converted = converted_parameter_names(shape, m.lora_target_modules)
+    stacks = [f"{name} (r {m.lora_r * 2})" if name == "gate_up_proj" else name
+              for name in converted if name != ROUTER_PARAMETER]
+    if converted:
+        reached = ([f"the expert stacks ({shape.experts} experts each) {' and '.join(stacks)}"] if stacks else []) + \
+            ([f"the router ({ROUTER_PARAMETER})"] if ROUTER_PARAMETER in converted else [])
+        parts.append(f"peft converts the targets for this mixture of experts: adapted as parameters in every "
+                     f"layer, {' and '.join(reached)}")
+    if m.lora_target_parameters:
+        parts.append(f"model.lora_target_parameters: {', '.join(m.lora_target_parameters)}")
+    if m.lora_modules_to_save:
+        parts.append(f"trained copies of {', '.join(m.lora_modules_to_save)}")
+    return f"lora: {'; '.join(parts)}; {targets.params / 1e6:,.1f}M adapter parameters"
 
 
 def engine_len(spec: JobSpec) -> int:

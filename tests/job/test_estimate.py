@@ -505,6 +505,29 @@ def test_lora_on_expert_stacks_counts_every_experts_adapter_and_the_merged_stack
     assert LoraTargets.of(dense, None, 8, parameters=stacks).stacks == ()
 
 
+def test_the_plan_says_what_the_adapters_reach(tmp_path):
+    """`hpcrl plan`'s lora line: the linear layers, and on a mixture of experts what peft's conversion
+    of the targets adapts as parameters (the stacks, gate_up_proj at twice the rank, the router)."""
+    from hpcrl.job.job_memory import describe_lora
+    from hpcrl.job.model_shape import ModelShape
+
+    moe = _model(tmp_path, "moe", QWEN3_30B_A3B)
+    shape = model_shape(moe)[0]
+    line = describe_lora(_spec("frontier", 1, f"model.path={moe}", *LORA, "model.lora_target_modules=all-linear",
+                               "model.lora_dropout=0", "model.lora_r=16"), shape)
+    assert line == ("lora: r 16 on k_proj, o_proj, q_proj, v_proj in 48 of 48 layers; peft converts the targets for "
+                    "this mixture of experts: adapted as parameters in every layer, the expert stacks (128 experts "
+                    "each) down_proj and gate_up_proj (r 32) and the router (gate.weight); 996.5M adapter parameters")
+    named = describe_lora(_spec("frontier", 1, f"model.path={moe}", *LORA, "model.lora_target_modules=[q_proj]",
+                                "model.lora_target_parameters=[mlp.experts.down_proj]", "model.lora_dropout=0"), shape)
+    assert named.startswith("lora: r 16 on q_proj in 48 of 48 layers; model.lora_target_parameters: "
+                            "mlp.experts.down_proj; ")
+    dense = _model(tmp_path, "q14", QWEN_14B)
+    assert describe_lora(_spec("frontier", 1, f"model.path={dense}", *LORA), model_shape(dense)[0]) == (
+        "lora: r 16 on q_proj, v_proj in 48 of 48 layers; 12.6M adapter parameters")
+    assert describe_lora(_spec("frontier", 1, f"model.path={dense}"), ModelShape.from_config(QWEN_14B)) is None
+
+
 def test_lora_trainer_parts_by_hand(tmp_path):
     """14B with LoRA on one Frontier node (7 trainers), beta 0.04, checkpointing: the frozen base
     in bf16 sharded, the adapters' 16 B/param sharded, no reference, no base gradients."""
@@ -635,3 +658,7 @@ def test_plan_json_carries_the_lora_estimate(tmp_path, capsys, monkeypatch):
     trainer = shown["memory"]["trainer"]
     assert trainer["parts_gb"]["frozen_weights"] == 3.9 and trainer["parts_gb"]["reference"] == 0
     assert trainer["lora_params"] == 12_582_912 and shown["fits"] is True
+    # The text form says what the adapters reach.
+    assert cli_main(["plan", "--site", "frontier", f"model.path={path}", "grpo.beta=0.04",
+                     "trainer.activation_checkpointing=true", *BATCH, *LORA]) == 0
+    assert "\nlora: r 16 on q_proj, v_proj in 48 of 48 layers; 12.6M adapter parameters\n" in capsys.readouterr().out

@@ -11,7 +11,9 @@ import json
 
 from hpcrl.job.batch import describe_global_batch, global_batch
 from hpcrl.job.estimate import estimate
+from hpcrl.job.job_memory import describe_lora
 from hpcrl.job.mesh_choice import sync_traffic
+from hpcrl.job.model_shape import model_shape
 from hpcrl.job.placement import format_cores
 from hpcrl.job.signal_lead import signal_lead
 from hpcrl.login import compose, python_env
@@ -60,6 +62,10 @@ def main(args) -> int:
         print(f"model {spec.recipe.model.path}: {deepspeed.describe(fit.mesh)}")
     else:
         print(f"model {spec.recipe.model.path}: {fit.mesh.describe()}")
+    shape, _ = model_shape(spec.recipe.model.path)
+    lora = describe_lora(spec, shape) if shape is not None else None
+    if lora:
+        print(lora)
     if traffic is not None and plan.nodes > 1:
         print(traffic.describe())
     if stop is not None:
