@@ -87,6 +87,7 @@ class Server:
         self.busy_s = 0.0
         self.serving_since: float | None = None
         self.last_health = 0.0
+        self.health_version = None      # the weight version the health file shows
         self.health_file = rundir.server_health_file(ctx.run_dir, ctx.task.node, ctx.task.engine)
         self.health_file.parent.mkdir(exist_ok=True)
 
@@ -97,14 +98,19 @@ class Server:
                 "requests": self.requests, "time": time.time(),
                 "pid": os.getpid(), "busy_s": round(self.busy_s, 3), "serving_since": self.serving_since}
         atomic_write(self.health_file, json.dumps(data))
-        self.last_health = time.time()
+        self.last_health, self.health_version = time.time(), self.engine.version
+
+    def health_due(self) -> bool:
+        """Every HEALTH_EVERY_S, and at each new weight version: `hpcrl status` shows the version the
+        engine serves, and a short run (a few steps between two periodic writes) leaves a true one."""
+        return time.time() - self.last_health > HEALTH_EVERY_S or self.engine.version != self.health_version
 
     # -------------------------------------------------------------- the loop
     def serve(self) -> int:
         trainers = set(self.ctx.channel.expected)
         self.write_health("serving")
         while self.done != trainers:
-            if time.time() - self.last_health > HEALTH_EVERY_S:
+            if self.health_due():
                 # after a failed sync the server refuses to generate until a full one finishes
                 self.write_health({"open": "syncing", "failed": "sync failed"}.get(self.receiver.state, "serving"))
             if self.streams and not self.receiver.consistent:

@@ -353,6 +353,33 @@ def test_queued_generations_are_served_in_order_with_a_sync_landing_between_two(
     assert replies == [(1, [0]), (4, []), (5, []), (6, []), (7, []), (2, [4]), (3, [4])]
 
 
+def test_the_health_file_shows_each_new_weight_version_at_once(tmp_path, monkeypatch):
+    """The engine's health file (what `hpcrl status` reads) is written every HEALTH_EVERY_S and at
+    each new weight version, so a run of a few steps between two periodic writes leaves the version
+    the engine served last, not its first."""
+    import json
+
+    from hpcrl.compute.inference import server
+    from hpcrl.compute.sync.channel_sync import ChannelReceiver
+
+    monkeypatch.setitem(ENGINES, "echo", f"{__name__}:EchoEngine")
+    monkeypatch.setattr(EchoEngine, "weight_receiver", lambda self: ChannelReceiver(self))
+    monkeypatch.setattr(EchoEngine, "load_weights", lambda self, tensors: None, raising=False)
+    recipe = SimpleNamespace(inference=InferenceConfig(engine="echo"))
+    ctx = SimpleNamespace(spec=SimpleNamespace(recipe=recipe), device="cpu", run_dir=tmp_path,
+                          task=SimpleNamespace(node=0, engine=None, rank=2), channel=_Channel({0}))
+    s = server.Server(ctx, server.make_engine(ctx, "/m"))
+    s.write_health("serving")
+    assert not s.health_due()
+    s.handle(0, {"op": "weights_start", "version": 3, "rid": 1})
+    s.handle(0, {"op": "weights_bucket", "tensors": [], "rid": 2})
+    assert not s.health_due()                   # open: the version is still the old one
+    s.handle(0, {"op": "weights_finish", "version": 3, "rid": 3})
+    assert s.health_due()
+    s.write_health("serving")
+    assert json.loads(s.health_file.read_text())["weight_version"] == 3 and not s.health_due()
+
+
 def test_a_trainer_tells_a_syncs_reply_from_a_generations_by_its_request_id():
     """The client's side: a sync message sent while a generation is outstanding gets its own reply
     even when the generation's comes first; the generation's is kept for result(), and the sync's
