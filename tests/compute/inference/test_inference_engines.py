@@ -317,10 +317,9 @@ def test_the_transformers_engine_serves_a_stream_a_batch_a_step_each_request_as_
     assert [c.token_ids for c in done[ids[1]]] == [c.token_ids for c in alone]
 
 
-def test_queued_generations_are_served_in_order_with_a_sync_landing_between_two(tmp_path, monkeypatch):
-    """inference.max_staleness: a trainer has several generations queued on the server; a sync that
-    arrives while they are queued lands between two of them, no generation starts while it is open,
-    and each reply carries the request id (rid) of the message it answers."""
+def _echo_server(tmp_path, monkeypatch):
+    """A server of the echo engine taking syncs over the node channel (hpcrl_shm's stand-in), one
+    trainer (rank 0) on its channel; (server, context)."""
     from hpcrl.compute.inference import server
     from hpcrl.compute.sync.channel_sync import ChannelReceiver
 
@@ -330,7 +329,16 @@ def test_queued_generations_are_served_in_order_with_a_sync_landing_between_two(
     recipe = SimpleNamespace(inference=InferenceConfig(engine="echo"))
     ctx = SimpleNamespace(spec=SimpleNamespace(recipe=recipe), device="cpu", run_dir=tmp_path,
                           task=SimpleNamespace(node=0, engine=None, rank=2), channel=_Channel({0}))
-    s = server.Server(ctx, server.make_engine(ctx, "/m"))
+    return server.Server(ctx, server.make_engine(ctx, "/m")), ctx
+
+
+def test_queued_generations_are_served_in_order_with_a_sync_landing_between_two(tmp_path, monkeypatch):
+    """inference.max_staleness: a trainer has several generations queued on the server; a sync that
+    arrives while they are queued lands between two of them, no generation starts while it is open,
+    and each reply carries the request id (rid) of the message it answers."""
+    from hpcrl.compute.inference import server
+
+    s, ctx = _echo_server(tmp_path, monkeypatch)
 
     def generate(rid):
         return {"op": "generate", "prompts": [[rid]], "sampling": Sampling(n=1, max_tokens=1, seed=rid),
@@ -359,16 +367,7 @@ def test_the_health_file_shows_each_new_weight_version_at_once(tmp_path, monkeyp
     the engine served last, not its first."""
     import json
 
-    from hpcrl.compute.inference import server
-    from hpcrl.compute.sync.channel_sync import ChannelReceiver
-
-    monkeypatch.setitem(ENGINES, "echo", f"{__name__}:EchoEngine")
-    monkeypatch.setattr(EchoEngine, "weight_receiver", lambda self: ChannelReceiver(self))
-    monkeypatch.setattr(EchoEngine, "load_weights", lambda self, tensors: None, raising=False)
-    recipe = SimpleNamespace(inference=InferenceConfig(engine="echo"))
-    ctx = SimpleNamespace(spec=SimpleNamespace(recipe=recipe), device="cpu", run_dir=tmp_path,
-                          task=SimpleNamespace(node=0, engine=None, rank=2), channel=_Channel({0}))
-    s = server.Server(ctx, server.make_engine(ctx, "/m"))
+    s, _ = _echo_server(tmp_path, monkeypatch)
     s.write_health("serving")
     assert not s.health_due()
     s.handle(0, {"op": "weights_start", "version": 3, "rid": 1})
