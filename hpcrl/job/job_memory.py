@@ -18,7 +18,7 @@ import math
 
 from hpcrl.job import context
 from hpcrl.job.batch import sequences_per_engine
-from hpcrl.job.lora import ROUTER_PARAMETER, LoraTargets, converted_parameter_names
+from hpcrl.job.lora import CONVERTED_STACKS, ROUTER_PARAMETER, LoraTargets, converted_parameter_names
 from hpcrl.job.memory import (GIB, TRAIN_BYTES_PER_PARAM, TRAINER_OVERHEAD_CPU, TRAINER_OVERHEAD_GPU,
                               VLLM_BATCHED_TOKENS, VLLM_LARGE_GPU_GIB, VLLM_MAX_SEQS, ModelStorage, TrainingStep,
                               adam_moment_bytes, kv_bytes_per_token, server_parts, trainer_parts,
@@ -86,7 +86,9 @@ def describe_lora(spec: JobSpec, shape: ModelShape) -> str | None:
     parts = [f"r {m.lora_r} on {', '.join(linear)} in {layers} of {shape.num_layers} layers" if linear else
              f"r {m.lora_r} on no linear layer"]
     converted = converted_parameter_names(shape, m.lora_target_modules)
-    stacks = [f"{name} (r {m.lora_r * 2})" if name == "gate_up_proj" else name
+    # a fused stack's adapter has the rank of every linear it fuses (gate_up_proj: twice)
+    fused = {stack.rsplit(".", 1)[-1]: len(linears) for stack, linears in CONVERTED_STACKS.items()}
+    stacks = [f"{name} (r {m.lora_r * fused[name]})" if fused[name] > 1 else name
               for name in converted if name != ROUTER_PARAMETER]
     if converted:
         reached = ([f"the expert stacks ({shape.experts} experts each) {' and '.join(stacks)}"] if stacks else []) + \
